@@ -1,0 +1,126 @@
+"""The patched attention: one QKV GEMM, one kernel for RoPE + head layout, then HF's own cache and attention.
+
+    qkv = x @ W_qkv^T (+ b)                       one GEMM (LLaMA/Qwen2 q, k, v weights fused at patch time)
+    q, k, v = rope_qkv(qkv, cos, sin)             one kernel: split, rotate (partial for Pythia), head layout
+    k, v = cache.update(k, v)                     HF's cache classes, unchanged
+    out = attention_interface(q, k, v, mask)      HF's SDPA / flash / eager, unchanged
+    out = out @ W_o^T (+ b)
+
+cos/sin are the ones HF's rotary embedding computed for this forward (they arrive as `position_embeddings`), so
+every rope variant HF supports, including dynamic scaling, gives the same angles as unpatched.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..models.spec import ArchSpec
+from ..ops import Backend
+from . import weights
+
+FUSED_QKV = "_patcher_qkv_weight"
+FUSED_QKV_BIAS = "_patcher_qkv_bias"
+
+
+@dataclass
+class AttentionPlan:
+    ops: Backend
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    out_weight: torch.Tensor
+    out_bias: torch.Tensor | None
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    interleaved: bool
+    eager_attention: Callable  # the modeling file's own eager_attention_forward, HF's fallback interface
+    extra_kwargs: dict = field(default_factory=dict)
+
+
+def check_attention(module: nn.Module, spec: ArchSpec, config) -> str | None:
+    projections = [getattr(module, name, None) for name in (*spec.qkv, spec.out_proj)]
+    for name, proj in zip((*spec.qkv, spec.out_proj), projections):
+        if type(proj) is not nn.Linear:
+            return f"{name} is {type(proj).__name__}, not nn.Linear"
+    qkv = projections[:-1]
+    if len({p.bias is None for p in qkv}) > 1:
+        return "q/k/v projections disagree on having a bias"
+    heads, kv_heads, head_dim = spec.num_heads(config), spec.num_kv_heads(config), spec.head_dim(config)
+    width = sum(p.out_features for p in qkv)
+    if width != (heads + 2 * kv_heads) * head_dim:
+        return f"q/k/v width {width} != (heads {heads} + 2 x kv_heads {kv_heads}) x head_dim {head_dim}"
+    if spec.qkv_interleaved and heads != kv_heads:
+        return "an interleaved query_key_value needs as many kv heads as query heads"
+    if heads % kv_heads:
+        return f"{heads} query heads are not a multiple of {kv_heads} kv heads"
+    rotary = spec.rotary_dim(config)
+    if rotary % 2 or not 0 < rotary <= head_dim:
+        return f"rotary dim {rotary} must be even and in (0, head_dim {head_dim}]"
+    if spec.rotary_style != "half":
+        return f"rotary style {spec.rotary_style!r} is not supported (only NeoX half rotation)"
+    if not hasattr(module, "scaling") or not hasattr(module, "layer_idx"):
+        return "attention module lacks `scaling`/`layer_idx` (unexpected transformers version)"
+    return None
+
+
+def attention_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> AttentionPlan:
+    qkv = [getattr(module, name) for name in spec.qkv]
+    out = getattr(module, spec.out_proj)
+    if len(qkv) == 1:
+        qkv_weight, qkv_bias = qkv[0].weight, qkv[0].bias
+    else:
+        qkv_weight = weights.fuse(module, FUSED_QKV, [p.weight for p in qkv])
+        qkv_bias = None if qkv[0].bias is None else weights.fuse(module, FUSED_QKV_BIAS, [p.bias for p in qkv])
+    return AttentionPlan(
+        ops=ops,
+        qkv_weight=qkv_weight,
+        qkv_bias=qkv_bias,
+        out_weight=out.weight,
+        out_bias=out.bias,
+        num_heads=spec.num_heads(config),
+        num_kv_heads=spec.num_kv_heads(config),
+        head_dim=spec.head_dim(config),
+        interleaved=spec.qkv_interleaved,
+        eager_attention=sys.modules[type(module).__module__].eager_attention_forward,
+        extra_kwargs={name: getattr(module, name) for name in spec.attention_kwargs},
+    )
+
+
+def undo_attention_plan(module: nn.Module, spec: ArchSpec) -> None:
+    qkv = [getattr(module, name) for name in spec.qkv]
+    if len(qkv) > 1:
+        weights.unfuse(module, FUSED_QKV, [p.weight for p in qkv])
+        if qkv[0].bias is not None:
+            weights.unfuse(module, FUSED_QKV_BIAS, [p.bias for p in qkv])
+
+
+def attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    past_key_values=None,
+    layer_past=None,  # GPT-NeoX's name for the cache
+    **kwargs,
+):
+    plan: AttentionPlan = self._patcher
+    cache = past_key_values if past_key_values is not None else layer_past
+    bsz, q_len = hidden_states.shape[:2]
+    qkv = F.linear(hidden_states, plan.qkv_weight, plan.qkv_bias)
+    cos, sin = position_embeddings
+    q, k, v = plan.ops.rope_qkv(qkv, cos, sin, plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.interleaved)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, plan.eager_attention)
+    out, attn_weights = interface(
+        self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **plan.extra_kwargs, **kwargs
+    )
+    out = out.reshape(bsz, q_len, -1)
+    return F.linear(out, plan.out_weight, plan.out_bias), attn_weights

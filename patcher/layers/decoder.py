@@ -1,0 +1,81 @@
+"""The restructured decoder layers: residual adds fused into the next norm, across layer boundaries.
+
+Sequential (LLaMA, Qwen2, GPT-NeoX with use_parallel_residual=False):
+
+    h, x = add_norm(x, delta)          # the previous layer's MLP output is added here, not in that layer
+    a    = attention(h)
+    h, x = add_norm(x, a)
+    return (x, mlp(h))                 # handed on unsummed; the next layer (or the final norm) adds it
+
+Parallel (GPT-NeoX / Pythia):  HF computes x + attn(ln1(x)) + mlp(ln2(x)).
+
+    h1, h2, x = add_dual_norm(x, a, m)  # sum the previous layer's three terms, both LayerNorms in one pass
+    return (x, attention(h1), mlp(h2))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from .stream import ResidualStream, as_stream, materialize, recording_hidden_states
+
+
+@dataclass
+class LayerPlan:
+    attention: nn.Module
+    mlp: nn.Module
+    next_patched: bool  # does the next module (layer or final norm) accept a ResidualStream?
+    norm: Callable | None = None  # sequential: input norm without an add (first layer)
+    add_norm: Callable | None = None  # sequential: input add+norm
+    post_add_norm: Callable | None = None  # sequential: add+norm before the MLP
+    dual_norm: Callable | None = None  # parallel: both norms, no add (first layer)
+    add_dual_norm: Callable | None = None  # parallel: add + both norms
+
+    def emit(self, residual, delta, delta2=None):
+        if self.next_patched and not recording_hidden_states():
+            return ResidualStream(residual, delta, delta2)
+        return materialize(residual, delta, delta2)
+
+
+def sequential_layer_forward(
+    self, hidden_states, attention_mask=None, position_ids=None, use_cache=False, position_embeddings=None, **kwargs
+):
+    plan: LayerPlan = self._patcher
+    residual, delta, delta2 = as_stream(hidden_states)
+    if delta is None:
+        h = plan.norm(residual)
+    else:
+        h, residual = plan.add_norm(residual, delta, delta2)
+    attn, _ = plan.attention(
+        hidden_states=h,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    h, residual = plan.post_add_norm(residual, attn, None)
+    return plan.emit(residual, plan.mlp(h))
+
+
+def parallel_layer_forward(
+    self, hidden_states, attention_mask=None, position_ids=None, use_cache=False, position_embeddings=None, **kwargs
+):
+    plan: LayerPlan = self._patcher
+    residual, delta, delta2 = as_stream(hidden_states)
+    if delta is None:
+        h_attn, h_mlp = plan.dual_norm(residual)
+    else:
+        h_attn, h_mlp, residual = plan.add_dual_norm(residual, delta, delta2)
+    attn, _ = plan.attention(
+        h_attn,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    return plan.emit(residual, attn, plan.mlp(h_mlp))

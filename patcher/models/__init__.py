@@ -1,0 +1,1 @@
+"""Architecture specs (one file per architecture); `patcher.registry` maps model types to them."""

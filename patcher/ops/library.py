@@ -1,0 +1,94 @@
+"""The `patcher::` torch ops: one schema line each, the pure-torch reference as the CPU kernel, a fake kernel.
+
+The schemas live here, in Python, beside their references. The CUDA kernels are registered for the same names
+by the compiled extension (`kernels/torch_bindings.cpp`, `TORCH_LIBRARY_IMPL(patcher, CUDA, m)`), which is
+loaded on first use on a CUDA machine. The fake kernels give shapes to torch.compile and FakeTensor tracing;
+every op returns fresh contiguous tensors and never mutates or aliases its inputs, so they need no
+functionalization and are safe to capture in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference as ref
+
+_lib = torch.library.Library("patcher", "DEF")
+
+
+def _fresh(t: torch.Tensor, inputs: tuple) -> torch.Tensor:
+    """A contiguous output that shares no memory with any input (a custom op's output must not alias)."""
+    if t.is_contiguous() and not any(isinstance(i, torch.Tensor) and i.data_ptr() == t.data_ptr() for i in inputs):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _define(schema: str, reference, fake) -> None:
+    name = schema.split("(", 1)[0]
+    _lib.define(schema)
+
+    def cpu_kernel(*args):
+        out = reference(*args)
+        if isinstance(out, tuple):
+            return tuple(_fresh(o, args) for o in out)
+        return _fresh(out, args)
+
+    _lib.impl(name, cpu_kernel, "CPU")
+    torch.library.register_fake(f"patcher::{name}", fake, lib=_lib)
+
+
+def _like(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+# Norms: one CUDA kernel template (kernels/norm.cu) serves all six.
+_define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", ref.rms_norm, lambda x, w, eps: _like(x))
+_define(
+    "add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)",
+    ref.add_rms_norm,
+    lambda x, d, w, eps: (_like(x), _like(x)),
+)
+_define(
+    "layer_norm(Tensor x, Tensor weight, Tensor? bias, float eps) -> Tensor",
+    ref.layer_norm,
+    lambda x, w, b, eps: _like(x),
+)
+_define(
+    "dual_layer_norm(Tensor x, Tensor weight, Tensor? bias, Tensor weight2, Tensor? bias2, float eps)"
+    " -> (Tensor, Tensor)",
+    ref.dual_layer_norm,
+    lambda x, w, b, w2, b2, eps: (_like(x), _like(x)),
+)
+_define(
+    "add_layer_norm(Tensor x, Tensor delta, Tensor? delta2, Tensor weight, Tensor? bias, float eps)"
+    " -> (Tensor, Tensor)",
+    ref.add_layer_norm,
+    lambda x, d, d2, w, b, eps: (_like(x), _like(x)),
+)
+_define(
+    "add_dual_layer_norm(Tensor x, Tensor delta, Tensor? delta2, Tensor weight, Tensor? bias, Tensor weight2,"
+    " Tensor? bias2, float eps) -> (Tensor, Tensor, Tensor)",
+    ref.add_dual_layer_norm,
+    lambda x, d, d2, w, b, w2, b2, eps: (_like(x), _like(x), _like(x)),
+)
+
+
+def _rope_qkv_fake(qkv, cos, sin, num_q_heads, num_kv_heads, head_dim, interleaved):
+    B, T, _ = qkv.shape
+    q = qkv.new_empty((B, num_q_heads, T, head_dim))
+    kv = (B, num_kv_heads, T, head_dim)
+    return q, qkv.new_empty(kv), qkv.new_empty(kv)
+
+
+_define(
+    "rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads, int head_dim,"
+    " bool interleaved) -> (Tensor, Tensor, Tensor)",
+    ref.rope_qkv,
+    _rope_qkv_fake,
+)
+_define(
+    "silu_and_mul(Tensor x) -> Tensor",
+    ref.silu_and_mul,
+    lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)),
+)
+_define("bias_gelu(Tensor x, Tensor? bias, bool tanh) -> Tensor", ref.bias_gelu, lambda x, b, tanh: _like(x))

@@ -1,0 +1,119 @@
+"""Pure-torch references for every fused op.
+
+Each function computes exactly what the HF modules compute, with the same cast points, so that on the CPU the
+patched model is numerically the unpatched one and on the GPU the kernels have something exact to be tested
+against. The rules they mirror:
+
+- Residual adds happen in the working dtype (`residual + hidden_states` in HF), so a sum is rounded to the dtype
+  before it is normalized. GPT-NeoX's parallel residual is `mlp_output + attn_output + hidden_states`, i.e.
+  `(mlp + attn) + x`, two roundings in that order.
+- LLaMA/Qwen2 RMSNorm normalizes in fp32, casts back to the dtype, then multiplies by the weight in the dtype.
+- GPT-NeoX LayerNorm is `nn.LayerNorm` in the working dtype (torch computes it in fp32 internally).
+- RoPE uses cos/sin already cast to the dtype, and `q * cos + rotate_half(q) * sin` with each product rounded.
+- SwiGLU is `silu(gate) * up`, with `silu(gate)` rounded first. The bias+GELU op adds the bias in the dtype,
+  then applies GELU.
+
+These functions also serve as the CPU kernels of the `patcher::` torch ops (see `library.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _residual_sum(x: torch.Tensor, delta: torch.Tensor, delta2: torch.Tensor | None) -> torch.Tensor:
+    # HF: `residual + hidden_states` (one sub-layer) or `mlp_output + attn_output + hidden_states` (parallel).
+    if delta2 is None:
+        return x + delta
+    return (delta2 + delta) + x
+
+
+def _rms(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = s.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(s.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Returns (rms_norm(x + delta), x + delta)."""
+    s = _residual_sum(x, delta, None)
+    return _rms(s, weight, eps), s
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def dual_layer_norm(x, weight, bias, weight2, bias2, eps: float):
+    """Two LayerNorms of the same input (GPT-NeoX parallel residual: input and post-attention norms)."""
+    return layer_norm(x, weight, bias, eps), layer_norm(x, weight2, bias2, eps)
+
+
+def add_layer_norm(x, delta, delta2, weight, bias, eps: float):
+    """Returns (layer_norm(s), s) with s the residual sum of x, delta and the optional delta2."""
+    s = _residual_sum(x, delta, delta2)
+    return layer_norm(s, weight, bias, eps), s
+
+
+def add_dual_layer_norm(x, delta, delta2, weight, bias, weight2, bias2, eps: float):
+    """Returns (layer_norm(s), layer_norm2(s), s): the whole GPT-NeoX parallel-residual junction."""
+    s = _residual_sum(x, delta, delta2)
+    return layer_norm(s, weight, bias, eps), layer_norm(s, weight2, bias2, eps), s
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos/sin [B or 1, T, R] with R <= D. Rotates the first R dims (NeoX half rotation)."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat([(x_rot * cos) + (rotate_half(x_rot) * sin), x_pass], dim=-1)
+
+
+def split_qkv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, interleaved: bool):
+    """Views q [B, Hq, T, D], k/v [B, Hkv, T, D] of a fused projection output qkv [B, T, W].
+
+    interleaved=False: W = [q heads | k heads | v heads] (LLaMA/Qwen2 q_proj, k_proj, v_proj concatenated).
+    interleaved=True:  W = [head][q | k | v] (GPT-NeoX `query_key_value`, which needs Hq == Hkv).
+    """
+    B, T, _ = qkv.shape
+    if interleaved:
+        per_head = qkv.view(B, T, num_q_heads, 3 * head_dim).transpose(1, 2)
+        return per_head.chunk(3, dim=-1)
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (
+        q.view(B, T, num_q_heads, head_dim).transpose(1, 2),
+        k.view(B, T, num_kv_heads, head_dim).transpose(1, 2),
+        v.view(B, T, num_kv_heads, head_dim).transpose(1, 2),
+    )
+
+
+def rope_qkv(qkv, cos, sin, num_q_heads: int, num_kv_heads: int, head_dim: int, interleaved: bool):
+    """Fused QKV output -> (q, k, v) in head layout [B, H, T, D], RoPE applied to q and k, all contiguous."""
+    q, k, v = split_qkv(qkv, num_q_heads, num_kv_heads, head_dim, interleaved)
+    return apply_rope(q, cos, sin).contiguous(), apply_rope(k, cos, sin).contiguous(), v.contiguous()
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = [gate | up] -> silu(gate) * up, [..., I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, tanh: bool) -> torch.Tensor:
+    """gelu(x + bias): the activation of GPT-NeoX's MLP with the bias of dense_h_to_4h folded in."""
+    if bias is not None:
+        x = x + bias
+    return F.gelu(x, approximate="tanh" if tanh else "none")
