@@ -7,7 +7,7 @@
 """
 
 from .ops import ExtensionError
-from .patching import UnsupportedModelError, is_patched, patch_model, unpatch_model
+from .patching import UnsupportedModelError, is_patched, patch_model, set_fast_generate, unpatch_model
 from .report import ModuleRecord, PatchReport
 
 __version__ = "0.1.0"
@@ -16,6 +16,7 @@ __all__ = [
     "patch_model",
     "unpatch_model",
     "is_patched",
+    "set_fast_generate",
     "PatchReport",
     "ModuleRecord",
     "UnsupportedModelError",

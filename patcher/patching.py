@@ -61,6 +61,7 @@ class PatchState:
     report: PatchReport
     swaps: list[_Swap] = field(default_factory=list)
     undo: list[Callable[[], None]] = field(default_factory=list)
+    fast_generate: bool = True  # generate() takes the graph-captured decode path where it applies
 
 
 def _swap_forward(module: nn.Module, fn: Callable) -> _Swap:
@@ -288,3 +289,11 @@ def unpatch_model(model: nn.Module) -> bool:
 
 def is_patched(model: nn.Module) -> bool:
     return getattr(model, "_patcher_state", None) is not None
+
+
+def set_fast_generate(model: nn.Module, enabled: bool) -> None:
+    """Turns the graph-captured decode path of a patched model's `generate` on or off (on after patch_model)."""
+    state: PatchState | None = getattr(model, "_patcher_state", None)
+    if state is None:
+        raise ValueError("set_fast_generate: the model is not patched (call patch_model first)")
+    state.fast_generate = bool(enabled)

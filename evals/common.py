@@ -1,0 +1,151 @@
+"""What the evaluation tools share: loading a model (hub id, local folder, GGUF file, or random real-size weights),
+the run's environment for the JSON, GPU timing, and the measured HBM read bandwidth."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def add_model_args(parser: argparse.ArgumentParser, default_random: str | None = None) -> None:
+    group = parser.add_argument_group("model (one of)")
+    group.add_argument("--model", help="hub id or local folder, loaded with AutoModelForCausalLM.from_pretrained")
+    group.add_argument("--gguf-file", help="a GGUF file (transformers' own GGUF loading; needs the gguf package)")
+    group.add_argument("--random-config", help="random weights at a known shape: " + ", ".join(_random_names()))
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: fp16 on CUDA, fp32 on CPU")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--attn", default="sdpa", help="HF attention implementation (default sdpa)")
+    parser.set_defaults(default_random=default_random)
+
+
+def _random_names():
+    from patcher import random_models
+
+    return list(random_models.CONFIGS)
+
+
+def resolve(args) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda requested but CUDA is not available")
+    return device, dtype
+
+
+def load_model(args, device: torch.device, dtype: torch.dtype):
+    """Returns (model, tokenizer or None, name)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    chosen = [a for a in (args.model, args.gguf_file, args.random_config) if a]
+    if len(chosen) > 1 and not (args.model and args.gguf_file):
+        sys.exit("error: give one of --model, --gguf-file, --random-config")
+    if args.gguf_file:
+        path = Path(args.gguf_file)
+        if not path.is_file():
+            sys.exit(f"error: GGUF file {path} not found")
+        folder = args.model or str(path.parent)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=path.name, dtype=dtype,
+                                                     attn_implementation=args.attn)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=path.name)
+        return model.to(device).eval(), tokenizer, path.name
+    if args.model:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=args.attn)
+        return model.to(device).eval(), AutoTokenizer.from_pretrained(args.model), args.model
+    from patcher import random_models
+
+    name = args.random_config or args.default_random
+    if name is None:
+        name = "pythia-2.8b" if device.type == "cuda" else "tiny-pythia"
+    return random_models.build(name, dtype=dtype, device=device, attn_implementation=args.attn), None, name
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    import patcher
+
+    env = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "patcher": patcher.__version__,
+        "device": str(device),
+        "command": " ".join([Path(sys.executable).name, "-m", *sys.argv]) if sys.argv else "",
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, gpu_memory_gb=round(props.total_memory / 1e9, 1), cuda=torch.version.cuda,
+                   sm_count=props.multi_processor_count)
+    else:
+        env["cpu"] = platform.processor() or platform.machine()
+    return env
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall_time(fn, device: torch.device) -> float:
+    """Seconds for fn(), synchronized before and after."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def gpu_time_ms(fn, reps: int = 50, warmup: int = 5, flush: bool = False) -> float:
+    """Median GPU time of fn() in ms from CUDA events; `flush` evicts L2 before each run (cold weights)."""
+    scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush else None
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if scratch is not None:
+            scratch.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def hbm_read_bandwidth_gbs(device: torch.device, gib: int = 4) -> float:
+    """Measured HBM read bandwidth: a sum over `gib` GiB (bytes read / median time)."""
+    x = torch.ones((gib << 30) // 4, dtype=torch.float32, device=device)
+    ms = gpu_time_ms(lambda: x.sum(), reps=10, warmup=2)
+    del x
+    torch.cuda.empty_cache()
+    return (gib << 30) / (ms * 1e-3) / 1e9
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        print(f"wrote {path}")
+
+
+def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """A plain text table; columns are (key, header, format)."""
+    cells = [[h for _, h, _ in columns]]
+    for row in rows:
+        cells.append([("-" if row.get(k) is None else format(row[k], f)) for k, _, f in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""Per-op benchmark: each fused op against the unfused PyTorch sequence it replaces: `python -m evals.ops` (GPU).
+
+The unfused side is the HF modules' own code (LlamaRMSNorm after a residual add, two nn.LayerNorms after GPT-NeoX's
+three-way sum, apply_rotary_pos_emb on the split projection, act(gate) * up, ...). For each op, architecture
+shape, dtype and token count (1 = decode, 4096 = prefill) it reports the median GPU time of both, the fused op's
+achieved bandwidth (the fewest bytes it must move: every input read once, every output written once) as GB/s and
+as a percentage of the HBM read bandwidth measured in the same run, and the speedup. Prefill shapes are timed with
+the L2 cache flushed before each run; decode shapes are small enough that launch latency dominates either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from . import common
+
+ARCHS = {  # hidden, intermediate, q heads, kv heads, head_dim, rotary dim, interleaved qkv
+    "pythia-2.8b": (2560, 10240, 32, 32, 80, 20, True),
+    "llama-3.1-8b": (4096, 14336, 32, 8, 128, 128, False),
+    "qwen2-1.5b": (1536, 8960, 12, 2, 128, 128, False),
+    "hidden-4096": (4096, 4096, 32, 32, 128, 128, False),  # the 4096 x 4096 reference shape
+}
+
+
+def _rand(*shape, dtype):
+    return torch.randn(*shape, device="cuda").to(dtype)
+
+
+def case_add_rms_norm(tokens, arch, dtype, ops):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    H = ARCHS[arch][0]
+    x, d = _rand(tokens, H, dtype=dtype), _rand(tokens, H, dtype=dtype)
+    norm = LlamaRMSNorm(H, eps=1e-5).to("cuda", dtype)
+    fused = lambda: ops.add_rms_norm(x, d, norm.weight, 1e-5)  # noqa: E731
+    unfused = lambda: norm(x + d)  # noqa: E731  (LlamaDecoderLayer: residual + hidden_states, then the norm)
+    return fused, unfused, (4 * tokens * H + H) * dtype.itemsize
+
+
+def case_add_dual_layer_norm(tokens, arch, dtype, ops):
+    H = ARCHS[arch][0]
+    x, a, m = (_rand(tokens, H, dtype=dtype) for _ in range(3))
+    ln1, ln2 = (torch.nn.LayerNorm(H, eps=1e-5).to("cuda", dtype) for _ in range(2))
+    fused = lambda: ops.add_dual_layer_norm(x, a, m, ln1.weight, ln1.bias, ln2.weight, ln2.bias, 1e-5)  # noqa: E731
+
+    def unfused():  # GPTNeoXLayer (parallel residual), then the next layer's two norms
+        h = m + a + x
+        return ln1(h), ln2(h)
+
+    return fused, unfused, (6 * tokens * H + 4 * H) * dtype.itemsize
+
+
+def case_add_layer_norm(tokens, arch, dtype, ops):
+    H = ARCHS[arch][0]
+    x, d = _rand(tokens, H, dtype=dtype), _rand(tokens, H, dtype=dtype)
+    ln = torch.nn.LayerNorm(H, eps=1e-5).to("cuda", dtype)
+    fused = lambda: ops.add_layer_norm(x, d, None, ln.weight, ln.bias, 1e-5)  # noqa: E731
+    unfused = lambda: ln(d + x)  # noqa: E731
+    return fused, unfused, (4 * tokens * H + 2 * H) * dtype.itemsize
+
+
+def case_rope_qkv(tokens, arch, dtype, ops):
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox_rope
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
+
+    _, _, hq, hkv, D, R, interleaved = ARCHS[arch]
+    W = (hq + 2 * hkv) * D
+    qkv = _rand(1, tokens, W, dtype=dtype)
+    angles = torch.randn(1, tokens, R // 2, device="cuda")
+    emb = torch.cat([angles, angles], -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    fused = lambda: ops.rope_qkv(qkv, cos, sin, hq, hkv, D, interleaved)  # noqa: E731
+
+    def unfused():  # the attention modules' own prologue
+        if interleaved:
+            q, k, v = qkv.view(1, tokens, -1, 3 * D).transpose(1, 2).chunk(3, dim=-1)
+            q, k = neox_rope(q, k, cos, sin)
+        else:
+            q, k, v = qkv.split([hq * D, hkv * D, hkv * D], dim=-1)
+            q = q.view(1, tokens, -1, D).transpose(1, 2)
+            k = k.view(1, tokens, -1, D).transpose(1, 2)
+            v = v.view(1, tokens, -1, D).transpose(1, 2)
+            q, k = llama_rope(q, k, cos, sin)
+        return q, k, v
+
+    return fused, unfused, (2 * tokens * W + 2 * tokens * R) * dtype.itemsize
+
+
+def case_silu_and_mul(tokens, arch, dtype, ops):
+    inter = ARCHS[arch][1]
+    gate_up = _rand(tokens, 2 * inter, dtype=dtype)
+    gate, up = _rand(tokens, inter, dtype=dtype), _rand(tokens, inter, dtype=dtype)
+    fused = lambda: ops.silu_and_mul(gate_up)  # noqa: E731
+    unfused = lambda: F.silu(gate) * up  # noqa: E731  (LlamaMLP: act_fn(gate_proj(x)) * up_proj(x))
+    return fused, unfused, 3 * tokens * inter * dtype.itemsize
+
+
+def case_bias_gelu(tokens, arch, dtype, ops):
+    inter = ARCHS[arch][1]
+    h, b = _rand(tokens, inter, dtype=dtype), _rand(inter, dtype=dtype)
+    fused = lambda: ops.bias_gelu(h, b, False)  # noqa: E731
+    # HF adds this bias inside the GEMM (addmm epilogue) and then runs GELU alone; we compare with that GELU.
+    unfused = lambda: F.gelu(h)  # noqa: E731
+    return fused, unfused, (2 * tokens * inter + inter) * dtype.itemsize
+
+
+CASES = {  # op -> (case builder, architectures it applies to)
+    "add_rms_norm": (case_add_rms_norm, ["llama-3.1-8b", "qwen2-1.5b", "hidden-4096"]),
+    "add_dual_layer_norm": (case_add_dual_layer_norm, ["pythia-2.8b", "hidden-4096"]),
+    "add_layer_norm": (case_add_layer_norm, ["pythia-2.8b", "hidden-4096"]),
+    "rope_qkv": (case_rope_qkv, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b", "hidden-4096"]),
+    "silu_and_mul": (case_silu_and_mul, ["llama-3.1-8b", "qwen2-1.5b", "hidden-4096"]),
+    "bias_gelu": (case_bias_gelu, ["pythia-2.8b", "hidden-4096"]),
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evals.ops", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", default=None, help=f"comma-separated subset of {','.join(CASES)}")
+    parser.add_argument("--dtypes", default="fp32,fp16,bf16")
+    parser.add_argument("--tokens", default="1,4096")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("error: evals.ops times CUDA kernels and needs a GPU")
+
+    from patcher.ops import backend_for
+
+    ops = backend_for(torch.device("cuda"), "kernels")
+    names = args.ops.split(",") if args.ops else list(CASES)
+    dtypes = [common.DTYPES[d] for d in args.dtypes.split(",")]
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    bandwidth = common.hbm_read_bandwidth_gbs(torch.device("cuda"))
+    jobs = [(op, arch, dt, t) for op in names for arch in CASES[op][1] for dt in dtypes for t in token_counts]
+    rows = []
+    for op, arch, dtype, tokens in tqdm(jobs, desc="ops", file=sys.stderr):
+        fused, unfused, nbytes = CASES[op][0](tokens, arch, dtype, ops)
+        flush = tokens > 1
+        fused_ms = common.gpu_time_ms(fused, reps=args.reps, flush=flush)
+        unfused_ms = common.gpu_time_ms(unfused, reps=args.reps, flush=flush)
+        gbs = nbytes / (fused_ms * 1e-3) / 1e9
+        rows.append({
+            "op": op, "arch": arch, "tokens": tokens, "dtype": str(dtype).replace("torch.", ""),
+            "fused_us": fused_ms * 1e3, "unfused_us": unfused_ms * 1e3, "speedup": unfused_ms / fused_ms,
+            "bytes": nbytes, "fused_gbs": gbs, "pct_hbm": 100 * gbs / bandwidth,
+        })
+        torch.cuda.empty_cache()
+    print(common.table(rows, [
+        ("op", "op", ""), ("arch", "shape", ""), ("tokens", "tokens", "d"), ("dtype", "dtype", ""),
+        ("fused_us", "fused us", ".1f"), ("unfused_us", "unfused us", ".1f"), ("speedup", "speedup", ".2f"),
+        ("fused_gbs", "fused GB/s", ".0f"), ("pct_hbm", "% HBM", ".0f"),
+    ]))
+    print(f"measured HBM read bandwidth: {bandwidth:.0f} GB/s")
+    common.write_json(args.json, {
+        "tool": "evals.ops", "hbm_read_bandwidth_gbs": bandwidth,
+        "environment": common.environment(torch.device("cuda")), "results": rows,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

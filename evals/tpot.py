@@ -1,0 +1,242 @@
+"""Decode speed, patched against unpatched, side by side in one process: `python -m evals.tpot`.
+
+TPOT (time per output token) excludes prefill: (time(generate N+1) - time(generate 1)) / N, after warm-up, with
+the GPU synchronized, median over repeats. Each mode also reports TTFT (generate 1), tokens/s, kernels per decode
+step (torch.profiler), achieved bandwidth and TPOT over the roofline (bytes read per step / HBM read bandwidth
+measured in the same run), and peak GPU memory.
+
+Modes:
+  hf-eager                 unpatched, HF generate with its dynamic cache
+  hf-static-compiled       unpatched, generate(cache_implementation="static"): HF compiles the decode step
+                           (torch.compile, CUDA graphs) by itself; HF's best mode
+  patched-eager            patch_model(model), HF's generate loop and dynamic cache, our kernels in every layer
+  patched                  patch_model(model) and plain generate: the default a user gets (the graph-captured
+                           decode path when the model qualifies)
+  patched-static-compiled  patch_model(model) + HF's static cache and auto-compile (torch.compile compatibility)
+
+With no model argument it runs Pythia-2.8B-shaped random weights on a GPU, a tiny model on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+
+import torch
+from tqdm import tqdm
+
+from . import common
+
+ALL_MODES = ["hf-eager", "hf-static-compiled", "patched-eager", "patched", "patched-static-compiled"]
+CPU_MODES = ["hf-eager", "patched-eager", "patched"]
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once, but only one row of an untied input embedding."""
+    params = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    if output is None or output.weight is not embedding:
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def kv_bytes(model, batch: int, context: float) -> float:
+    """Bytes of K and V one decode step reads at `context` cached tokens."""
+    from patcher.registry import REGISTRY
+
+    config = model.config
+    spec = REGISTRY[config.model_type].spec
+    per_token = 2 * config.num_hidden_layers * spec.num_kv_heads(config) * spec.head_dim(config)
+    return per_token * batch * context * model.dtype.itemsize
+
+
+def count_kernels(fn) -> int:
+    """GPU kernels executed while fn() runs (torch.profiler / CUPTI; kernels inside CUDA graphs count too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")))
+
+
+@contextlib.contextmanager
+def mode_setup(model, mode: str):
+    """Puts the model in the state a mode needs; undoes it afterwards."""
+    import patcher
+
+    patched = mode.startswith("patched")
+    if patched:
+        patcher.patch_model(model)
+        patcher.set_fast_generate(model, mode == "patched")
+    if mode.endswith("compiled"):
+        model.__dict__.pop("_compiled_call", None)  # HF caches its compiled forward on the model
+        torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        if patched:
+            patcher.unpatch_model(model)
+        if mode.endswith("compiled"):
+            model.__dict__.pop("_compiled_call", None)
+            torch._dynamo.reset()
+
+
+def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True) -> dict:
+    gen_kwargs = dict(do_sample=False, attention_mask=torch.ones_like(prompt))
+    if mode.endswith("static-compiled"):
+        gen_kwargs["cache_implementation"] = "static"
+        gen_kwargs["max_cache_len"] = model._tpot_cache_len
+
+    def generate(n):
+        return model.generate(prompt, max_new_tokens=n, **gen_kwargs)
+
+    with mode_setup(model, mode):
+        out = generate(new_tokens + 1)  # warm-up: compilation, graph capture, kernel build, autotuning
+        assert out.shape[1] == prompt.shape[1] + new_tokens + 1, "generation stopped early"
+        generate(1)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t1s, tns = [], []
+        for _ in range(repeats):
+            t1s.append(common.wall_time(lambda: generate(1), device))
+            tns.append(common.wall_time(lambda: generate(new_tokens + 1), device))
+        tpots = [(tn - t1) / new_tokens for tn, t1 in zip(tns, t1s)]
+        row = {
+            "mode": mode,
+            "tpot_ms": statistics.median(tpots) * 1e3,
+            "tpot_ms_all": [t * 1e3 for t in tpots],
+            "ttft_ms": statistics.median(t1s) * 1e3,
+        }
+        row["tokens_per_s"] = prompt.shape[0] / (row["tpot_ms"] / 1e3)
+        if device.type == "cuda":
+            row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+            if profile:
+                steps = 8
+                k1 = count_kernels(lambda: generate(1))
+                kn = count_kernels(lambda: generate(steps + 1))
+                row["kernels_per_step"] = (kn - k1) / steps
+    return row
+
+
+def run(model, args, device, prompt_len, bandwidth, modes, progress=None) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, model.config.vocab_size, (args.batch, prompt_len), generator=g).to(device)
+    context = prompt_len + (args.new_tokens + 1) / 2  # mean cached length over the timed steps
+    step_bytes = weight_bytes(model) + kv_bytes(model, args.batch, context)
+    rows = []
+    for mode in modes:
+        if progress:
+            progress.set_postfix_str(f"context {prompt_len}, {mode}")
+        row = measure_mode(model, mode, prompt, args.new_tokens, args.repeats, device, profile=not args.no_profile)
+        row.update(context=prompt_len, bytes_per_step=step_bytes)
+        if bandwidth:
+            row["roofline_ms"] = step_bytes / (bandwidth * 1e9) * 1e3
+            row["achieved_gbs"] = step_bytes / (row["tpot_ms"] / 1e3) / 1e9
+            row["tpot_over_roofline"] = row["tpot_ms"] / row["roofline_ms"]
+        rows.append(row)
+        if progress:
+            progress.update(1)
+    return rows
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        pts = sorted((r["context"], r["tpot_ms"]) for r in rows if r["mode"] == mode)
+        ax.plot(*zip(*pts), marker="o", label=mode)
+    roof = sorted({(r["context"], r["roofline_ms"]) for r in rows if "roofline_ms" in r})
+    if roof:
+        ax.plot(*zip(*roof), linestyle="--", color="black", label="roofline (bytes / measured HBM bandwidth)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("TPOT (ms per token)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    print(f"wrote {path}")
+
+
+COLUMNS = [
+    ("mode", "mode", ""), ("context", "context", "d"), ("tpot_ms", "TPOT ms", ".3f"), ("ttft_ms", "TTFT ms", ".1f"),
+    ("tokens_per_s", "tok/s", ".0f"), ("achieved_gbs", "GB/s", ".0f"), ("tpot_over_roofline", "x roofline", ".2f"),
+    ("kernels_per_step", "kernels/step", ".0f"), ("peak_memory_gb", "peak GB", ".1f"),
+]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evals.tpot", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(parser)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default=None, help=f"comma-separated subset of {','.join(ALL_MODES)}")
+    parser.add_argument("--sweep-context", default=None, help="prompt lengths, e.g. 128,512,1024,2048,4096")
+    parser.add_argument("--plot", default=None, help="PNG path for the sweep plot (default: beside --json)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the kernel count (torch.profiler)")
+    parser.add_argument("--json", default=None, help="write every figure and the run's settings here")
+    args = parser.parse_args(argv)
+
+    device, dtype = common.resolve(args)
+    modes = args.modes.split(",") if args.modes else (ALL_MODES if device.type == "cuda" else CPU_MODES)
+    unknown = set(modes) - set(ALL_MODES)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {ALL_MODES}")
+    if device.type != "cuda" and any(m.endswith("compiled") for m in modes):
+        parser.error("the compiled modes need a CUDA GPU")
+    contexts = [int(c) for c in args.sweep_context.split(",")] if args.sweep_context else [args.prompt_len]
+
+    model, _, name = common.load_model(args, device, dtype)
+    model.generation_config.eos_token_id = None  # always generate exactly the requested number of tokens
+    model.generation_config.pad_token_id = 0
+    longest = max(contexts) + args.new_tokens + 1
+    model._tpot_cache_len = longest  # one static-cache size for every point: HF compiles once
+    if getattr(model.config, "max_position_embeddings", longest) < longest:
+        model.config.max_position_embeddings = longest  # rope has no length limit; random weights anyway
+
+    bandwidth = common.hbm_read_bandwidth_gbs(device) if device.type == "cuda" else None
+    print(f"{name}, {str(dtype).replace('torch.', '')}, batch {args.batch}, {args.new_tokens} new tokens"
+          + (f", measured HBM read bandwidth {bandwidth:.0f} GB/s" if bandwidth else ""), file=sys.stderr)
+    rows = []
+    with tqdm(total=len(contexts) * len(modes), desc="tpot", file=sys.stderr) as progress:
+        for context in contexts:
+            rows += run(model, args, device, context, bandwidth, modes, progress)
+
+    print(common.table(rows, COLUMNS))
+    if bandwidth:
+        roof = rows[0]["roofline_ms"]
+        print(f"roofline at context {rows[0]['context']}: {rows[0]['bytes_per_step'] / 1e9:.3f} GB per step / "
+              f"{bandwidth:.0f} GB/s = {roof:.3f} ms")
+    payload = {
+        "tool": "evals.tpot",
+        "model": name,
+        "dtype": str(dtype).replace("torch.", ""),
+        "settings": {k: v for k, v in vars(args).items() if k != "default_random"},
+        "hbm_read_bandwidth_gbs": bandwidth,
+        "weight_bytes": weight_bytes(model),
+        "environment": common.environment(device),
+        "results": rows,
+    }
+    common.write_json(args.json, payload)
+    if args.sweep_context:
+        path = args.plot or (args.json.rsplit(".", 1)[0] + ".png" if args.json else "tpot_sweep.png")
+        plot(rows, path, f"{name} {payload['dtype']}, batch {args.batch}: TPOT vs context")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

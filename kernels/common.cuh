@@ -1,0 +1,110 @@
+// Shared device helpers: dtype conversions with explicit cast points, 16-byte vector access, reductions, and the
+// one dispatch macro that turns a runtime dtype into a template parameter.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "launchers.h"
+
+namespace patcher {
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// The value a torch op whose output dtype is T would have stored: round to T, read back as float. This is how
+// the kernels mirror HF's cast points (a residual add in fp16 rounds before the norm reads it, and so on).
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+// N elements moved with one load or store instruction (16 bytes for 8 halves or 4 floats).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T data[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load_vec(float (&dst)[N], const T* src) {
+  const Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(src);
+#pragma unroll
+  for (int i = 0; i < N; ++i) dst[i] = to_float(v.data[i]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* dst, const float (&src)[N]) {
+  Vec<T, N> v;
+#pragma unroll
+  for (int i = 0; i < N; ++i) v.data[i] = from_float<T>(src[i]);
+  *reinterpret_cast<Vec<T, N>*>(dst) = v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// Sum over the whole block, returned to every thread. `scratch` holds 32 floats; blockDim.x is a multiple of 32.
+// Safe to call repeatedly with the same scratch: the first barrier waits for readers of the previous call.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < static_cast<int>(blockDim.x >> 5) ? scratch[lane] : 0.f;
+  return warp_sum(v);
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+inline int round_up(int64_t n, int64_t multiple) { return static_cast<int>((n + multiple - 1) / multiple * multiple); }
+
+}  // namespace patcher
+
+// Runs the statement list with `T` bound to the element type of `dtype` (float, __half, __nv_bfloat16).
+#define PATCHER_DISPATCH_DTYPE(dtype, T, ...)     \
+  switch (dtype) {                                \
+    case ::patcher::DType::kFloat32: {            \
+      using T = float;                            \
+      __VA_ARGS__;                                \
+    } break;                                      \
+    case ::patcher::DType::kFloat16: {            \
+      using T = __half;                           \
+      __VA_ARGS__;                                \
+    } break;                                      \
+    case ::patcher::DType::kBFloat16: {           \
+      using T = __nv_bfloat16;                    \
+      __VA_ARGS__;                                \
+    } break;                                      \
+    default:                                      \
+      return cudaErrorInvalidValue;               \
+  }

@@ -1,0 +1,67 @@
+"""Shared fixtures and the tolerances every test uses (stated once, here).
+
+Tolerances:
+- Kernel against reference: a kernel's max error against an fp32 reference (the reference run on fp32 copies of
+  the inputs) may be at most KERNEL_ERROR_FACTOR times the error PyTorch's own ops make at the same dtype (the
+  reference run in that dtype), as flash-attention bounds its kernels. The floor FLOOR[dtype] x max|reference|
+  only matters where PyTorch is exact (fp32 references, pass-through elements): about one unit in the last place.
+- Patched model against unpatched, fp32 on the CPU: max |logit difference| <= FP32_LOGIT_ATOL.
+- Patched model in fp16/bf16 against an fp32 run of the same weights: the same 2x rule as the kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+KERNEL_ERROR_FACTOR = 2.0
+FLOOR = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+FP32_LOGIT_ATOL = 1e-5
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_within_torch_error(kernel: torch.Tensor, torch_low: torch.Tensor, ref32: torch.Tensor, what: str = ""):
+    """The 2x rule: |kernel - ref32| <= 2 |torch_low - ref32| + floor, elementwise maxima."""
+    assert kernel.shape == ref32.shape, f"{what}: shape {tuple(kernel.shape)} != {tuple(ref32.shape)}"
+    assert torch.isfinite(kernel).all(), f"{what}: non-finite values (an element left unwritten?)"
+    scale = max(ref32.abs().max().item(), 1.0) if ref32.numel() else 1.0
+    err_kernel, err_torch = max_err(kernel, ref32), max_err(torch_low, ref32)
+    bound = KERNEL_ERROR_FACTOR * err_torch + FLOOR[kernel.dtype] * scale
+    assert err_kernel <= bound, f"{what}: kernel error {err_kernel:.3g} > bound {bound:.3g} (torch error {err_torch:.3g})"
+
+
+def smollm2_gguf() -> Path | None:
+    """The trained SmolLM2-135M GGUF: $PATCHER_SMOLLM2_GGUF, or None (tests that need it skip)."""
+    path = os.environ.get("PATCHER_SMOLLM2_GGUF")
+    return Path(path) if path and Path(path).is_file() else None
+
+
+def wikitext_path() -> Path | None:
+    path = Path(os.environ.get("PATCHER_WIKITEXT", SHARED / "data" / "wikitext-2-raw-test.txt"))
+    return path if path.is_file() else None
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*attention mask.*")
+        yield
+
+
+def poison_cuda_cache(device="cuda") -> None:
+    """Fill the caching allocator's free memory with NaN, so an output element a kernel forgets to write is NaN."""
+    if HAS_CUDA:
+        torch.full((64 << 20,), float("nan"), dtype=torch.float16, device=device)

@@ -1,0 +1,173 @@
+"""CUDA kernels against their pure-torch references (GPU only).
+
+Every kernel output must be within 2x of PyTorch's own error against an fp32 reference (conftest.py), over
+fp16/bf16/fp32, odd shapes, and strided or misaligned inputs (which take the kernels' scalar path).
+Residual sums and RoPE mirror torch's rounding step by step, so those must match PyTorch bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_within_torch_error, poison_cuda_cache, requires_cuda
+
+pytestmark = requires_cuda
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# tokens x hidden: covers tokens {1, 7, 83, 4096} and hidden {80, 640 (80k), 769, 2560, 5125}
+NORM_SHAPES = [(1, 80), (7, 769), (83, 2560), (4096, 5125), (1, 5125), (83, 640), (4096, 2560), (7, 80)]
+LAYOUTS = ["contiguous", "row-strided", "misaligned"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    from patcher.ops import extension
+
+    extension.load()
+    from patcher.ops import KERNELS
+
+    return KERNELS
+
+
+def make(shape, dtype, layout="contiguous", scale=1.0):
+    """A CUDA tensor of `shape` with the given memory layout (the kernels must read all of them)."""
+    rows, cols = int(torch.tensor(shape[:-1]).prod()), shape[-1]
+    if layout == "contiguous":
+        return (torch.randn(shape, device="cuda") * scale).to(dtype)
+    if layout == "row-strided":  # each row is the start of a longer row
+        return (torch.randn(*shape[:-1], cols + 24, device="cuda") * scale).to(dtype)[..., :cols]
+    if layout == "misaligned":  # contiguous, but starting one element past a 16-byte boundary
+        flat = (torch.randn(rows * cols + 1, device="cuda") * scale).to(dtype)
+        return flat[1:].view(shape)
+    raise ValueError(layout)
+
+
+def check_op(op_name, args, exact_outputs=()):
+    from patcher.ops import KERNELS, reference
+
+    poison_cuda_cache()
+    got = getattr(KERNELS, op_name)(*args)
+    low = getattr(reference, op_name)(*args)
+    args32 = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    ref32 = getattr(reference, op_name)(*args32)
+    got, low, ref32 = ((t,) if isinstance(t, torch.Tensor) else t for t in (got, low, ref32))
+    for i, (g, lo, r) in enumerate(zip(got, low, ref32)):
+        assert g.is_contiguous() and g.device.type == "cuda" and g.dtype == lo.dtype
+        assert_within_torch_error(g, lo, r, f"{op_name} output {i}")
+        if i in exact_outputs:
+            assert torch.equal(g, lo), f"{op_name} output {i} differs from PyTorch's rounding"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "op", ["rms_norm", "add_rms_norm", "layer_norm", "dual_layer_norm", "add_layer_norm", "add_dual_layer_norm"]
+)
+def test_norms(op, layout, shape, dtype):
+    hidden = shape[-1]
+    x, d, d2 = (make(shape, dtype, layout) for _ in range(3))
+    w, b, w2, b2 = (make((hidden,), dtype, scale=0.5) + 1 for _ in range(4))
+    args = {
+        "rms_norm": (x, w, 1e-6),
+        "add_rms_norm": (x, d, w, 1e-6),
+        "layer_norm": (x, w, b, 1e-5),
+        "dual_layer_norm": (x, w, b, w2, b2, 1e-5),
+        "add_layer_norm": (x, d, d2, w, b, 1e-5),
+        "add_dual_layer_norm": (x, d, d2, w, b, w2, b2, 1e-5),
+    }[op]
+    sum_index = {"add_rms_norm": 1, "add_layer_norm": 1, "add_dual_layer_norm": 2}.get(op)
+    check_op(op, args, exact_outputs=() if sum_index is None else (sum_index,))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_variants_on_3d_input_and_single_delta(dtype):
+    x, d = make((2, 9, 2560), dtype), make((2, 9, 2560), dtype)
+    w, b = make((2560,), dtype) + 1, None
+    check_op("add_layer_norm", (x, d, None, w, b, 1e-5), exact_outputs=(1,))
+    check_op("add_rms_norm", (x, d, w, 1e-5), exact_outputs=(1,))
+
+
+ROPE_ARCHS = {  # heads, kv heads, head_dim, rotary dim, interleaved
+    "pythia-2.8b": (32, 32, 80, 20, True),
+    "llama-3.1-8b": (32, 8, 128, 128, False),
+    "qwen2-1.5b": (12, 2, 128, 128, False),
+    "smollm2": (9, 3, 64, 64, False),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch_tokens", [(1, 1), (2, 7), (1, 83), (1, 4096), (3, 1)])
+@pytest.mark.parametrize("arch", list(ROPE_ARCHS))
+@pytest.mark.parametrize("layout", ["contiguous", "row-strided"])
+def test_rope_qkv(layout, arch, batch_tokens, dtype):
+    hq, hkv, d, rot, interleaved = ROPE_ARCHS[arch]
+    B, T = batch_tokens
+    qkv = make((B, T, (hq + 2 * hkv) * d), dtype, layout)
+    angles = torch.randn(B if B > 1 else 1, T, rot // 2, device="cuda") * 3
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    check_op("rope_qkv", (qkv, cos, sin, hq, hkv, d, interleaved), exact_outputs=(0, 1, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7, 83, 4096])
+@pytest.mark.parametrize("inter", [769, 2560, 5125, 14336])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_silu_and_mul(layout, inter, tokens, dtype):
+    if tokens * inter > 4096 * 5125 and dtype == torch.float32 and layout != "contiguous":
+        pytest.skip("large fp32 strided case adds nothing")
+    check_op("silu_and_mul", (make((tokens, 2 * inter), dtype, layout, scale=3),))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7, 83, 4096])
+@pytest.mark.parametrize("cols", [769, 2560, 10240])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tanh", [False, True])
+def test_bias_gelu(tanh, layout, cols, tokens, dtype):
+    x = make((tokens, cols), dtype, layout, scale=3)
+    check_op("bias_gelu", (x, make((cols,), dtype), tanh))
+    if tokens == 7:
+        check_op("bias_gelu", (x, None, tanh))
+
+
+def test_opcheck_on_cuda():
+    f16 = torch.float16
+    x, d, w, b = make((5, 256), f16), make((5, 256), f16), make((256,), f16), make((256,), f16)
+    qkv = make((2, 3, 12 * 64), f16)
+    cs = make((1, 3, 32), f16)
+    samples = {
+        "rms_norm": (x, w, 1e-6),
+        "add_rms_norm": (x, d, w, 1e-6),
+        "layer_norm": (x, w, b, 1e-5),
+        "dual_layer_norm": (x, w, b, w, None, 1e-5),
+        "add_layer_norm": (x, d, d, w, b, 1e-5),
+        "add_dual_layer_norm": (x, d, None, w, b, w, b, 1e-5),
+        "rope_qkv": (qkv, cs, cs, 6, 3, 64, False),
+        "silu_and_mul": (make((5, 512), f16),),
+        "bias_gelu": (x, b, True),
+    }
+    for op, args in samples.items():
+        torch.library.opcheck(getattr(torch.ops.patcher, op).default, args)
+
+
+def test_bad_inputs_get_clear_errors(kernels):
+    x = make((4, 64), torch.float16)
+    w = make((64,), torch.float16)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernels.rms_norm(x, w.float(), 1e-6)
+    with pytest.raises(RuntimeError, match="shape"):
+        kernels.rms_norm(x, make((32,), torch.float16), 1e-6)
+    with pytest.raises(RuntimeError, match="CUDA tensor"):
+        kernels.add_rms_norm(x, x.cpu(), w, 1e-6)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.rms_norm(make((64, 4), torch.float16).t(), w, 1e-6)
+    with pytest.raises(RuntimeError, match="unsupported dtype"):
+        kernels.rms_norm(x.double(), w.double(), 1e-6)
+    with pytest.raises(RuntimeError, match="width"):
+        kernels.rope_qkv(make((1, 2, 100), torch.float16), make((1, 2, 8), torch.float16),
+                         make((1, 2, 8), torch.float16), 2, 2, 16, False)
+    with pytest.raises(RuntimeError, match="even"):
+        kernels.silu_and_mul(make((3, 63), torch.float16))
