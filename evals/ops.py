@@ -1,11 +1,15 @@
 """Per-op benchmark: each fused op against the unfused PyTorch sequence it replaces: `python -m evals.ops` (GPU).
 
 The unfused side is the HF modules' own code (LlamaRMSNorm after a residual add, two nn.LayerNorms after GPT-NeoX's
-three-way sum, apply_rotary_pos_emb on the split projection, act(gate) * up, ...). For each op, architecture
-shape, dtype and token count (1 = decode, 4096 = prefill) it reports the median GPU time of both, the fused op's
-achieved bandwidth (the fewest bytes it must move: every input read once, every output written once) as GB/s and
-as a percentage of the HBM read bandwidth measured in the same run, and the speedup. Prefill shapes are timed with
-the L2 cache flushed before each run; decode shapes are small enough that launch latency dominates either way.
+three-way sum, apply_rotary_pos_emb on the split projection, act(gate) * up, F.linear for a decode GEMV, SDPA over
+HF's static cache, ...). For each op, architecture shape, dtype and token count (1 = decode, 4096 = prefill; the
+decode-path ops at batch 1, 4 and 8) it reports the median GPU time of both, the fused op's achieved bandwidth (the
+fewest bytes it must move: every input read once, every output written once) as GB/s and as a percentage of the HBM
+read bandwidth measured in the same run, and the speedup.
+
+Timing: prefill shapes with CUDA events around each call, the L2 cache flushed before each run. Decode shapes are
+timed inside a CUDA graph of many calls (launch gaps as in the decode path, not Python overhead), cycling over
+enough copies of the inputs that they come from HBM, not from the 50 MB L2.
 """
 
 from __future__ import annotations
@@ -109,6 +113,87 @@ def case_bias_gelu(tokens, arch, dtype, ops):
     return fused, unfused, (2 * tokens * inter + inter) * dtype.itemsize
 
 
+def _copies(nbytes: int) -> int:
+    """Input copies to cycle through so that repeated calls read HBM, not L2 (>= 256 MB in all)."""
+    return max(1, min(64, (256 << 20) // max(nbytes, 1) + 1))
+
+
+def case_gemv(batch, arch, dtype, ops, which):
+    """A decode-step linear: ours (activation fused) against F.linear (cuBLAS) and the separate activation."""
+    H, inter, hq, hkv, D, _, _ = ARCHS[arch]
+    gated = arch != "pythia-2.8b"
+    n, k, act = {
+        "qkv": ((hq + 2 * hkv) * D, H, "none"),
+        "out": (H, hq * D, "none"),
+        "mlp_in": (inter, H, "silu_mul" if gated else "gelu"),
+        "mlp_out": (H, inter, "none"),
+    }[which]
+    rows = 2 * n if act == "silu_mul" else n
+    nbytes = (rows * k + batch * k + batch * n) * dtype.itemsize
+    copies = _copies(rows * k * dtype.itemsize)
+    weights = [_rand(rows, k, dtype=dtype) * k**-0.5 for _ in range(copies)]
+    bias = _rand(rows, dtype=dtype) if which == "qkv" and arch == "qwen2-1.5b" else None
+    x = _rand(batch, k, dtype=dtype)
+    fused = [lambda w=w: ops.gemv(x, w, bias, act) for w in weights]
+
+    def unfused_call(w):
+        y = F.linear(x, w, bias)
+        if act == "silu_mul":
+            gate, up = y.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(y) if act == "gelu" else y
+
+    return fused, [lambda w=w: unfused_call(w) for w in weights], nbytes
+
+
+def case_decode_attention(batch, arch, dtype, ops, context):
+    """Attention of one new token over `context` cached tokens: ours reads the filled part of the static cache;
+    HF's static cache + SDPA reads all of it (here 8192 slots, as a cache sized for long generations would be)."""
+    from patcher.ops import decode_attention_workspace
+
+    _, _, hq, hkv, D, _, _ = ARCHS[arch]
+    capacity = 8192
+    cache_bytes = 2 * batch * hkv * capacity * D * dtype.itemsize
+    copies = _copies(cache_bytes * context // capacity)
+    caches = [(_rand(batch, hkv, capacity, D, dtype=dtype), _rand(batch, hkv, capacity, D, dtype=dtype))
+              for _ in range(copies)]
+    q = _rand(batch, hq, D, dtype=dtype)
+    slot = torch.tensor([context - 1], device="cuda")
+    pad = torch.zeros(batch, dtype=torch.long, device="cuda")
+    splits = max(1, min(64, -(-2 * torch.cuda.get_device_properties(0).multi_processor_count // (batch * hkv))))
+    workspace = decode_attention_workspace(batch, hq, hkv, D, splits, "cuda")
+    mask = torch.zeros(batch, 1, 1, capacity, dtype=dtype, device="cuda")
+    mask[..., context:] = float("-inf")
+    fused = [lambda k=k, v=v: ops.decode_attention(q, k, v, slot, pad, D**-0.5, splits, workspace) for k, v in caches]
+    q4 = q[:, :, None, :]
+    unfused = [lambda k=k, v=v: F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, enable_gqa=hq != hkv)
+               for k, v in caches]
+    nbytes = (2 * batch * hkv * context * D + 2 * batch * hq * D) * dtype.itemsize
+    return fused, unfused, nbytes
+
+
+DECODE_CASES = {  # op -> (builder, architectures, variants)
+    "gemv": (case_gemv, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], ["qkv", "out", "mlp_in", "mlp_out"]),
+    "decode_attention": (case_decode_attention, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [512, 4096]),
+}
+
+
+def graph_time_us(calls: list, reps: int = 20) -> float:
+    """GPU time per call (us) of `calls` run round-robin inside one CUDA graph (200 calls per replay)."""
+    per_replay = 200
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(per_replay):
+            calls[i % len(calls)]()
+    return common.gpu_time_ms(graph.replay, reps=reps, warmup=2) * 1e3 / per_replay
+
+
 CASES = {  # op -> (case builder, architectures it applies to)
     "add_rms_norm": (case_add_rms_norm, ["llama-3.1-8b", "qwen2-1.5b", "hidden-4096"]),
     "add_dual_layer_norm": (case_add_dual_layer_norm, ["pythia-2.8b", "hidden-4096"]),
@@ -126,6 +211,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="fp32,fp16,bf16")
     parser.add_argument("--tokens", default="1,4096")
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--decode-batches", default="1,4,8", help="batch sizes for the decode-path ops")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -134,26 +220,37 @@ def main(argv=None) -> int:
     from patcher.ops import backend_for
 
     ops = backend_for(torch.device("cuda"), "kernels")
-    names = args.ops.split(",") if args.ops else list(CASES)
+    names = args.ops.split(",") if args.ops else list(CASES) + list(DECODE_CASES)
     dtypes = [common.DTYPES[d] for d in args.dtypes.split(",")]
     token_counts = [int(t) for t in args.tokens.split(",")]
     bandwidth = common.hbm_read_bandwidth_gbs(torch.device("cuda"))
-    jobs = [(op, arch, dt, t) for op in names for arch in CASES[op][1] for dt in dtypes for t in token_counts]
+    jobs = [(op, arch, dt, t, None) for op in names if op in CASES for arch in CASES[op][1] for dt in dtypes
+            for t in token_counts]
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    jobs += [(op, arch, dt, b, v) for op in names if op in DECODE_CASES for arch in DECODE_CASES[op][1]
+             for dt in dtypes if dt != torch.float32 for b in batches for v in DECODE_CASES[op][2]]
     rows = []
-    for op, arch, dtype, tokens in tqdm(jobs, desc="ops", file=sys.stderr):
-        fused, unfused, nbytes = CASES[op][0](tokens, arch, dtype, ops)
-        flush = tokens > 1
-        fused_ms = common.gpu_time_ms(fused, reps=args.reps, flush=flush)
-        unfused_ms = common.gpu_time_ms(unfused, reps=args.reps, flush=flush)
-        gbs = nbytes / (fused_ms * 1e-3) / 1e9
+    for op, arch, dtype, tokens, variant in tqdm(jobs, desc="ops", file=sys.stderr):
+        if variant is None:
+            fused, unfused, nbytes = CASES[op][0](tokens, arch, dtype, ops)
+            if tokens > 1:
+                fused_us = common.gpu_time_ms(fused, reps=args.reps, flush=True) * 1e3
+                unfused_us = common.gpu_time_ms(unfused, reps=args.reps, flush=True) * 1e3
+            else:
+                fused_us, unfused_us = graph_time_us([fused]), graph_time_us([unfused])
+        else:
+            fused, unfused, nbytes = DECODE_CASES[op][0](tokens, arch, dtype, ops, variant)
+            fused_us, unfused_us = graph_time_us(fused), graph_time_us(unfused)
+        gbs = nbytes / (fused_us * 1e-6) / 1e9
         rows.append({
-            "op": op, "arch": arch, "tokens": tokens, "dtype": str(dtype).replace("torch.", ""),
-            "fused_us": fused_ms * 1e3, "unfused_us": unfused_ms * 1e3, "speedup": unfused_ms / fused_ms,
-            "bytes": nbytes, "fused_gbs": gbs, "pct_hbm": 100 * gbs / bandwidth,
+            "op": op if variant is None else f"{op}[{variant}]", "arch": arch, "tokens": tokens,
+            "dtype": str(dtype).replace("torch.", ""), "fused_us": fused_us, "unfused_us": unfused_us,
+            "speedup": unfused_us / fused_us, "bytes": nbytes, "fused_gbs": gbs, "pct_hbm": 100 * gbs / bandwidth,
         })
+        del fused, unfused
         torch.cuda.empty_cache()
     print(common.table(rows, [
-        ("op", "op", ""), ("arch", "shape", ""), ("tokens", "tokens", "d"), ("dtype", "dtype", ""),
+        ("op", "op", ""), ("arch", "shape", ""), ("tokens", "tokens/batch", "d"), ("dtype", "dtype", ""),
         ("fused_us", "fused us", ".1f"), ("unfused_us", "unfused us", ".1f"), ("speedup", "speedup", ".2f"),
         ("fused_gbs", "fused GB/s", ".0f"), ("pct_hbm", "% HBM", ".0f"),
     ]))

@@ -84,6 +84,19 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
+// Activations in fp32, with the formulas of torch's CUDA kernels (so that, rounded to the dtype, they agree).
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+__device__ __forceinline__ float gelu(float x, bool tanh_approx) {
+  if (tanh_approx) {
+    const float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+    const float x_cube = x * x * x;
+    const float inner = kBeta * (x + 0.044715f * x_cube);
+    return 0.5f * x * (1.0f + tanhf(inner));
+  }
+  return x * 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+}
+
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 inline int round_up(int64_t n, int64_t multiple) { return static_cast<int>((n + multiple - 1) / multiple * multiple); }

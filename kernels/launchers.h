@@ -73,3 +73,68 @@ cudaError_t launch_silu_and_mul(const ActivationParams& p, cudaStream_t stream);
 cudaError_t launch_bias_gelu(const ActivationParams& p, bool tanh, cudaStream_t stream);
 
 }  // namespace patcher
+
+namespace patcher {
+
+// Matrix-vector products for decode (1 to 8 rows of x), with fused epilogues.
+//   out[b, n] = act(x[b] . w[n] + bias[n])                                       act: none, gelu, gelu_tanh
+//   kSiluMul:  out[b, n] = silu(x[b] . w[n] + bias[n]) * (x[b] . w[N + n] + bias[N + n])   w is [gate; up]
+// Each intermediate is rounded to the dtype where HF's separate ops would round it.
+enum GemvAct : int32_t { kActNone = 0, kActGelu = 1, kActGeluTanh = 2, kActSiluMul = 3 };
+struct GemvParams {
+  DType dtype;
+  int64_t batch;  // rows of x, 1..8
+  int64_t n;      // output columns (w has n rows, or 2n for kActSiluMul)
+  int64_t k;
+  const void* x;  // [batch, k], row stride x_stride
+  int64_t x_stride;
+  const void* w;  // [rows, k], row stride w_stride
+  int64_t w_stride;
+  const void* bias;  // [rows] or nullptr
+  void* out;         // [batch, n] contiguous
+  int32_t act;
+};
+cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream);
+
+// The decode-step attention prologue: like rope_qkv for one token per row, but K and V go straight into the
+// static cache at index `slot`, at rope position slot - pad[b] (left-padded rows start later).
+struct RopeCacheParams {
+  DType dtype;
+  int64_t batch;
+  const void* qkv;  // [batch, (Hq + 2 Hkv) * D], row stride qkv_stride
+  int64_t qkv_stride;
+  const void* cos;  // [positions, rotary_dim] contiguous tables
+  const void* sin;
+  int64_t rotary_dim, table_len;
+  const int64_t* slot;  // [1] device: the cache index written this step
+  const int64_t* pad;   // [batch] device: leading pad tokens of each row
+  int64_t num_q_heads, num_kv_heads, head_dim;
+  bool interleaved;
+  void* q;        // [batch, Hq, D] contiguous
+  void* k_cache;  // [batch, Hkv, capacity, D] contiguous
+  void* v_cache;
+  int64_t capacity;
+};
+cudaError_t launch_rope_qkv_cache(const RopeCacheParams& p, cudaStream_t stream);
+
+// Decode attention over the filled part of a static cache (flash-decoding): q [B, Hq, D] against keys
+// pad[b] .. slot of k_cache/v_cache [B, Hkv, capacity, D]. The keys are split over `splits` blocks per
+// (row, kv head); the last block to finish merges the partial softmaxes, so it is one kernel.
+// MHA and GQA (Hq a multiple of Hkv, up to 8 query heads per kv head); D in {64, 80, 128}.
+struct DecodeAttentionParams {
+  DType dtype;
+  int64_t batch, num_q_heads, num_kv_heads, head_dim, capacity;
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const int64_t* slot;  // [1] device: last valid key index (keys pad[b] .. slot are attended)
+  const int64_t* pad;   // [batch] device
+  float scale;
+  int32_t splits;
+  float* partials;    // [batch, Hq, splits, D + 2] workspace
+  int32_t* counters;  // [batch, Hkv] workspace, zero on entry and left zero
+  void* out;          // [batch, Hq * D] contiguous
+};
+cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream);
+
+}  // namespace patcher

@@ -6,10 +6,44 @@
 // how Pythia's partial rotary works):
 //   y[d] = x[d] * cos[d] + rotate_half(x)[d] * sin[d],  rotate_half(x)[d] = -x[d + R/2] (d < R/2), x[d - R/2]
 // Each product and the sum are rounded to the dtype, as the separate torch ops round them.
+//
+// rope_qkv_cache is the decode-step variant: one token per row, K and V written straight into the static KV
+// cache at `slot`, the rotation at position slot - pad[row], cos/sin read from precomputed tables.
 #include "common.cuh"
 
 namespace patcher {
 namespace {
+
+// Where element e (of one token's projection output) goes: part 0 q / 1 k / 2 v, head, dim.
+struct Slot {
+  int part, head, d;
+};
+
+__device__ __forceinline__ Slot locate(int e, int D, int hq, int hkv, bool interleaved) {
+  Slot s;
+  s.d = e % D;
+  const int slot = e / D;
+  if (interleaved) {  // [head][q | k | v]
+    s.head = slot / 3;
+    s.part = slot % 3;
+  } else {  // [q heads | k heads | v heads]
+    s.part = slot < hq ? 0 : (slot < hq + hkv ? 1 : 2);
+    s.head = s.part == 0 ? slot : (s.part == 1 ? slot - hq : slot - hq - hkv);
+  }
+  return s;
+}
+
+// The rotated value of element e, or the element itself outside the rotary dims and for v.
+template <typename T>
+__device__ __forceinline__ float rotate(const T* src, int e, const Slot& s, int R, const T* cos, const T* sin) {
+  const float x = to_float(src[e]);
+  if (s.part == 2 || s.d >= R) return x;
+  const int half = R / 2;
+  const float rotated = s.d < half ? -to_float(src[e + half]) : to_float(src[e - half]);
+  // __fmul_rn/__fadd_rn keep fp32 from contracting into an FMA: torch rounds each product separately.
+  return round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(x, to_float(cos[s.d]))),
+                               round_to<T>(__fmul_rn(rotated, to_float(sin[s.d])))));
+}
 
 template <typename T>
 __global__ void __launch_bounds__(256) rope_qkv_kernel(const RopeQkvParams p) {
@@ -18,33 +52,39 @@ __global__ void __launch_bounds__(256) rope_qkv_kernel(const RopeQkvParams p) {
   const T* src = static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + t * p.qkv_stride_t;
   const T* cos = static_cast<const T*>(p.cos) + b * p.cos_stride_b + t * p.cos_stride_t;
   const T* sin = static_cast<const T*>(p.sin) + b * p.sin_stride_b + t * p.sin_stride_t;
-  const int64_t D = p.head_dim, R = p.rotary_dim, half = p.rotary_dim / 2;
-  const int64_t hq = p.num_q_heads, hkv = p.num_kv_heads;
-  const int64_t width = (hq + 2 * hkv) * D;
+  const int D = static_cast<int>(p.head_dim), hq = static_cast<int>(p.num_q_heads);
+  const int hkv = static_cast<int>(p.num_kv_heads), R = static_cast<int>(p.rotary_dim);
+  const int width = (hq + 2 * hkv) * D;
+  for (int e = threadIdx.x; e < width; e += blockDim.x) {
+    const Slot s = locate(e, D, hq, hkv, p.interleaved);
+    const float y = rotate(src, e, s, R, cos, sin);
+    const int64_t heads = s.part == 0 ? hq : hkv;
+    T* dst = static_cast<T*>(s.part == 0 ? p.q : (s.part == 1 ? p.k : p.v));
+    dst[((b * heads + s.head) * p.tokens + t) * D + s.d] = from_float<T>(y);
+  }
+}
 
-  for (int64_t e = threadIdx.x; e < width; e += blockDim.x) {
-    int64_t part, head, d;  // part: 0 q, 1 k, 2 v
-    if (p.interleaved) {
-      head = e / (3 * D);
-      part = (e / D) % 3;
-      d = e % D;
+template <typename T>
+__global__ void __launch_bounds__(256) rope_qkv_cache_kernel(const RopeCacheParams p) {
+  const int64_t b = blockIdx.x;
+  const int64_t slot = *p.slot;
+  int64_t pos = slot - p.pad[b];
+  pos = pos < 0 ? 0 : (pos >= p.table_len ? p.table_len - 1 : pos);  // never read outside the tables
+  const T* src = static_cast<const T*>(p.qkv) + b * p.qkv_stride;
+  const T* cos = static_cast<const T*>(p.cos) + pos * p.rotary_dim;
+  const T* sin = static_cast<const T*>(p.sin) + pos * p.rotary_dim;
+  const int D = static_cast<int>(p.head_dim), hq = static_cast<int>(p.num_q_heads);
+  const int hkv = static_cast<int>(p.num_kv_heads), R = static_cast<int>(p.rotary_dim);
+  const int width = (hq + 2 * hkv) * D;
+  for (int e = threadIdx.x; e < width; e += blockDim.x) {
+    const Slot s = locate(e, D, hq, hkv, p.interleaved);
+    const T y = from_float<T>(rotate(src, e, s, R, cos, sin));
+    if (s.part == 0) {
+      static_cast<T*>(p.q)[(b * hq + s.head) * D + s.d] = y;
     } else {
-      const int64_t slot = e / D;
-      d = e % D;
-      part = slot < hq ? 0 : (slot < hq + hkv ? 1 : 2);
-      head = part == 0 ? slot : (part == 1 ? slot - hq : slot - hq - hkv);
+      T* cache = static_cast<T*>(s.part == 1 ? p.k_cache : p.v_cache);
+      cache[((b * hkv + s.head) * p.capacity + slot) * D + s.d] = y;
     }
-    const float x = to_float(src[e]);
-    float y = x;
-    if (part < 2 && d < R) {
-      const float rotated = d < half ? -to_float(src[e + half]) : to_float(src[e - half]);
-      // __fmul_rn/__fadd_rn keep fp32 from contracting into an FMA: torch rounds each product separately.
-      y = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(x, to_float(cos[d]))),
-                                round_to<T>(__fmul_rn(rotated, to_float(sin[d])))));
-    }
-    const int64_t heads = part == 0 ? hq : hkv;
-    T* dst = static_cast<T*>(part == 0 ? p.q : (part == 1 ? p.k : p.v));
-    dst[((b * heads + head) * p.tokens + t) * D + d] = from_float<T>(y);
   }
 }
 
@@ -55,6 +95,13 @@ cudaError_t launch_rope_qkv(const RopeQkvParams& p, cudaStream_t stream) {
   if (blocks == 0) return cudaSuccess;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   PATCHER_DISPATCH_DTYPE(p.dtype, T, rope_qkv_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_rope_qkv_cache(const RopeCacheParams& p, cudaStream_t stream) {
+  if (p.batch == 0) return cudaSuccess;
+  PATCHER_DISPATCH_DTYPE(p.dtype, T,
+                         rope_qkv_cache_kernel<T><<<static_cast<unsigned>(p.batch), 256, 0, stream>>>(p));
   return cudaGetLastError();
 }
 

@@ -253,6 +253,159 @@ Tensor bias_gelu(const Tensor& x, const OptTensor& bias, bool tanh) {
   return out;
 }
 
+// ---- decode path ------------------------------------------------------------------------------------------
+
+Tensor gemv(const Tensor& x, const Tensor& weight, const OptTensor& bias, c10::string_view activation) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_like(weight, x, "weight");
+  TORCH_CHECK(weight.dim() == 2, "patcher: weight must be [out_features, in_features], got ", weight.sizes());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "patcher: x ", x.sizes(), " does not match weight ",
+              weight.sizes());
+  patcher::GemvParams p{};
+  if (activation == "none") {
+    p.act = patcher::kActNone;
+  } else if (activation == "gelu") {
+    p.act = patcher::kActGelu;
+  } else if (activation == "gelu_tanh") {
+    p.act = patcher::kActGeluTanh;
+  } else if (activation == "silu_mul") {
+    p.act = patcher::kActSiluMul;
+  } else {
+    TORCH_CHECK(false, "patcher: gemv activation must be none, gelu, gelu_tanh or silu_mul, got ", activation);
+  }
+  const int64_t rows_w = weight.size(0);
+  TORCH_CHECK(p.act != patcher::kActSiluMul || rows_w % 2 == 0, "patcher: silu_mul needs an even weight height");
+  p.dtype = dtype_of(x);
+  p.k = x.size(-1);
+  p.batch = p.k == 0 ? 0 : x.numel() / p.k;
+  TORCH_CHECK(p.batch <= 8, "patcher: gemv takes at most 8 rows of x (decode); got ", p.batch, ", use F.linear");
+  p.n = p.act == patcher::kActSiluMul ? rows_w / 2 : rows_w;
+  p.x = x.data_ptr();
+  p.x_stride = row_stride(x, "x");
+  p.w = weight.data_ptr();
+  p.w_stride = row_stride(weight, "weight");
+  p.bias = optional_vector_arg(bias, x, rows_w, "bias");
+  auto sizes = x.sizes().vec();
+  sizes.back() = p.n;
+  Tensor out = at::empty(sizes, x.options());
+  p.out = out.data_ptr();
+  TORCH_CHECK(p.k > 0, "patcher: gemv needs in_features > 0");
+  check_launch(patcher::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv");
+  return out;
+}
+
+void check_cache(const Tensor& cache, const Tensor& like, int64_t batch, int64_t heads, int64_t head_dim,
+                 const char* name) {
+  check_like(cache, like, name);
+  TORCH_CHECK(cache.dim() == 4 && cache.size(0) == batch && cache.size(1) == heads && cache.size(3) == head_dim,
+              "patcher: ", name, " must be [", batch, ", ", heads, ", capacity, ", head_dim, "], got ", cache.sizes());
+  TORCH_CHECK(cache.is_contiguous(), "patcher: ", name, " must be contiguous");
+}
+
+void check_index(const Tensor& t, int64_t n, const Tensor& like, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.device() == like.device(), "patcher: ", name, " must be on ", like.device());
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == n && t.is_contiguous(),
+              "patcher: ", name, " must be a contiguous int64 tensor of shape [", n, "], got ", t.scalar_type(), " ",
+              t.sizes());
+}
+
+Tensor rope_qkv_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
+                      Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                      bool interleaved) {
+  TORCH_CHECK(qkv.is_cuda(), "patcher: qkv must be a CUDA tensor, got ", qkv.device());
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  TORCH_CHECK(qkv.dim() == 2, "patcher: qkv must be [batch, width] (one token per row), got ", qkv.sizes());
+  TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && head_dim > 0,
+              "patcher: bad head counts q ", num_q_heads, ", kv ", num_kv_heads);
+  TORCH_CHECK(!interleaved || num_q_heads == num_kv_heads, "patcher: interleaved qkv needs as many kv heads as q heads");
+  const int64_t B = qkv.size(0);
+  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * head_dim, "patcher: qkv width ", qkv.size(1),
+              " != (", num_q_heads, " + 2 x ", num_kv_heads, ") x ", head_dim);
+  TORCH_CHECK(qkv.size(1) <= 1 || qkv.stride(1) == 1, "patcher: the last dimension of qkv must be contiguous");
+  for (const Tensor* t : {&cos, &sin}) {
+    check_like(*t, qkv, t == &cos ? "cos" : "sin");
+    TORCH_CHECK(t->dim() == 2 && t->is_contiguous(), "patcher: cos/sin tables must be contiguous [positions, rotary]");
+  }
+  TORCH_CHECK(cos.sizes() == sin.sizes(), "patcher: cos and sin tables differ in shape");
+  const int64_t rotary = cos.size(1);
+  TORCH_CHECK(rotary % 2 == 0 && rotary <= head_dim && cos.size(0) > 0, "patcher: bad rotary table ", cos.sizes());
+  check_index(slot, 1, qkv, "slot");
+  check_index(pad, B, qkv, "pad");
+  check_cache(k_cache, qkv, B, num_kv_heads, head_dim, "k_cache");
+  check_cache(v_cache, qkv, B, num_kv_heads, head_dim, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "patcher: k_cache and v_cache differ in shape");
+
+  patcher::RopeCacheParams p{};
+  p.dtype = dtype_of(qkv);
+  p.batch = B;
+  p.qkv = qkv.data_ptr();
+  p.qkv_stride = qkv.stride(0);
+  p.cos = cos.data_ptr();
+  p.sin = sin.data_ptr();
+  p.rotary_dim = rotary;
+  p.table_len = cos.size(0);
+  p.slot = slot.data_ptr<int64_t>();
+  p.pad = pad.data_ptr<int64_t>();
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.interleaved = interleaved;
+  Tensor q = at::empty({B, num_q_heads, head_dim}, qkv.options());
+  p.q = q.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.capacity = k_cache.size(2);
+  check_launch(patcher::launch_rope_qkv_cache(p, c10::cuda::getCurrentCUDAStream()), "rope_qkv_cache");
+  return q;
+}
+
+Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slot,
+                        const Tensor& pad, double scale, int64_t splits, Tensor& workspace) {
+  TORCH_CHECK(q.is_cuda(), "patcher: q must be a CUDA tensor, got ", q.device());
+  const c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "patcher: q must be contiguous [batch, heads, head_dim], got ",
+              q.sizes());
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK(D == 64 || D == 80 || D == 128, "patcher: decode_attention supports head_dim 64, 80 and 128, got ", D);
+  TORCH_CHECK(k_cache.dim() == 4, "patcher: k_cache must be [batch, kv_heads, capacity, head_dim]");
+  const int64_t Hkv = k_cache.size(1);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 8, "patcher: ", Hq, " query heads over ", Hkv,
+              " kv heads: need a multiple, at most 8 per kv head");
+  check_cache(k_cache, q, B, Hkv, D, "k_cache");
+  check_cache(v_cache, q, B, Hkv, D, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "patcher: k_cache and v_cache differ in shape");
+  check_index(slot, 1, q, "slot");
+  check_index(pad, B, q, "pad");
+  TORCH_CHECK(splits >= 1 && splits <= 1024, "patcher: splits must be in 1..1024, got ", splits);
+  const int64_t counters = (B * Hkv + 63) / 64 * 64;
+  const int64_t needed = counters + B * Hq * splits * (D + 2);
+  TORCH_CHECK(workspace.is_cuda() && workspace.device() == q.device() && workspace.scalar_type() == at::kInt &&
+                  workspace.is_contiguous() && workspace.numel() >= needed,
+              "patcher: workspace must be a zeroed contiguous int32 CUDA tensor of at least ", needed,
+              " elements (patcher.ops.decode_attention_workspace)");
+  patcher::DecodeAttentionParams p{};
+  p.dtype = dtype_of(q);
+  p.batch = B;
+  p.num_q_heads = Hq;
+  p.num_kv_heads = Hkv;
+  p.head_dim = D;
+  p.capacity = k_cache.size(2);
+  p.q = q.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.slot = slot.data_ptr<int64_t>();
+  p.pad = pad.data_ptr<int64_t>();
+  p.scale = static_cast<float>(scale);
+  p.splits = static_cast<int32_t>(splits);
+  p.counters = workspace.data_ptr<int32_t>();
+  p.partials = reinterpret_cast<float*>(workspace.data_ptr<int32_t>() + counters);
+  Tensor out = at::empty({B, Hq * D}, q.options());
+  p.out = out.data_ptr();
+  check_launch(patcher::launch_decode_attention(p, c10::cuda::getCurrentCUDAStream()), "decode_attention");
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
@@ -265,4 +418,7 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("rope_qkv", &rope_qkv);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("bias_gelu", &bias_gelu);
+  m.impl("gemv", &gemv);
+  m.impl("rope_qkv_cache", &rope_qkv_cache);
+  m.impl("decode_attention", &decode_attention);
 }

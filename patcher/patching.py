@@ -61,7 +61,12 @@ class PatchState:
     report: PatchReport
     swaps: list[_Swap] = field(default_factory=list)
     undo: list[Callable[[], None]] = field(default_factory=list)
+    spec: ArchSpec | None = None
     fast_generate: bool = True  # generate() takes the graph-captured decode path where it applies
+    original_generate: Callable | None = None  # an instance-level generate that was there before patching
+    runner: Any = None  # the DecodeRunner (static KV caches, CUDA graphs), created on first use
+    last_generate: dict = field(default_factory=dict)
+    warned: set = field(default_factory=set)
 
 
 def _swap_forward(module: nn.Module, fn: Callable) -> _Swap:
@@ -205,7 +210,7 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         layers_total=len(layers),
         launches_per_layer=_launches_per_layer(spec, parallel) if patchable else {},
     )
-    state = PatchState(report)
+    state = PatchState(report, spec=spec)
 
     def swap(module: nn.Module, fn: Callable, plan, detail: str, undo: Callable | None = None) -> None:
         module._patcher = plan
@@ -250,6 +255,16 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         swap(final_norm, entry.norm, norm_plan(final_norm, spec, ops), f"takes the last layer's residual add ({ops.name})")
     elif final_norm is not None:
         report.unpatched.append(ModuleRecord(names.get(id(final_norm), "final norm"), type(final_norm).__name__, "", final_reason))
+
+    if patchable and callable(getattr(model, "generate", None)):
+        from .decode import fast_generate
+
+        state.original_generate = model.__dict__.get("generate")
+        swap = _Swap(model, "generate", model.__dict__.get("generate", _ABSENT))
+        model.__dict__["generate"] = types.MethodType(fast_generate, model)
+        state.swaps.append(swap)
+        report.replaced.append(ModuleRecord("(model).generate", type(model).__name__, "fast_generate",
+                                            "static KV cache + one CUDA graph per decode step, where it applies"))
 
     for group in ("_patcher_qkv_weight", "_patcher_qkv_bias", "_patcher_gate_up_weight", "_patcher_gate_up_bias"):
         for module in model.modules():

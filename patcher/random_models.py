@@ -54,16 +54,18 @@ CONFIGS = {
                                tie_word_embeddings=False),
     "smollm2-135m": lambda: _llama(576, 30, 9, 3, 1536, 49152, {"rope_type": "default", "rope_theta": 100000.0},
                                    max_position_embeddings=8192, tie_word_embeddings=True, head_dim=64),
-    # tiny, for CPU tests: every variant the patcher handles (initializer_range raised so values are O(1))
-    "tiny-pythia": lambda: _pythia(64, 3, 4, 160, 256, initializer_range=0.1),
-    "tiny-neox-sequential": lambda: _pythia(64, 3, 4, 160, 256, parallel=False, initializer_range=0.1),
-    "tiny-llama": lambda: _llama(64, 3, 4, 2, 96, 256, {"rope_type": "default", "rope_theta": 10000.0},
-                                 max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1),
-    "tiny-llama-tied": lambda: _llama(64, 3, 4, 2, 96, 256, {"rope_type": "default", "rope_theta": 10000.0},
-                                      max_position_embeddings=256, tie_word_embeddings=True, initializer_range=0.1),
-    "tiny-qwen2": lambda: _qwen2(64, 3, 4, 2, 96, 256, 10000.0, max_position_embeddings=256,
+    # tiny, for tests: every variant the patcher handles, with the real head sizes (Pythia's 80 with 20 rotary
+    # dims, 64 with GQA for LLaMA/Qwen2) so that the decode kernels run on them too; initializer_range is raised
+    # so that values are O(1)
+    "tiny-pythia": lambda: _pythia(320, 3, 4, 640, 512, initializer_range=0.1),
+    "tiny-neox-sequential": lambda: _pythia(320, 3, 4, 640, 512, parallel=False, initializer_range=0.1),
+    "tiny-llama": lambda: _llama(256, 3, 4, 2, 384, 512, {"rope_type": "default", "rope_theta": 10000.0},
+                                 max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.1),
+    "tiny-llama-tied": lambda: _llama(256, 3, 4, 2, 384, 512, {"rope_type": "default", "rope_theta": 10000.0},
+                                      max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.1),
+    "tiny-qwen2": lambda: _qwen2(256, 3, 4, 2, 384, 512, 10000.0, max_position_embeddings=512,
                                  tie_word_embeddings=True, initializer_range=0.1),
-    "tiny-qwen2-untied": lambda: _qwen2(64, 3, 4, 2, 96, 256, 10000.0, max_position_embeddings=256,
+    "tiny-qwen2-untied": lambda: _qwen2(256, 3, 4, 2, 384, 512, 10000.0, max_position_embeddings=512,
                                         tie_word_embeddings=False, initializer_range=0.1),
 }
 

@@ -1,6 +1,6 @@
 """CUDA kernels against their pure-torch references (GPU only).
 
-Every kernel output must be within 2x of PyTorch's own error against an fp32 reference (conftest.py), over
+Every kernel output must be within 2x of PyTorch's own error against a float64 reference (conftest.py), over
 fp16/bf16/fp32, odd shapes, and strided or misaligned inputs (which take the kernels' scalar path).
 Residual sums and RoPE mirror torch's rounding step by step, so those must match PyTorch bit for bit.
 """
@@ -49,10 +49,10 @@ def check_op(op_name, args, exact_outputs=()):
     poison_cuda_cache()
     got = getattr(KERNELS, op_name)(*args)
     low = getattr(reference, op_name)(*args)
-    args32 = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-    ref32 = getattr(reference, op_name)(*args32)
-    got, low, ref32 = ((t,) if isinstance(t, torch.Tensor) else t for t in (got, low, ref32))
-    for i, (g, lo, r) in enumerate(zip(got, low, ref32)):
+    args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    ref64 = getattr(reference, op_name)(*args64)
+    got, low, ref64 = ((t,) if isinstance(t, torch.Tensor) else t for t in (got, low, ref64))
+    for i, (g, lo, r) in enumerate(zip(got, low, ref64)):
         assert g.is_contiguous() and g.device.type == "cuda" and g.dtype == lo.dtype
         assert_within_torch_error(g, lo, r, f"{op_name} output {i}")
         if i in exact_outputs:
@@ -148,26 +148,98 @@ def test_opcheck_on_cuda():
         "rope_qkv": (qkv, cs, cs, 6, 3, 64, False),
         "silu_and_mul": (make((5, 512), f16),),
         "bias_gelu": (x, b, True),
+        "gemv": (make((2, 256), f16), make((96, 256), f16), None, "silu_mul"),
     }
     for op, args in samples.items():
         torch.library.opcheck(getattr(torch.ops.patcher, op).default, args)
 
 
-def test_bad_inputs_get_clear_errors(kernels):
-    x = make((4, 64), torch.float16)
-    w = make((64,), torch.float16)
-    with pytest.raises(RuntimeError, match="dtype"):
-        kernels.rms_norm(x, w.float(), 1e-6)
-    with pytest.raises(RuntimeError, match="shape"):
-        kernels.rms_norm(x, make((32,), torch.float16), 1e-6)
-    with pytest.raises(RuntimeError, match="CUDA tensor"):
-        kernels.add_rms_norm(x, x.cpu(), w, 1e-6)
-    with pytest.raises(RuntimeError, match="contiguous"):
-        kernels.rms_norm(make((64, 4), torch.float16).t(), w, 1e-6)
-    with pytest.raises(RuntimeError, match="unsupported dtype"):
-        kernels.rms_norm(x.double(), w.double(), 1e-6)
-    with pytest.raises(RuntimeError, match="width"):
-        kernels.rope_qkv(make((1, 2, 100), torch.float16), make((1, 2, 8), torch.float16),
-                         make((1, 2, 8), torch.float16), 2, 2, 16, False)
-    with pytest.raises(RuntimeError, match="even"):
-        kernels.silu_and_mul(make((3, 63), torch.float16))
+BAD_INPUTS = {  # name -> (op, args builder, message the error must contain)
+    "weight dtype": ("rms_norm", lambda x, w: (x, w.float(), 1e-6), "dtype"),
+    "weight shape": ("rms_norm", lambda x, w: (x, make((32,), torch.float16), 1e-6), "shape"),
+    "delta on cpu": ("add_rms_norm", lambda x, w: (x, x.cpu(), w, 1e-6), "CUDA tensor"),
+    "strided last dim": ("rms_norm", lambda x, w: (make((64, 4), torch.float16).t(), w, 1e-6), "contiguous"),
+    "float64": ("rms_norm", lambda x, w: (x.double(), w.double(), 1e-6), "unsupported dtype"),
+    "qkv width": ("rope_qkv", lambda x, w: (make((1, 2, 100), torch.float16), make((1, 2, 8), torch.float16),
+                                            make((1, 2, 8), torch.float16), 2, 2, 16, False), "width"),
+    "odd silu width": ("silu_and_mul", lambda x, w: (make((3, 63), torch.float16),), "even"),
+    "gemv rows": ("gemv", lambda x, w: (make((9, 64), torch.float16), make((32, 64), torch.float16), None, "none"),
+                  "at most 8"),
+    "gemv activation": ("gemv", lambda x, w: (x, make((32, 64), torch.float16), None, "relu"), "activation"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_get_clear_errors(kernels, case):
+    op, build, message = BAD_INPUTS[case]
+    x, w = make((4, 64), torch.float16), make((64,), torch.float16)
+    with pytest.raises(RuntimeError, match=message):
+        getattr(kernels, op)(*build(x, w))
+
+
+# ---- decode path kernels -----------------------------------------------------------------------------------------
+
+GEMV_SHAPES = [(2560, 2560), (7680, 2560), (4096, 14336), (769, 1000), (3, 5125), (151936 // 16, 1536)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("shape", GEMV_SHAPES)
+@pytest.mark.parametrize("activation", ["none", "gelu", "gelu_tanh", "silu_mul"])
+def test_gemv(activation, shape, batch, dtype):
+    n, k = shape
+    rows = 2 * n if activation == "silu_mul" else n
+    x = make((batch, k), dtype)
+    w = make((rows, k), dtype, scale=1 / k**0.5)
+    bias = make((rows,), dtype) if n % 2 else None
+    check_op("gemv", (x, w, bias, activation))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["row-strided", "misaligned"])
+def test_gemv_strided_and_misaligned(layout, dtype):
+    x = make((3, 1024), dtype, layout)
+    w = make((300, 1024), dtype, layout, scale=1 / 32)
+    check_op("gemv", (x, w, make((300,), dtype), "none"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", list(ROPE_ARCHS))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_rope_qkv_cache(batch, arch, dtype):
+    from patcher.ops import KERNELS, reference
+
+    hq, hkv, d, rot, interleaved = ROPE_ARCHS[arch]
+    capacity = 64
+    qkv = make((batch, (hq + 2 * hkv) * d), dtype)
+    angles = torch.randn(capacity, rot // 2, device="cuda") * 3
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    slot = torch.tensor([37], device="cuda")
+    pad = torch.arange(batch, device="cuda") * 5
+    caches = [make((batch, hkv, capacity, d), dtype) for _ in range(2)]
+    expected_caches = [c.clone() for c in caches]
+    q = KERNELS.rope_qkv_cache(qkv, cos, sin, slot, pad, *caches, hq, hkv, d, interleaved)
+    q_ref = reference.rope_qkv_cache(qkv, cos, sin, slot, pad, *expected_caches, hq, hkv, d, interleaved)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(caches[0], expected_caches[0]) and torch.equal(caches[1], expected_caches[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("heads", [(32, 32), (12, 2), (9, 3), (32, 8), (28, 4)])
+@pytest.mark.parametrize("length", [1, 7, 129, 1000, 4096])
+@pytest.mark.parametrize("batch,splits", [(1, 1), (1, 16), (3, 7), (8, 64)])
+def test_decode_attention(batch, splits, length, heads, head_dim, dtype):
+    from patcher.ops import decode_attention_workspace
+
+    hq, hkv = heads
+    capacity = length + 9
+    q = make((batch, hq, head_dim), dtype)
+    k_cache, v_cache = make((batch, hkv, capacity, head_dim), dtype), make((batch, hkv, capacity, head_dim), dtype)
+    slot = torch.tensor([length - 1], device="cuda")
+    pad = torch.tensor([min(r * 3, length - 1) for r in range(batch)], device="cuda")
+    workspace = decode_attention_workspace(batch, hq, hkv, head_dim, splits, "cuda")
+    scale = head_dim**-0.5
+    check_op("decode_attention", (q, k_cache, v_cache, slot, pad, scale, splits, workspace))
+    assert int(workspace[: batch * hkv].abs().sum()) == 0, "split counters must be left at zero"

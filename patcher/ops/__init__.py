@@ -26,6 +26,9 @@ OP_NAMES = (
     "rope_qkv",
     "silu_and_mul",
     "bias_gelu",
+    "gemv",
+    "rope_qkv_cache",
+    "decode_attention",
 )
 
 
@@ -65,4 +68,7 @@ def backend_for(device: torch.device, requested: str = "auto") -> Backend:
     return KERNELS
 
 
-__all__ = ["Backend", "KERNELS", "REFERENCE", "backend_for", "ExtensionError", "OP_NAMES", "reference"]
+decode_attention_workspace = reference.decode_attention_workspace
+
+__all__ = [
+    "decode_attention_workspace","Backend", "KERNELS", "REFERENCE", "backend_for", "ExtensionError", "OP_NAMES", "reference"]

@@ -92,3 +92,25 @@ _define(
     lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)),
 )
 _define("bias_gelu(Tensor x, Tensor? bias, bool tanh) -> Tensor", ref.bias_gelu, lambda x, b, tanh: _like(x))
+
+
+# Decode path: matrix-vector products with fused epilogues, the attention prologue writing into a static KV cache,
+# and attention over the filled part of that cache.
+def _gemv_fake(x, weight, bias, activation):
+    n = weight.shape[0] // 2 if activation == "silu_mul" else weight.shape[0]
+    return x.new_empty((*x.shape[:-1], n))
+
+
+_define("gemv(Tensor x, Tensor weight, Tensor? bias, str activation) -> Tensor", ref.gemv, _gemv_fake)
+_define(
+    "rope_qkv_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor slot, Tensor pad, Tensor(a!) k_cache,"
+    " Tensor(b!) v_cache, int num_q_heads, int num_kv_heads, int head_dim, bool interleaved) -> Tensor",
+    ref.rope_qkv_cache,
+    lambda qkv, cos, sin, slot, pad, kc, vc, hq, hkv, d, inter: qkv.new_empty((qkv.shape[0], hq, d)),
+)
+_define(
+    "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot, Tensor pad, float scale, int splits,"
+    " Tensor(a!) workspace) -> Tensor",
+    ref.decode_attention,
+    lambda q, kc, vc, slot, pad, scale, splits, ws: q.new_empty((q.shape[0], q.shape[1] * q.shape[2])),
+)

@@ -117,3 +117,56 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, tanh: bool) -> torch.T
     if bias is not None:
         x = x + bias
     return F.gelu(x, approximate="tanh" if tanh else "none")
+
+
+# ---- decode path -------------------------------------------------------------------------------------------------
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """F.linear for the few rows of a decode step, with the MLP activation fused:
+    "none", "gelu", "gelu_tanh", or "silu_mul" (weight = [gate; up], output silu(gate) * up)."""
+    y = F.linear(x, weight, bias)
+    if activation == "silu_mul":
+        return silu_and_mul(y)
+    if activation == "none":
+        return y
+    return F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def rope_qkv_cache(qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                   interleaved: bool) -> torch.Tensor:
+    """One decode token per row: q [B, Hq, D] with RoPE, and K/V written into k_cache/v_cache[:, :, slot].
+
+    cos/sin are tables [positions, R]; row b sits at position slot - pad[b] (pad: its leading padding tokens).
+    """
+    positions = (slot - pad).clamp(0, cos.shape[0] - 1)
+    q, k, v = rope_qkv(qkv.unsqueeze(1), cos[positions].unsqueeze(1), sin[positions].unsqueeze(1),
+                       num_q_heads, num_kv_heads, head_dim, interleaved)
+    k_cache.index_copy_(2, slot, k)
+    v_cache.index_copy_(2, slot, v)
+    return q[:, :, 0].contiguous()
+
+
+def decode_attention(q, k_cache, v_cache, slot, pad, scale: float, splits: int, workspace) -> torch.Tensor:
+    """Softmax attention of q [B, Hq, D] over keys pad[b] .. slot of the static cache; returns [B, Hq * D].
+
+    fp32 scores, softmax and weighted sum (as SDPA computes them), rounded to the dtype once.
+    `splits` and `workspace` only shape the CUDA kernel's work; the result does not depend on them.
+    """
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    length = int(slot.max().item()) + 1
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 math for fp16/bf16, float64 stays float64
+    k = k_cache[:, :, :length].to(acc).repeat_interleave(Hq // Hkv, dim=1)
+    v = v_cache[:, :, :length].to(acc).repeat_interleave(Hq // Hkv, dim=1)
+    scores = torch.einsum("bhd,bhtd->bht", q.to(acc), k) * scale
+    masked = torch.arange(length, device=q.device)[None, :] < pad[:, None]
+    scores = scores.masked_fill(masked[:, None, :], float("-inf"))
+    out = torch.einsum("bht,bhtd->bhd", torch.softmax(scores, dim=-1), v)
+    return out.to(q.dtype).reshape(B, Hq * D)
+
+
+def decode_attention_workspace(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, splits: int,
+                               device) -> torch.Tensor:
+    """The zeroed scratch decode_attention needs: per-(row, kv head) counters, then the split partials."""
+    counters = (batch * num_kv_heads + 63) // 64 * 64
+    return torch.zeros(counters + batch * num_q_heads * splits * (head_dim + 2), dtype=torch.int32, device=device)

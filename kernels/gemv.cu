@@ -1,0 +1,177 @@
+// Matrix-vector products for decode: 1 to 8 rows of x against a row-major weight [N, K] (nn.Linear layout),
+// with the bias and the MLP activation fused into the epilogue.
+//
+// Bytes: the weight is read once and dominates (x is a few KB and stays in L1/L2), so the kernel is built to keep
+// enough 16-byte weight loads in flight to saturate HBM: every warp owns ROWS output rows (2 rows, or 2 gate/up
+// row pairs for SwiGLU), each lane streams 16-byte chunks of all of them with UNROLL chunks issued before the
+// first is used, and the x chunk it loads serves every row of the warp. Weights are loaded with the streaming
+// cache hint (read once, evicted first) so they do not push x out of L1. Accumulation is fp32; a warp
+// reduction finishes each dot product, and lane 0 applies the epilogue with HF's rounding points:
+//   plain:   out = round(act(round(x.w + b)))     (the act is skipped for kActNone: out = round(x.w + b))
+//   SwiGLU:  out = round(round(silu(round(x.w_gate + b_gate))) * round(x.w_up + b_up))
+#include "common.cuh"
+
+namespace patcher {
+namespace {
+
+constexpr int kWarps = 4;
+
+template <typename T, int V>
+__device__ __forceinline__ void load_weights(float (&dst)[V], const T* src) {
+  if constexpr (V * sizeof(T) == 16) {
+    Vec<T, V> v;
+    *reinterpret_cast<uint4*>(&v) = __ldcs(reinterpret_cast<const uint4*>(src));
+#pragma unroll
+    for (int i = 0; i < V; ++i) dst[i] = to_float(v.data[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) dst[i] = to_float(src[i]);
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void load_x(float (&dst)[V], const T* src) {
+  if constexpr (V * sizeof(T) == 16) {
+    load_vec<T, V>(dst, src);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) dst[i] = to_float(src[i]);
+  }
+}
+
+template <typename T, int V, int BMAX, int ROWS, bool PAIRED, int UNROLL>
+__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvParams p) {
+  constexpr int NW = PAIRED ? 2 * ROWS : ROWS;  // weight rows this warp streams
+  const int lane = threadIdx.x & 31;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5)) * ROWS;
+  if (first >= p.n) return;  // whole warps leave together
+  const T* x = static_cast<const T*>(p.x);
+  const T* rows[NW];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int64_t o = first + r < p.n ? first + r : p.n - 1;  // rows past the end repeat the last; not stored
+    rows[r] = static_cast<const T*>(p.w) + o * p.w_stride;
+    if (PAIRED) rows[ROWS + r] = static_cast<const T*>(p.w) + (o + p.n) * p.w_stride;
+  }
+  float acc[NW][BMAX];
+#pragma unroll
+  for (int r = 0; r < NW; ++r)
+#pragma unroll
+    for (int b = 0; b < BMAX; ++b) acc[r][b] = 0.f;
+
+  const int64_t step = 32 * V;  // elements one warp-wide load covers
+  const int64_t full = p.k / (step * UNROLL) * (step * UNROLL);
+  for (int64_t k0 = lane * V; k0 < full; k0 += step * UNROLL) {
+    float w[UNROLL][NW][V];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+      for (int r = 0; r < NW; ++r) load_weights<T, V>(w[u][r], rows[r] + k0 + u * step);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+      for (int b = 0; b < BMAX; ++b) {
+        if (b < p.batch) {
+          float xv[V];
+          load_x<T, V>(xv, x + b * p.x_stride + k0 + u * step);
+#pragma unroll
+          for (int r = 0; r < NW; ++r)
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[r][b] += w[u][r][j] * xv[j];
+        }
+      }
+    }
+  }
+  for (int64_t k = full + lane * V; k < p.k; k += step) {  // the tail, one chunk at a time
+    float w[NW][V];
+#pragma unroll
+    for (int r = 0; r < NW; ++r) load_weights<T, V>(w[r], rows[r] + k);
+#pragma unroll
+    for (int b = 0; b < BMAX; ++b) {
+      if (b < p.batch) {
+        float xv[V];
+        load_x<T, V>(xv, x + b * p.x_stride + k);
+#pragma unroll
+        for (int r = 0; r < NW; ++r)
+#pragma unroll
+          for (int j = 0; j < V; ++j) acc[r][b] += w[r][j] * xv[j];
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < NW; ++r)
+#pragma unroll
+    for (int b = 0; b < BMAX; ++b) acc[r][b] = warp_sum(acc[r][b]);
+  if (lane != 0) return;
+
+  const T* bias = static_cast<const T*>(p.bias);
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int64_t o = first + r;
+    if (o >= p.n) break;
+#pragma unroll
+    for (int b = 0; b < BMAX; ++b) {
+      if (b >= p.batch) break;
+      float y;
+      if (PAIRED) {
+        const float gate = round_to<T>(acc[r][b] + (bias ? to_float(bias[o]) : 0.f));
+        const float up = round_to<T>(acc[ROWS + r][b] + (bias ? to_float(bias[o + p.n]) : 0.f));
+        y = round_to<T>(silu(gate)) * up;
+      } else {
+        y = acc[r][b] + (bias ? to_float(bias[o]) : 0.f);
+        if (p.act != kActNone) y = gelu(round_to<T>(y), p.act == kActGeluTanh);
+      }
+      out[b * p.n + o] = from_float<T>(y);
+    }
+  }
+}
+
+template <typename T, int V, int BMAX>
+void launch_rows(const GemvParams& p, cudaStream_t stream) {
+  constexpr int ROWS = 2;
+  const int64_t warps = (p.n + ROWS - 1) / ROWS;
+  const unsigned blocks = static_cast<unsigned>((warps + kWarps - 1) / kWarps);
+  // Fewer chunks in flight when a warp already holds many accumulators (register pressure).
+  if (p.act == kActSiluMul) {
+    gemv_kernel<T, V, BMAX, ROWS, true, (BMAX >= 4 ? 2 : 4)><<<blocks, kWarps * 32, 0, stream>>>(p);
+  } else {
+    gemv_kernel<T, V, BMAX, ROWS, false, (BMAX >= 8 ? 2 : 4)><<<blocks, kWarps * 32, 0, stream>>>(p);
+  }
+}
+
+template <typename T, int V>
+void launch_batch(const GemvParams& p, cudaStream_t stream) {
+  if (p.batch <= 1) {
+    launch_rows<T, V, 1>(p, stream);
+  } else if (p.batch <= 2) {
+    launch_rows<T, V, 2>(p, stream);
+  } else if (p.batch <= 4) {
+    launch_rows<T, V, 4>(p, stream);
+  } else {
+    launch_rows<T, V, 8>(p, stream);
+  }
+}
+
+template <typename T>
+bool can_vectorize(const GemvParams& p) {
+  constexpr int vec = 16 / sizeof(T);
+  return p.k % vec == 0 && p.w_stride % vec == 0 && p.x_stride % vec == 0 && aligned16(p.w) && aligned16(p.x);
+}
+
+}  // namespace
+
+cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.n == 0) return cudaSuccess;
+  if (p.batch > 8) return cudaErrorInvalidValue;
+  PATCHER_DISPATCH_DTYPE(p.dtype, T, {
+    if (can_vectorize<T>(p)) {
+      launch_batch<T, 16 / sizeof(T)>(p, stream);
+    } else {
+      launch_batch<T, 1>(p, stream);
+    }
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace patcher

@@ -1,0 +1,260 @@
+"""The decode loop of a patched model: a static KV cache and one CUDA graph per decode step.
+
+    prefill      the patched model's own forward (fused kernels, HF's SDPA/flash) on the prompt; its K/V are copied
+                 into the static cache, and the first token is chosen from its last logits
+    decode step  embedding -> per layer: add+norm, QKV gemv, rope_qkv_cache (RoPE, K/V written into the cache),
+                 decode_attention (only the filled part of the cache), output gemv, add+norm, MLP gemvs with the
+                 activation fused -> final add+norm -> lm_head gemv -> argmax or sampling -> the token is written
+                 after the current one and the position counter advances
+On CUDA the step is captured once per batch size and cache size and replayed for every token: one host call per
+token, no host sync (the loop checks for EOS every few steps). The cache position lives in a device tensor, so
+the same graph serves every step. On the CPU (tests, reference backend) the same step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..ops import decode_attention_workspace
+from ..registry import REGISTRY
+
+EOS_CHECK_EVERY = 16  # decode steps between host checks for "every row has finished"
+MIN_CAPACITY = 256
+MAX_EOS_IDS = 8
+
+
+@dataclass
+class Sampling:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+
+
+@dataclass
+class LayerStep:
+    """What one layer's decode step reads: the patch plans of its modules and its slice of the static cache."""
+
+    plan: object  # LayerPlan (norm closures)
+    attention: object  # AttentionPlan
+    mlp: object  # MlpPlan
+    scale: float
+    gelu: str  # activation of a plain MLP: "gelu" or "gelu_tanh"
+
+
+class StepState:
+    """The static buffers one (batch size, cache capacity) pair decodes in; a captured graph reads only these."""
+
+    def __init__(self, runner: "DecodeRunner", batch: int, capacity: int):
+        dev, cfg = runner.device, runner.config
+        self.batch, self.capacity = batch, capacity
+        kv_shape = (runner.num_layers, batch, runner.num_kv_heads, capacity, runner.head_dim)
+        self.k = torch.zeros(kv_shape, dtype=runner.dtype, device=dev)
+        self.v = torch.zeros(kv_shape, dtype=runner.dtype, device=dev)
+        self.tokens = torch.zeros(batch, capacity + 1, dtype=torch.long, device=dev)  # prompt + generated
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # index of the current token (= its cache row)
+        self.pad = torch.zeros(batch, dtype=torch.long, device=dev)  # leading pad tokens per row
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.eos = torch.full((MAX_EOS_IDS,), -1, dtype=torch.long, device=dev)  # EOS ids, -1 for unused entries
+        self.pad_token = torch.zeros((), dtype=torch.long, device=dev)
+        self.splits = runner.attention_splits(batch)
+        self.workspace = decode_attention_workspace(batch, runner.num_heads, runner.num_kv_heads, runner.head_dim,
+                                                    self.splits, dev)
+        self.cos, self.sin = runner.rope_tables(capacity)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_sampling: Sampling | None = None
+        self.graph_has_eos = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.tokens, self.workspace))
+
+
+class DecodeRunner:
+    def __init__(self, model, use_graphs: bool = True):
+        config = model.config
+        entry = REGISTRY[config.model_type]
+        spec = entry.spec
+        base = getattr(model, spec.base_model, model)
+        self.model, self.config, self.spec = model, config, spec
+        self.embed = model.get_input_embeddings()
+        lm_head = model.get_output_embeddings()
+        self.lm_weight, self.lm_bias = lm_head.weight, getattr(lm_head, "bias", None)
+        self.rotary = base.rotary_emb
+        self.final_norm = getattr(base, spec.final_norm)._patcher
+        self.parallel = spec.flag(config, spec.parallel_residual)
+        self.layers = []
+        for layer in getattr(base, spec.layers):
+            attention, mlp = getattr(layer, spec.attention), getattr(layer, spec.mlp)
+            gelu = "gelu_tanh" if getattr(mlp._patcher, "tanh", False) else "gelu"
+            self.layers.append(LayerStep(layer._patcher, attention._patcher, mlp._patcher, float(attention.scaling), gelu))
+        self.ops = self.layers[0].attention.ops
+        self.num_layers = len(self.layers)
+        self.num_heads, self.num_kv_heads = spec.num_heads(config), spec.num_kv_heads(config)
+        self.head_dim = spec.head_dim(config)
+        self.device, self.dtype = self.lm_weight.device, self.lm_weight.dtype
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.states: dict[int, StepState] = {}  # batch size -> buffers (and graph), grown on demand
+
+    # ---- setup ------------------------------------------------------------------------------------------------
+    def attention_splits(self, batch: int) -> int:
+        """Key splits per (row, kv head): enough blocks to cover the GPU twice."""
+        if self.device.type != "cuda":
+            return 1
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return max(1, min(64, math.ceil(2 * sms / (batch * self.num_kv_heads))))
+
+    def rope_tables(self, capacity: int):
+        """cos/sin [capacity, rotary_dim] for positions 0..capacity-1, from the model's own rotary embedding."""
+        positions = torch.arange(capacity, device=self.device)[None]
+        probe = torch.empty(1, device=self.device, dtype=self.dtype)
+        with torch.no_grad():
+            cos, sin = self.rotary(probe, position_ids=positions)
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    def state_for(self, batch: int, needed: int) -> StepState:
+        state = self.states.get(batch)
+        if state is None or state.capacity < needed:
+            self.states.pop(batch, None)  # free the smaller cache (and its graph) first
+            capacity = max(MIN_CAPACITY, 1 << (needed - 1).bit_length())
+            state = self.states[batch] = StepState(self, batch, capacity)
+        return state
+
+    def memory_bytes(self) -> int:
+        return sum(s.nbytes for s in self.states.values())
+
+    # ---- one decode step ------------------------------------------------------------------------------------
+    def _attention(self, layer: LayerStep, index: int, h, st: StepState):
+        a, ops = layer.attention, self.ops
+        qkv = ops.gemv(h, a.qkv_weight, a.qkv_bias, "none")
+        k_cache, v_cache = st.k[index], st.v[index]
+        q = ops.rope_qkv_cache(qkv, st.cos, st.sin, st.slot, st.pad, k_cache, v_cache, a.num_heads, a.num_kv_heads,
+                               a.head_dim, a.interleaved)
+        out = ops.decode_attention(q, k_cache, v_cache, st.slot, st.pad, layer.scale, st.splits, st.workspace)
+        return ops.gemv(out, a.out_weight, a.out_bias, "none")
+
+    def _mlp(self, layer: LayerStep, h):
+        m, ops = layer.mlp, self.ops
+        act = "silu_mul" if self.spec.mlp_gated else layer.gelu
+        return ops.gemv(ops.gemv(h, m.in_weight, m.in_bias, act), m.out_weight, m.out_bias, "none")
+
+    def logits(self, st: StepState) -> torch.Tensor:
+        """The next-token logits [B, V] of the current tokens (st.tokens[:, slot]); K/V land in the cache."""
+        x = self.embed(st.tokens.index_select(1, st.slot).squeeze(1))
+        residual, delta, delta2 = x, None, None
+        for i, layer in enumerate(self.layers):
+            p = layer.plan
+            if self.parallel:
+                if delta is None:
+                    h_attn, h_mlp = p.dual_norm(residual)
+                else:
+                    h_attn, h_mlp, residual = p.add_dual_norm(residual, delta, delta2)
+                delta, delta2 = self._attention(layer, i, h_attn, st), self._mlp(layer, h_mlp)
+            else:
+                if delta is None:
+                    h = p.norm(residual)
+                else:
+                    h, residual = p.add_norm(residual, delta, delta2)
+                attn = self._attention(layer, i, h, st)
+                h, residual = p.post_add_norm(residual, attn, None)
+                delta, delta2 = self._mlp(layer, h), None
+        final = self.final_norm.add_norm(residual, delta, delta2)[0]
+        return self.ops.gemv(final, self.lm_weight, self.lm_bias, "none")
+
+    def choose(self, logits: torch.Tensor, st: StepState, sampling: Sampling, has_eos: bool) -> torch.Tensor:
+        """Next tokens from logits, HF's order of warpers (temperature, top-k, top-p); EOS bookkeeping."""
+        if sampling.do_sample:
+            scores = logits.float()
+            if sampling.temperature != 1.0:
+                scores = scores / sampling.temperature
+            if 0 < sampling.top_k < scores.shape[-1]:
+                kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
+                scores = scores.masked_fill(scores < kth, float("-inf"))
+            if sampling.top_p < 1.0:
+                sorted_scores, order = torch.sort(scores, descending=False)
+                remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - sampling.top_p)
+                remove[..., -1:] = False
+                scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+            probs = scores.softmax(dim=-1)
+            # A draw from `probs`: argmax of p / E with E ~ Exp(1) (no host sync, graph-capturable RNG).
+            tokens = (probs / torch.empty_like(probs).exponential_(1.0)).argmax(dim=-1)
+        else:
+            tokens = logits.argmax(dim=-1)
+        if has_eos:
+            tokens = torch.where(st.finished, st.pad_token, tokens)
+            st.finished |= (tokens[:, None] == st.eos[None, :]).any(-1)
+        return tokens
+
+    def step(self, st: StepState, sampling: Sampling, has_eos: bool) -> None:
+        tokens = self.choose(self.logits(st), st, sampling, has_eos)
+        st.tokens.index_copy_(1, st.slot + 1, tokens[:, None])
+        st.slot += 1
+
+    # ---- CUDA graph -----------------------------------------------------------------------------------------
+    def _capture(self, st: StepState, sampling: Sampling, has_eos: bool) -> None:
+        """Captures one step on the state's buffers. Runs before prefill: the warm-up's writes are overwritten."""
+        rng = torch.cuda.get_rng_state(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.no_grad():
+            self.step(st, sampling, has_eos)  # warm-up: allocator, lazy module state
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.no_grad():
+            self.step(st, sampling, has_eos)
+        torch.cuda.set_rng_state(rng, self.device)
+        st.graph, st.graph_sampling, st.graph_has_eos = graph, sampling, has_eos
+
+    # ---- generate -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int, sampling: Sampling,
+                 eos: list[int], pad_token_id: int) -> torch.Tensor:
+        """prompt [B, T] (left-padded) -> [B, T + n] with n <= new_tokens (fewer if every row hit EOS)."""
+        B, T = input_ids.shape
+        st = self.state_for(B, T + new_tokens)
+        has_eos = bool(eos)
+        if self.use_graphs and (st.graph is None or st.graph_sampling != sampling or st.graph_has_eos != has_eos):
+            st.graph = None
+            self._capture(st, sampling, has_eos)
+        st.eos.fill_(-1)
+        if eos:
+            st.eos[: len(eos)].copy_(torch.tensor(eos, dtype=torch.long))
+        st.pad_token.fill_(pad_token_id)
+        st.finished.zero_()
+        st.pad.copy_((attention_mask == 0).sum(-1))
+        st.tokens[:, :T].copy_(input_ids)
+
+        # Prefill with the patched model (fused kernels + HF attention), then move its K/V into the static cache.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1)
+        for i, layer in enumerate(out.past_key_values.layers):
+            st.k[i, :, :, :T].copy_(layer.keys)
+            st.v[i, :, :, :T].copy_(layer.values)
+        last_logits = out.logits[:, -1]
+        del out
+        first = self.choose(last_logits, st, sampling, has_eos)
+        st.tokens[:, T].copy_(first)
+        st.slot.fill_(T)
+
+        steps = new_tokens - 1
+        for i in range(steps):
+            if st.graph is not None:
+                st.graph.replay()
+            else:
+                self.step(st, sampling, has_eos)
+            if has_eos and (i + 1) % EOS_CHECK_EVERY == 0 and bool(st.finished.all()):
+                steps = i + 1
+                break
+        length = T + 1 + steps
+        tokens = st.tokens[:, :length].clone()
+        if has_eos and bool(st.finished.all()):
+            # HF stops right after the step in which the last row finished.
+            generated = tokens[:, T:]
+            is_eos = (generated[..., None] == st.eos).any(-1)
+            first_eos = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), generated.shape[1] - 1)
+            tokens = tokens[:, : T + int(first_eos.max()) + 1]
+        return tokens
