@@ -12,6 +12,8 @@ namespace {
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(256) silu_and_mul_kernel(const ActivationParams p) {
+  griddep_wait();
+  griddep_launch_dependents();
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
   if (c >= p.cols) return;
   for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
@@ -27,6 +29,8 @@ __global__ void __launch_bounds__(256) silu_and_mul_kernel(const ActivationParam
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(256) bias_gelu_kernel(const ActivationParams p, bool tanh_approx) {
+  griddep_wait();
+  griddep_launch_dependents();
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
   if (c >= p.cols) return;
   float b[VEC] = {};
@@ -58,13 +62,10 @@ cudaError_t launch_silu_and_mul(const ActivationParams& p, cudaStream_t stream) 
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
   PATCHER_DISPATCH_DTYPE(p.dtype, T, {
     constexpr int vec = 16 / sizeof(T);
-    if (can_vectorize<T>(p)) {
-      silu_and_mul_kernel<T, vec><<<grid_for(p, vec), 256, 0, stream>>>(p);
-    } else {
-      silu_and_mul_kernel<T, 1><<<grid_for(p, 1), 256, 0, stream>>>(p);
-    }
+    if (can_vectorize<T>(p)) return launch_pdl(silu_and_mul_kernel<T, vec>, grid_for(p, vec), dim3(256), 0, stream, p);
+    return launch_pdl(silu_and_mul_kernel<T, 1>, grid_for(p, 1), dim3(256), 0, stream, p);
   });
-  return cudaGetLastError();
+  return cudaSuccess;
 }
 
 cudaError_t launch_bias_gelu(const ActivationParams& p, bool tanh, cudaStream_t stream) {
@@ -72,12 +73,11 @@ cudaError_t launch_bias_gelu(const ActivationParams& p, bool tanh, cudaStream_t 
   PATCHER_DISPATCH_DTYPE(p.dtype, T, {
     constexpr int vec = 16 / sizeof(T);
     if (can_vectorize<T>(p)) {
-      bias_gelu_kernel<T, vec><<<grid_for(p, vec), 256, 0, stream>>>(p, tanh);
-    } else {
-      bias_gelu_kernel<T, 1><<<grid_for(p, 1), 256, 0, stream>>>(p, tanh);
+      return launch_pdl(bias_gelu_kernel<T, vec>, grid_for(p, vec), dim3(256), 0, stream, p, tanh);
     }
+    return launch_pdl(bias_gelu_kernel<T, 1>, grid_for(p, 1), dim3(256), 0, stream, p, tanh);
   });
-  return cudaGetLastError();
+  return cudaSuccess;
 }
 
 }  // namespace patcher

@@ -1,14 +1,17 @@
 // Decode attention over a static KV cache, reading only its filled part (flash-decoding, one kernel).
 //
-// Grid (splits, kv heads, batch). A block takes one kv head of one row and a contiguous 1/splits share of the
-// valid keys pad[b] .. slot (the share is computed in the kernel from the device-side `slot`, so a captured CUDA
-// graph serves every step and every context length). The block's G = Hq / Hkv query heads all use each key it
-// loads, so K and V are read once per kv head (GQA). Within a block, lane groups of D/8 lanes (padded to a power
-// of two) hold one key each as 16-byte vectors, score it against the G queries (fp32), and keep a running
-// softmax (max, sum, weighted V) per head; the groups are merged through shared memory. With one split the block
-// writes the output; otherwise it writes its partial softmax and the last block of the (row, kv head) to finish
-// (an atomic counter, reset by that block) merges all partials. Scores are scaled by `scale` (HF's
-// head_dim^-0.5), softmax and the weighted sum are fp32, the output is rounded to the dtype once.
+// Grid (splits, kv heads, batch). A block takes one kv head of one row and a contiguous share of the valid keys
+// pad[b] .. slot. The number of shares actually used is decided in the kernel from the device-side `slot`
+// (at most `splits`, and no share smaller than one block step of keys), so one captured CUDA graph serves every
+// step and context length, and short contexts do not pay for merging many near-empty partials. The block's
+// G = Hq / Hkv query heads all use each key it loads, so K and V are read once per kv head (GQA).
+//
+// Inside a block, lane groups of D/8 lanes (padded to a power of two) each hold one key as 16-byte vectors. A step
+// loads UNROLL keys per group, scores them against the G queries (fp32, scaled by HF's head_dim^-0.5), and folds
+// them into a running softmax per head with one rescale per step. Groups are merged through shared memory. With
+// one share the block writes the output; otherwise each block writes its partial (max, sum, weighted V) and the
+// last block of the (row, kv head) to finish, found with an atomic counter that it resets, merges the partials.
+// Softmax and the weighted sum are fp32; the output is rounded to the dtype once.
 #include "common.cuh"
 
 namespace patcher {
@@ -16,30 +19,38 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kUnroll = 2;  // keys each lane group loads before using the first
+constexpr int kMaxSplits = 64;
 
 template <typename T, int D, int GMAX>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const DecodeAttentionParams p) {
-  constexpr int kActive = D / 8;                    // lanes of a group holding 8 dims each
-  constexpr int kLanes = kActive <= 8 ? 8 : 16;     // group size, a power of two for xor shuffles
-  constexpr int kGroups = kWarps * (32 / kLanes);   // keys in flight per block step
+  constexpr int kActive = D / 8;                   // lanes of a group holding 8 dims each
+  constexpr int kLanes = kActive <= 8 ? 8 : 16;    // group size, a power of two for xor shuffles
+  constexpr int kGroups = kWarps * (32 / kLanes);  // keys in flight per block per unrolled position
+  constexpr int kUnroll = GMAX >= 8 ? 2 : 4;       // keys per group per step (register budget)
+  constexpr int kStep = kGroups * kUnroll;         // keys per block step
   __shared__ float s_m[kGroups][GMAX], s_l[kGroups][GMAX];
   __shared__ float s_acc[kGroups][GMAX][D];
+  __shared__ float s_factor[GMAX][kMaxSplits], s_share_sum[GMAX][kMaxSplits], s_denominator[GMAX];
   __shared__ bool s_last;
 
+  griddep_wait();
+  griddep_launch_dependents();
   const int b = blockIdx.z, kvh = blockIdx.y, split = blockIdx.x;
   const int G = static_cast<int>(p.num_q_heads / p.num_kv_heads);
+  const int64_t last_key = *p.slot, start = p.pad[b];
+  const int64_t count = last_key + 1 - start;
+  const int64_t wanted = (count + kStep - 1) / kStep;  // at least one block step of keys per share
+  const int shares = static_cast<int>(wanted < p.splits ? (wanted > 1 ? wanted : 1) : p.splits);
+  if (split >= shares) return;  // this block has no keys at this context length
+  const int64_t chunk = (count + shares - 1) / shares;
+  const int64_t lo = start + split * chunk;
+  const int64_t hi = lo + chunk < last_key + 1 ? lo + chunk : last_key + 1;
+
   const int lane = threadIdx.x & 31;
   const int sub = lane % kLanes;
   const int group = (threadIdx.x >> 5) * (32 / kLanes) + lane / kLanes;
   const bool active = sub < kActive;
   const int d0 = sub * 8;
-
-  const int64_t last_key = *p.slot, start = p.pad[b];
-  const int64_t count = last_key + 1 - start;
-  const int64_t chunk = (count + p.splits - 1) / p.splits;
-  const int64_t lo = start + split * chunk;
-  const int64_t hi = lo + chunk < last_key + 1 ? lo + chunk : last_key + 1;
 
   float q[GMAX][8];
 #pragma unroll
@@ -64,8 +75,8 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   const int64_t head_offset = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.capacity * D;
   const T* k_base = static_cast<const T*>(p.k_cache) + head_offset + d0;
   const T* v_base = static_cast<const T*>(p.v_cache) + head_offset + d0;
-  // Every lane runs the same number of iterations (the shuffles below need the whole warp).
-  for (int64_t base = lo; base < hi; base += kGroups * kUnroll) {
+  // Every lane runs the same number of steps (the shuffles below need the whole warp).
+  for (int64_t base = lo; base < hi; base += kStep) {
     float kv[kUnroll][8], vv[kUnroll][8];
     bool valid[kUnroll];
 #pragma unroll
@@ -81,25 +92,34 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int g = 0; g < GMAX; ++g) {
+      if (g >= G) break;
+      float s[kUnroll];
 #pragma unroll
-      for (int g = 0; g < GMAX; ++g) {
-        if (g >= G) break;
-        float s = 0.f;
+      for (int u = 0; u < kUnroll; ++u) {
+        float dot = 0.f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) s += q[g][j] * kv[u][j];
+        for (int j = 0; j < 8; ++j) dot += q[g][j] * kv[u][j];
 #pragma unroll
-        for (int offset = kLanes / 2; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffu, s, offset);
-        if (valid[u]) {
-          const float m_new = fmaxf(m[g], s);
-          const float alpha = expf(m[g] - m_new);  // 0 while m is still -inf
-          const float prob = expf(s - m_new);
-          l[g] = l[g] * alpha + prob;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[g][j] = acc[g][j] * alpha + prob * vv[u][j];
-          m[g] = m_new;
-        }
+        for (int offset = kLanes / 2; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+        s[u] = valid[u] ? dot : -INFINITY;
       }
+      float mx = m[g];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) mx = fmaxf(mx, s[u]);
+      if (mx == -INFINITY) continue;  // no key for this group in this step
+      const float alpha = expf(m[g] - mx);  // 0 while m is still -inf
+      l[g] *= alpha;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[g][j] *= alpha;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const float prob = expf(s[u] - mx);  // 0 for an invalid key
+        l[g] += prob;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[g][j] += prob * vv[u][j];
+      }
+      m[g] = mx;
     }
   }
 
@@ -117,21 +137,24 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   }
   __syncthreads();
   const int head0 = kvh * G;
+  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + head0) * D;
   float* partials = p.partials + ((static_cast<int64_t>(b) * p.num_q_heads + head0) * p.splits) * (D + 2);
   for (int i = threadIdx.x; i < G * D; i += kThreads) {
     const int g = i / D, d = i % D;
     float mx = -INFINITY;
+#pragma unroll
     for (int r = 0; r < kGroups; ++r) mx = fmaxf(mx, s_m[r][g]);
     float sum = 0.f, weighted = 0.f;
     if (mx > -INFINITY) {
+#pragma unroll
       for (int r = 0; r < kGroups; ++r) {
         const float f = s_l[r][g] > 0.f ? expf(s_m[r][g] - mx) : 0.f;
         sum += s_l[r][g] * f;
         weighted += s_acc[r][g][d] * f;
       }
     }
-    if (p.splits == 1) {
-      static_cast<T*>(p.out)[(b * p.num_q_heads + head0 + g) * D + d] = from_float<T>(weighted / sum);
+    if (shares == 1) {
+      out[i] = from_float<T>(weighted / sum);
     } else {
       float* part = partials + (static_cast<int64_t>(g) * p.splits + split) * (D + 2);
       part[d] = weighted;
@@ -141,32 +164,45 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
       }
     }
   }
-  if (p.splits == 1) return;
+  if (shares == 1) return;
 
-  // The last block of this (row, kv head) merges the partials of all splits.
+  // The last block of this (row, kv head) merges the partials of all shares.
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
     const int done = atomicAdd(p.counters + b * p.num_kv_heads + kvh, 1);
-    s_last = done == p.splits - 1;
+    s_last = done == shares - 1;
   }
   __syncthreads();
   if (!s_last) return;
   __threadfence();
+  for (int i = threadIdx.x; i < G * shares; i += kThreads) {  // gather each share's max and sum
+    const int g = i / shares, s = i % shares;
+    const float* part = partials + (static_cast<int64_t>(g) * p.splits + s) * (D + 2);
+    s_factor[g][s] = __ldcg(part + D);
+    s_share_sum[g][s] = __ldcg(part + D + 1);
+  }
+  __syncthreads();
+  if (threadIdx.x < G) {  // per head: the global max, each share's weight, the softmax denominator
+    const int g = threadIdx.x;
+    float mx = -INFINITY;
+    for (int s = 0; s < shares; ++s) mx = fmaxf(mx, s_factor[g][s]);
+    float denominator = 0.f;
+    for (int s = 0; s < shares; ++s) {
+      const float f = s_share_sum[g][s] > 0.f ? expf(s_factor[g][s] - mx) : 0.f;
+      s_factor[g][s] = f;
+      denominator += s_share_sum[g][s] * f;
+    }
+    s_denominator[g] = denominator;
+  }
+  __syncthreads();
   for (int i = threadIdx.x; i < G * D; i += kThreads) {
     const int g = i / D, d = i % D;
-    const float* part = partials + static_cast<int64_t>(g) * p.splits * (D + 2);
-    float mx = -INFINITY;
-    for (int s = 0; s < p.splits; ++s) mx = fmaxf(mx, __ldcg(part + s * (D + 2) + D));
-    float sum = 0.f, weighted = 0.f;
-    for (int s = 0; s < p.splits; ++s) {
-      const float* ps = part + s * (D + 2);
-      const float ls = __ldcg(ps + D + 1);
-      const float f = ls > 0.f ? expf(__ldcg(ps + D) - mx) : 0.f;
-      sum += ls * f;
-      weighted += __ldcg(ps + d) * f;
-    }
-    static_cast<T*>(p.out)[(b * p.num_q_heads + head0 + g) * D + d] = from_float<T>(weighted / sum);
+    const float* part = partials + static_cast<int64_t>(g) * p.splits * (D + 2) + d;
+    float weighted = 0.f;
+#pragma unroll 4
+    for (int s = 0; s < shares; ++s) weighted += __ldcg(part + s * (D + 2)) * s_factor[g][s];
+    out[i] = from_float<T>(weighted / s_denominator[g]);
   }
   if (threadIdx.x == 0) p.counters[b * p.num_kv_heads + kvh] = 0;  // ready for the next launch
 }
@@ -176,25 +212,19 @@ cudaError_t launch_head_dim(const DecodeAttentionParams& p, cudaStream_t stream)
   const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(p.batch));
   const int64_t group = p.num_q_heads / p.num_kv_heads;
-  if (group <= 1) {
-    decode_attention_kernel<T, D, 1><<<grid, kThreads, 0, stream>>>(p);
-  } else if (group <= 2) {
-    decode_attention_kernel<T, D, 2><<<grid, kThreads, 0, stream>>>(p);
-  } else if (group <= 4) {
-    decode_attention_kernel<T, D, 4><<<grid, kThreads, 0, stream>>>(p);
-  } else if (group <= 8) {
-    decode_attention_kernel<T, D, 8><<<grid, kThreads, 0, stream>>>(p);
-  } else {
-    return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  if (group <= 1) return launch_pdl(decode_attention_kernel<T, D, 1>, grid, kThreads, 0, stream, p);
+  if (group <= 2) return launch_pdl(decode_attention_kernel<T, D, 2>, grid, kThreads, 0, stream, p);
+  if (group <= 4) return launch_pdl(decode_attention_kernel<T, D, 4>, grid, kThreads, 0, stream, p);
+  if (group <= 8) return launch_pdl(decode_attention_kernel<T, D, 8>, grid, kThreads, 0, stream, p);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
 cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
-  if (p.splits < 1 || p.num_kv_heads < 1 || p.num_q_heads % p.num_kv_heads) return cudaErrorInvalidValue;
+  if (p.splits < 1 || p.splits > kMaxSplits || p.num_kv_heads < 1 || p.num_q_heads % p.num_kv_heads)
+    return cudaErrorInvalidValue;
   PATCHER_DISPATCH_DTYPE(p.dtype, T, {
     switch (p.head_dim) {
       case 64:

@@ -4,9 +4,11 @@
 // Bytes: the weight is read once and dominates (x is a few KB and stays in L1/L2), so the kernel is built to keep
 // enough 16-byte weight loads in flight to saturate HBM: every warp owns ROWS output rows (2 rows, or 2 gate/up
 // row pairs for SwiGLU), each lane streams 16-byte chunks of all of them with UNROLL chunks issued before the
-// first is used, and the x chunk it loads serves every row of the warp. Weights are loaded with the streaming
-// cache hint (read once, evicted first) so they do not push x out of L1. Accumulation is fp32; a warp
-// reduction finishes each dot product, and lane 0 applies the epilogue with HF's rounding points:
+// first is used, and the x chunk it loads serves every row of the warp. Matrices with few rows split K over the
+// warps of a block so that every SM has enough warps streaming. Weights are loaded with the streaming cache hint
+// (read once, evicted first) so they do not push x out of L1, and launched with programmatic dependent launch so
+// the first weights are requested while the previous kernel finishes. Accumulation is fp32; a warp reduction
+// finishes each dot product, and lane 0 applies the epilogue with HF's rounding points:
 //   plain:   out = round(act(round(x.w + b)))     (the act is skipped for kActNone: out = round(x.w + b))
 //   SwiGLU:  out = round(round(silu(round(x.w_gate + b_gate))) * round(x.w_up + b_up))
 #include "common.cuh"
@@ -39,12 +41,18 @@ __device__ __forceinline__ void load_x(float (&dst)[V], const T* src) {
   }
 }
 
-template <typename T, int V, int BMAX, int ROWS, bool PAIRED, int UNROLL>
+// Each block has kWarps warps; KSPLIT of them share one group of ROWS output rows, each taking 1/KSPLIT of K
+// (more warps in flight for matrices with few rows), and their partial sums meet in shared memory.
+template <typename T, int V, int BMAX, int ROWS, bool PAIRED, int UNROLL, int KSPLIT>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvParams p) {
   constexpr int NW = PAIRED ? 2 * ROWS : ROWS;  // weight rows this warp streams
-  const int lane = threadIdx.x & 31;
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5)) * ROWS;
-  if (first >= p.n) return;  // whole warps leave together
+  constexpr int GROUPS = kWarps / KSPLIT;       // row groups per block
+  __shared__ float s_partial[kWarps][NW][BMAX];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int part = warp % KSPLIT;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * GROUPS + warp / KSPLIT) * ROWS;
+  const bool live = first < p.n;
+  if (KSPLIT == 1 && !live) return;  // whole warps leave together (no block barrier without a K split)
   const T* x = static_cast<const T*>(p.x);
   const T* rows[NW];
 #pragma unroll
@@ -53,48 +61,67 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvParams p) {
     rows[r] = static_cast<const T*>(p.w) + o * p.w_stride;
     if (PAIRED) rows[ROWS + r] = static_cast<const T*>(p.w) + (o + p.n) * p.w_stride;
   }
+  // This warp's slice of K, a multiple of V long (the last slice takes the rest).
+  const int64_t slice = (p.k / KSPLIT + V - 1) / V * V;
+  const int64_t k_begin = part * slice < p.k ? part * slice : p.k;
+  const int64_t k_end = part == KSPLIT - 1 ? p.k : (k_begin + slice < p.k ? k_begin + slice : p.k);
+
+  // The weights never change during decode: start pulling this warp's first chunk into L2 before waiting for the
+  // previous kernel (programmatic dependent launch), so the stream of weights overlaps that kernel's tail.
+  if (V * sizeof(T) == 16 && live && k_end > k_begin) {
+    const int64_t bytes = (k_end - k_begin) * static_cast<int64_t>(sizeof(T));
+#pragma unroll
+    for (int r = 0; r < NW; ++r) {
+      if (lane == r) prefetch_l2(rows[r] + k_begin, static_cast<uint32_t>(bytes < 8192 ? bytes : 8192));
+    }
+  }
+  griddep_wait();
+  griddep_launch_dependents();
+
   float acc[NW][BMAX];
 #pragma unroll
   for (int r = 0; r < NW; ++r)
 #pragma unroll
     for (int b = 0; b < BMAX; ++b) acc[r][b] = 0.f;
 
-  const int64_t step = 32 * V;  // elements one warp-wide load covers
-  const int64_t full = p.k / (step * UNROLL) * (step * UNROLL);
-  for (int64_t k0 = lane * V; k0 < full; k0 += step * UNROLL) {
-    float w[UNROLL][NW][V];
+  if (live) {
+    const int64_t step = 32 * V;  // elements one warp-wide load covers
+    const int64_t full = k_begin + (k_end - k_begin) / (step * UNROLL) * (step * UNROLL);
+    for (int64_t k0 = k_begin + lane * V; k0 < full; k0 += step * UNROLL) {
+      float w[UNROLL][NW][V];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u)
+      for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
-      for (int r = 0; r < NW; ++r) load_weights<T, V>(w[u][r], rows[r] + k0 + u * step);
+        for (int r = 0; r < NW; ++r) load_weights<T, V>(w[u][r], rows[r] + k0 + u * step);
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+      for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+        for (int b = 0; b < BMAX; ++b) {
+          if (b < p.batch) {
+            float xv[V];
+            load_x<T, V>(xv, x + b * p.x_stride + k0 + u * step);
+#pragma unroll
+            for (int r = 0; r < NW; ++r)
+#pragma unroll
+              for (int j = 0; j < V; ++j) acc[r][b] += w[u][r][j] * xv[j];
+          }
+        }
+      }
+    }
+    for (int64_t k = full + lane * V; k < k_end; k += step) {  // the tail, one chunk at a time
+      float w[NW][V];
+#pragma unroll
+      for (int r = 0; r < NW; ++r) load_weights<T, V>(w[r], rows[r] + k);
 #pragma unroll
       for (int b = 0; b < BMAX; ++b) {
         if (b < p.batch) {
           float xv[V];
-          load_x<T, V>(xv, x + b * p.x_stride + k0 + u * step);
+          load_x<T, V>(xv, x + b * p.x_stride + k);
 #pragma unroll
           for (int r = 0; r < NW; ++r)
 #pragma unroll
-            for (int j = 0; j < V; ++j) acc[r][b] += w[u][r][j] * xv[j];
+            for (int j = 0; j < V; ++j) acc[r][b] += w[r][j] * xv[j];
         }
-      }
-    }
-  }
-  for (int64_t k = full + lane * V; k < p.k; k += step) {  // the tail, one chunk at a time
-    float w[NW][V];
-#pragma unroll
-    for (int r = 0; r < NW; ++r) load_weights<T, V>(w[r], rows[r] + k);
-#pragma unroll
-    for (int b = 0; b < BMAX; ++b) {
-      if (b < p.batch) {
-        float xv[V];
-        load_x<T, V>(xv, x + b * p.x_stride + k);
-#pragma unroll
-        for (int r = 0; r < NW; ++r)
-#pragma unroll
-          for (int j = 0; j < V; ++j) acc[r][b] += w[r][j] * xv[j];
       }
     }
   }
@@ -102,6 +129,25 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvParams p) {
   for (int r = 0; r < NW; ++r)
 #pragma unroll
     for (int b = 0; b < BMAX; ++b) acc[r][b] = warp_sum(acc[r][b]);
+  if (KSPLIT > 1) {  // add up the K slices of this row group
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < NW; ++r)
+#pragma unroll
+        for (int b = 0; b < BMAX; ++b) s_partial[warp][r][b] = acc[r][b];
+    }
+    __syncthreads();
+    if (part != 0 || !live) return;
+#pragma unroll
+    for (int r = 0; r < NW; ++r)
+#pragma unroll
+      for (int b = 0; b < BMAX; ++b) {
+        float total = 0.f;
+#pragma unroll
+        for (int q = 0; q < KSPLIT; ++q) total += s_partial[warp + q][r][b];
+        acc[r][b] = total;
+      }
+  }
   if (lane != 0) return;
 
   const T* bias = static_cast<const T*>(p.bias);
@@ -127,30 +173,43 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvParams p) {
   }
 }
 
-template <typename T, int V, int BMAX>
-void launch_rows(const GemvParams& p, cudaStream_t stream) {
+int multiprocessors() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    return sms;
+  }();
+  return count;
+}
+
+template <typename T, int V, int BMAX, bool PAIRED, int UNROLL>
+cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
   constexpr int ROWS = 2;
-  const int64_t warps = (p.n + ROWS - 1) / ROWS;
-  const unsigned blocks = static_cast<unsigned>((warps + kWarps - 1) / kWarps);
-  // Fewer chunks in flight when a warp already holds many accumulators (register pressure).
-  if (p.act == kActSiluMul) {
-    gemv_kernel<T, V, BMAX, ROWS, true, (BMAX >= 4 ? 2 : 4)><<<blocks, kWarps * 32, 0, stream>>>(p);
-  } else {
-    gemv_kernel<T, V, BMAX, ROWS, false, (BMAX >= 8 ? 2 : 4)><<<blocks, kWarps * 32, 0, stream>>>(p);
+  const int64_t groups = (p.n + ROWS - 1) / ROWS;
+  // Few rows: split K over the 4 warps of a block, so that enough warps stream weights to fill every SM
+  // (without it a 1536-row matrix runs 768 warps, under 6 per SM, and the wave tail dominates).
+  if (groups < 16 * multiprocessors() && p.k >= 1024) {
+    return launch_pdl(gemv_kernel<T, V, BMAX, ROWS, PAIRED, UNROLL, kWarps>, dim3(static_cast<unsigned>(groups)),
+                      dim3(kWarps * 32), 0, stream, p);
   }
+  const unsigned blocks = static_cast<unsigned>((groups + kWarps - 1) / kWarps);
+  return launch_pdl(gemv_kernel<T, V, BMAX, ROWS, PAIRED, UNROLL, 1>, dim3(blocks), dim3(kWarps * 32), 0, stream, p);
+}
+
+template <typename T, int V, int BMAX>
+cudaError_t launch_act(const GemvParams& p, cudaStream_t stream) {
+  // Fewer chunks in flight when a warp already holds many accumulators (register pressure).
+  if (p.act == kActSiluMul) return launch_rows<T, V, BMAX, true, (BMAX >= 4 ? 2 : 4)>(p, stream);
+  return launch_rows<T, V, BMAX, false, (BMAX >= 8 ? 2 : 4)>(p, stream);
 }
 
 template <typename T, int V>
-void launch_batch(const GemvParams& p, cudaStream_t stream) {
-  if (p.batch <= 1) {
-    launch_rows<T, V, 1>(p, stream);
-  } else if (p.batch <= 2) {
-    launch_rows<T, V, 2>(p, stream);
-  } else if (p.batch <= 4) {
-    launch_rows<T, V, 4>(p, stream);
-  } else {
-    launch_rows<T, V, 8>(p, stream);
-  }
+cudaError_t launch_batch(const GemvParams& p, cudaStream_t stream) {
+  if (p.batch <= 1) return launch_act<T, V, 1>(p, stream);
+  if (p.batch <= 2) return launch_act<T, V, 2>(p, stream);
+  if (p.batch <= 4) return launch_act<T, V, 4>(p, stream);
+  return launch_act<T, V, 8>(p, stream);
 }
 
 template <typename T>
@@ -165,13 +224,10 @@ cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.n == 0) return cudaSuccess;
   if (p.batch > 8) return cudaErrorInvalidValue;
   PATCHER_DISPATCH_DTYPE(p.dtype, T, {
-    if (can_vectorize<T>(p)) {
-      launch_batch<T, 16 / sizeof(T)>(p, stream);
-    } else {
-      launch_batch<T, 1>(p, stream);
-    }
+    if (can_vectorize<T>(p)) return launch_batch<T, 16 / sizeof(T)>(p, stream);
+    return launch_batch<T, 1>(p, stream);
   });
-  return cudaGetLastError();
+  return cudaSuccess;
 }
 
 }  // namespace patcher

@@ -20,6 +20,8 @@ namespace {
 template <typename T, int VEC, bool RMS>
 __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
   __shared__ float scratch[32];
+  griddep_wait();
+  griddep_launch_dependents();
   const int64_t row = blockIdx.x;
   const int64_t nvec = p.hidden / VEC;
   const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
@@ -103,12 +105,9 @@ template <typename T, int VEC>
 cudaError_t launch_typed(const NormParams& p, cudaStream_t stream) {
   const int64_t nvec = p.hidden / VEC;
   const int threads = static_cast<int>(nvec >= 1024 ? 1024 : round_up(nvec, 32));
-  if (p.rms) {
-    norm_kernel<T, VEC, true><<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
-  } else {
-    norm_kernel<T, VEC, false><<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
+  const dim3 grid(static_cast<unsigned>(p.rows));
+  if (p.rms) return launch_pdl(norm_kernel<T, VEC, true>, grid, dim3(threads), 0, stream, p);
+  return launch_pdl(norm_kernel<T, VEC, false>, grid, dim3(threads), 0, stream, p);
 }
 
 // 16-byte vectors need every row start 16-byte aligned: base pointers, row strides and the hidden size.

@@ -47,6 +47,8 @@ __device__ __forceinline__ float rotate(const T* src, int e, const Slot& s, int 
 
 template <typename T>
 __global__ void __launch_bounds__(256) rope_qkv_kernel(const RopeQkvParams p) {
+  griddep_wait();
+  griddep_launch_dependents();
   const int64_t b = blockIdx.x / p.tokens;
   const int64_t t = blockIdx.x % p.tokens;
   const T* src = static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + t * p.qkv_stride_t;
@@ -66,6 +68,8 @@ __global__ void __launch_bounds__(256) rope_qkv_kernel(const RopeQkvParams p) {
 
 template <typename T>
 __global__ void __launch_bounds__(256) rope_qkv_cache_kernel(const RopeCacheParams p) {
+  griddep_wait();
+  griddep_launch_dependents();
   const int64_t b = blockIdx.x;
   const int64_t slot = *p.slot;
   int64_t pos = slot - p.pad[b];
@@ -94,15 +98,17 @@ cudaError_t launch_rope_qkv(const RopeQkvParams& p, cudaStream_t stream) {
   const int64_t blocks = p.batch * p.tokens;
   if (blocks == 0) return cudaSuccess;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  PATCHER_DISPATCH_DTYPE(p.dtype, T, rope_qkv_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p));
-  return cudaGetLastError();
+  PATCHER_DISPATCH_DTYPE(p.dtype, T,
+                         return launch_pdl(rope_qkv_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream, p));
+  return cudaSuccess;
 }
 
 cudaError_t launch_rope_qkv_cache(const RopeCacheParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
   PATCHER_DISPATCH_DTYPE(p.dtype, T,
-                         rope_qkv_cache_kernel<T><<<static_cast<unsigned>(p.batch), 256, 0, stream>>>(p));
-  return cudaGetLastError();
+                         return launch_pdl(rope_qkv_cache_kernel<T>, dim3(static_cast<unsigned>(p.batch)), dim3(256), 0,
+                                           stream, p));
+  return cudaSuccess;
 }
 
 }  // namespace patcher

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "launchers.h"
@@ -19,6 +20,14 @@ namespace {
 using at::Tensor;
 using patcher::DType;
 using OptTensor = std::optional<Tensor>;
+
+// Shapes and strides as text for error messages. (Streaming a c10::IntArrayRef into TORCH_CHECK crashed the
+// process under torch 2.11 on the GPU machine, so messages format them here.)
+std::string dims(c10::IntArrayRef values) {
+  std::string text = "[";
+  for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
+  return text + "]";
+}
 
 DType dtype_of(const Tensor& t) {
   switch (t.scalar_type()) {
@@ -44,7 +53,7 @@ void check_like(const Tensor& t, const Tensor& x, const char* name) {
 // A [hidden] parameter vector.
 const void* vector_arg(const Tensor& t, const Tensor& x, int64_t n, const char* name) {
   check_like(t, x, name);
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "patcher: ", name, " must have shape [", n, "], got ", t.sizes());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "patcher: ", name, " must have shape [", n, "], got ", dims(t.sizes()));
   TORCH_CHECK(t.stride(0) == 1, "patcher: ", name, " must be contiguous");
   return t.data_ptr();
 }
@@ -58,7 +67,7 @@ const void* optional_vector_arg(const OptTensor& t, const Tensor& x, int64_t n, 
 int64_t row_stride(const Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() >= 1, "patcher: ", name, " must have at least one dimension");
   TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, "patcher: the last dimension of ", name,
-              " must be contiguous (stride 1); got strides ", t.strides());
+              " must be contiguous (stride 1); got strides ", dims(t.strides()));
   int64_t stride = -1, expected = -1;
   for (int64_t i = t.dim() - 2; i >= 0; --i) {
     if (t.size(i) == 1) continue;
@@ -67,7 +76,7 @@ int64_t row_stride(const Tensor& t, const char* name) {
       expected = stride * t.size(i);
     } else {
       TORCH_CHECK(t.stride(i) == expected, "patcher: ", name, " must be readable as rows of ", t.size(-1),
-                  " with one row stride; got sizes ", t.sizes(), " and strides ", t.strides());
+                  " with one row stride; got sizes ", dims(t.sizes()), " and strides ", dims(t.strides()));
       expected *= t.size(i);
     }
   }
@@ -100,13 +109,13 @@ NormResult run_norm(const Tensor& x, const Tensor* delta, const OptTensor& delta
   NormResult r;
   if (delta) {
     check_like(*delta, x, "delta");
-    TORCH_CHECK(delta->sizes() == x.sizes(), "patcher: delta has shape ", delta->sizes(), " but x has ", x.sizes());
+    TORCH_CHECK(delta->sizes() == x.sizes(), "patcher: delta has shape ", dims(delta->sizes()), " but x has ", dims(x.sizes()));
     p.delta = delta->data_ptr();
     p.delta_stride = row_stride(*delta, "delta");
     if (delta2.has_value()) {
       check_like(*delta2, x, "delta2");
-      TORCH_CHECK(delta2->sizes() == x.sizes(), "patcher: delta2 has shape ", delta2->sizes(), " but x has ",
-                  x.sizes());
+      TORCH_CHECK(delta2->sizes() == x.sizes(), "patcher: delta2 has shape ", dims(delta2->sizes()), " but x has ",
+                  dims(x.sizes()));
       p.delta2 = delta2->data_ptr();
       p.delta2_stride = row_stride(*delta2, "delta2");
     }
@@ -168,7 +177,7 @@ std::tuple<Tensor, Tensor, Tensor> rope_qkv(const Tensor& qkv, const Tensor& cos
                                             bool interleaved) {
   TORCH_CHECK(qkv.is_cuda(), "patcher: qkv must be a CUDA tensor, got ", qkv.device());
   const c10::cuda::CUDAGuard guard(qkv.device());
-  TORCH_CHECK(qkv.dim() == 3, "patcher: qkv must be [batch, tokens, width], got ", qkv.sizes());
+  TORCH_CHECK(qkv.dim() == 3, "patcher: qkv must be [batch, tokens, width], got ", dims(qkv.sizes()));
   TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && head_dim > 0 && num_q_heads % num_kv_heads == 0,
               "patcher: bad head counts q ", num_q_heads, ", kv ", num_kv_heads, ", head_dim ", head_dim);
   TORCH_CHECK(!interleaved || num_q_heads == num_kv_heads, "patcher: interleaved qkv needs as many kv heads as q heads");
@@ -180,10 +189,10 @@ std::tuple<Tensor, Tensor, Tensor> rope_qkv(const Tensor& qkv, const Tensor& cos
     const char* name = t == &cos ? "cos" : "sin";
     check_like(*t, qkv, name);
     TORCH_CHECK(t->dim() == 3 && (t->size(0) == B || t->size(0) == 1) && t->size(1) == T,
-                "patcher: ", name, " must be [", B, " or 1, ", T, ", rotary_dim], got ", t->sizes());
+                "patcher: ", name, " must be [", B, " or 1, ", T, ", rotary_dim], got ", dims(t->sizes()));
     TORCH_CHECK(t->size(2) <= 1 || t->stride(2) == 1, "patcher: the last dimension of ", name, " must be contiguous");
   }
-  TORCH_CHECK(cos.sizes() == sin.sizes(), "patcher: cos ", cos.sizes(), " and sin ", sin.sizes(), " differ");
+  TORCH_CHECK(cos.sizes() == sin.sizes(), "patcher: cos ", dims(cos.sizes()), " and sin ", dims(sin.sizes()), " differ");
   const int64_t rotary = cos.size(2);
   TORCH_CHECK(rotary % 2 == 0 && rotary <= head_dim, "patcher: rotary_dim ", rotary, " must be even and <= ", head_dim);
 
@@ -221,7 +230,7 @@ Tensor silu_and_mul(const Tensor& x) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "patcher: silu_and_mul needs an even last dimension, got ",
-              x.sizes());
+              dims(x.sizes()));
   patcher::ActivationParams p{};
   p.dtype = dtype_of(x);
   p.cols = x.size(-1) / 2;
@@ -259,9 +268,9 @@ Tensor gemv(const Tensor& x, const Tensor& weight, const OptTensor& bias, c10::s
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   check_like(weight, x, "weight");
-  TORCH_CHECK(weight.dim() == 2, "patcher: weight must be [out_features, in_features], got ", weight.sizes());
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "patcher: x ", x.sizes(), " does not match weight ",
-              weight.sizes());
+  TORCH_CHECK(weight.dim() == 2, "patcher: weight must be [out_features, in_features], got ", dims(weight.sizes()));
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "patcher: x ", dims(x.sizes()), " does not match weight ",
+              dims(weight.sizes()));
   patcher::GemvParams p{};
   if (activation == "none") {
     p.act = patcher::kActNone;
@@ -299,7 +308,7 @@ void check_cache(const Tensor& cache, const Tensor& like, int64_t batch, int64_t
                  const char* name) {
   check_like(cache, like, name);
   TORCH_CHECK(cache.dim() == 4 && cache.size(0) == batch && cache.size(1) == heads && cache.size(3) == head_dim,
-              "patcher: ", name, " must be [", batch, ", ", heads, ", capacity, ", head_dim, "], got ", cache.sizes());
+              "patcher: ", name, " must be [", batch, ", ", heads, ", capacity, ", head_dim, "], got ", dims(cache.sizes()));
   TORCH_CHECK(cache.is_contiguous(), "patcher: ", name, " must be contiguous");
 }
 
@@ -307,7 +316,7 @@ void check_index(const Tensor& t, int64_t n, const Tensor& like, const char* nam
   TORCH_CHECK(t.is_cuda() && t.device() == like.device(), "patcher: ", name, " must be on ", like.device());
   TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == n && t.is_contiguous(),
               "patcher: ", name, " must be a contiguous int64 tensor of shape [", n, "], got ", t.scalar_type(), " ",
-              t.sizes());
+              dims(t.sizes()));
 }
 
 Tensor rope_qkv_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
@@ -315,7 +324,7 @@ Tensor rope_qkv_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, c
                       bool interleaved) {
   TORCH_CHECK(qkv.is_cuda(), "patcher: qkv must be a CUDA tensor, got ", qkv.device());
   const c10::cuda::CUDAGuard guard(qkv.device());
-  TORCH_CHECK(qkv.dim() == 2, "patcher: qkv must be [batch, width] (one token per row), got ", qkv.sizes());
+  TORCH_CHECK(qkv.dim() == 2, "patcher: qkv must be [batch, width] (one token per row), got ", dims(qkv.sizes()));
   TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && head_dim > 0,
               "patcher: bad head counts q ", num_q_heads, ", kv ", num_kv_heads);
   TORCH_CHECK(!interleaved || num_q_heads == num_kv_heads, "patcher: interleaved qkv needs as many kv heads as q heads");
@@ -329,7 +338,7 @@ Tensor rope_qkv_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, c
   }
   TORCH_CHECK(cos.sizes() == sin.sizes(), "patcher: cos and sin tables differ in shape");
   const int64_t rotary = cos.size(1);
-  TORCH_CHECK(rotary % 2 == 0 && rotary <= head_dim && cos.size(0) > 0, "patcher: bad rotary table ", cos.sizes());
+  TORCH_CHECK(rotary % 2 == 0 && rotary <= head_dim && cos.size(0) > 0, "patcher: bad rotary table ", dims(cos.sizes()));
   check_index(slot, 1, qkv, "slot");
   check_index(pad, B, qkv, "pad");
   check_cache(k_cache, qkv, B, num_kv_heads, head_dim, "k_cache");
@@ -365,7 +374,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   TORCH_CHECK(q.is_cuda(), "patcher: q must be a CUDA tensor, got ", q.device());
   const c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "patcher: q must be contiguous [batch, heads, head_dim], got ",
-              q.sizes());
+              dims(q.sizes()));
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   TORCH_CHECK(D == 64 || D == 80 || D == 128, "patcher: decode_attention supports head_dim 64, 80 and 128, got ", D);
   TORCH_CHECK(k_cache.dim() == 4, "patcher: k_cache must be [batch, kv_heads, capacity, head_dim]");

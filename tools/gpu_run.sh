@@ -70,8 +70,32 @@ case "${1:-}" in
     timeout 120 python3 -m evals.ops --ops gemv,decode_attention --dtypes fp16 --decode-batches 1,8 \
       --json "$OUT/ops_decode.json" 2>&1 | grep -v "it/s" | tail -40
     ;;
+  tests)  # every test, GPU included
+    step environment
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+    step build
+    /usr/bin/time -f "build wall %e s" python3 -c "from patcher.ops import extension; extension.load()" 2>&1 | tee "$OUT/build.log"
+    step kernel tests
+    timeout 240 python3 -m pytest -q -rf --maxfail=30 tests/test_kernels.py -k "not bad_inputs" 2>&1 \
+      | tee "$OUT/test_kernels.log" | tail -25
+    step bad inputs
+    timeout 60 python3 -m pytest -v tests/test_kernels.py -k bad_inputs 2>&1 | tail -12
+    step model and decode tests
+    timeout 240 python3 -m pytest -q -rf tests/test_models.py tests/test_decode.py tests/test_ops_reference.py -s 2>&1 \
+      | tee "$OUT/test_models.log" | grep -v "it/s" | tail -25
+    ;;
+  quick-tpot)  # the default generate path (graph) on every real-size shape, and the decode ops
+    for m in pythia-2.8b qwen2-1.5b llama-3.1-8b smollm2-135m; do
+      step "TPOT $m"
+      timeout 100 python3 -m evals.tpot --random-config $m --modes patched-eager,patched --new-tokens 64 \
+        --repeats 2 --json "$OUT/tpot_$m.json" 2>&1 | grep -v "it/s" | tail -5
+    done
+    step decode-path op benchmark
+    timeout 100 python3 -m evals.ops --ops gemv,decode_attention --dtypes fp16 --decode-batches 1 \
+      --json "$OUT/ops_decode.json" 2>&1 | grep -v "it/s" | tail -25
+    ;;
   *)
-    echo "usage: tools/gpu_run.sh check|decode" >&2
+    echo "usage: tools/gpu_run.sh check|decode|tests|quick-tpot" >&2
     exit 2
     ;;
 esac
