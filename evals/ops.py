@@ -160,7 +160,7 @@ def case_decode_attention(batch, arch, dtype, ops, context):
     q = _rand(batch, hq, D, dtype=dtype)
     slot = torch.tensor([context - 1], device="cuda")
     pad = torch.zeros(batch, dtype=torch.long, device="cuda")
-    splits = max(1, min(64, -(-2 * torch.cuda.get_device_properties(0).multi_processor_count // (batch * hkv))))
+    splits = max(1, min(16, -(-2 * torch.cuda.get_device_properties(0).multi_processor_count // (batch * hkv))))
     workspace = decode_attention_workspace(batch, hq, hkv, D, splits, "cuda")
     mask = torch.zeros(batch, 1, 1, capacity, dtype=dtype, device="cuda")
     mask[..., context:] = float("-inf")

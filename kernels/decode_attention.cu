@@ -8,7 +8,8 @@
 //
 // Inside a block, lane groups of D/8 lanes (padded to a power of two) each hold one key as 16-byte vectors. A step
 // loads UNROLL keys per group, scores them against the G queries (fp32, scaled by HF's head_dim^-0.5), and folds
-// them into a running softmax per head with one rescale per step. Groups are merged through shared memory. With
+// them into a running softmax per head with one rescale per step. Groups are merged with shuffles within a warp and
+// through shared memory across warps. With
 // one share the block writes the output; otherwise each block writes its partial (max, sum, weighted V) and the
 // last block of the (row, kv head) to finish, found with an atomic counter that it resets, merges the partials.
 // Softmax and the weighted sum are fp32; the output is rounded to the dtype once.
@@ -17,9 +18,9 @@
 namespace patcher {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxSplits = 64;
+constexpr int kMaxSplits = 16;  // the last block merges this many partials with all loads in flight at once
 
 template <typename T, int D, int GMAX>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const DecodeAttentionParams p) {
@@ -28,8 +29,8 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   constexpr int kGroups = kWarps * (32 / kLanes);  // keys in flight per block per unrolled position
   constexpr int kUnroll = GMAX >= 8 ? 2 : 4;       // keys per group per step (register budget)
   constexpr int kStep = kGroups * kUnroll;         // keys per block step
-  __shared__ float s_m[kGroups][GMAX], s_l[kGroups][GMAX];
-  __shared__ float s_acc[kGroups][GMAX][D];
+  __shared__ float s_m[kWarps][GMAX], s_l[kWarps][GMAX];
+  __shared__ float s_acc[kWarps][GMAX][D];
   __shared__ float s_factor[GMAX][kMaxSplits], s_share_sum[GMAX][kMaxSplits], s_denominator[GMAX];
   __shared__ bool s_last;
 
@@ -123,16 +124,37 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
     }
   }
 
-  // Merge the lane groups of this block.
+  // Merge the lane groups of each warp (shuffles between lanes holding the same dims), then the warps.
 #pragma unroll
-  for (int g = 0; g < GMAX; ++g) {
-    if (sub == 0) {
-      s_m[group][g] = m[g];
-      s_l[group][g] = l[g];
+  for (int offset = kLanes; offset < 32; offset <<= 1) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      const float other_m = __shfl_xor_sync(0xffffffffu, m[g], offset);
+      const float other_l = __shfl_xor_sync(0xffffffffu, l[g], offset);
+      const float mx = fmaxf(m[g], other_m);
+      const float mine = m[g] == -INFINITY ? 0.f : expf(m[g] - mx);
+      const float theirs = other_m == -INFINITY ? 0.f : expf(other_m - mx);
+      l[g] = l[g] * mine + other_l * theirs;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float other_acc = __shfl_xor_sync(0xffffffffu, acc[g][j], offset);
+        acc[g][j] = acc[g][j] * mine + other_acc * theirs;
+      }
+      m[g] = mx;
     }
-    if (active) {
+  }
+  const int warp = threadIdx.x >> 5;
+  if (lane < kLanes) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) s_acc[group][g][d0 + j] = acc[g][j];
+    for (int g = 0; g < GMAX; ++g) {
+      if (sub == 0) {
+        s_m[warp][g] = m[g];
+        s_l[warp][g] = l[g];
+      }
+      if (active) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s_acc[warp][g][d0 + j] = acc[g][j];
+      }
     }
   }
   __syncthreads();
@@ -143,11 +165,11 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
     const int g = i / D, d = i % D;
     float mx = -INFINITY;
 #pragma unroll
-    for (int r = 0; r < kGroups; ++r) mx = fmaxf(mx, s_m[r][g]);
+    for (int r = 0; r < kWarps; ++r) mx = fmaxf(mx, s_m[r][g]);
     float sum = 0.f, weighted = 0.f;
     if (mx > -INFINITY) {
 #pragma unroll
-      for (int r = 0; r < kGroups; ++r) {
+      for (int r = 0; r < kWarps; ++r) {
         const float f = s_l[r][g] > 0.f ? expf(s_m[r][g] - mx) : 0.f;
         sum += s_l[r][g] * f;
         weighted += s_acc[r][g][d] * f;
@@ -199,9 +221,12 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   for (int i = threadIdx.x; i < G * D; i += kThreads) {
     const int g = i / D, d = i % D;
     const float* part = partials + static_cast<int64_t>(g) * p.splits * (D + 2) + d;
+    float values[kMaxSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) values[s] = s < shares ? __ldcg(part + s * (D + 2)) : 0.f;
     float weighted = 0.f;
-#pragma unroll 4
-    for (int s = 0; s < shares; ++s) weighted += __ldcg(part + s * (D + 2)) * s_factor[g][s];
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) weighted += s < shares ? values[s] * s_factor[g][s] : 0.f;
     out[i] = from_float<T>(weighted / s_denominator[g]);
   }
   if (threadIdx.x == 0) p.counters[b * p.num_kv_heads + kvh] = 0;  // ready for the next launch

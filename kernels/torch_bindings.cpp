@@ -386,7 +386,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "patcher: k_cache and v_cache differ in shape");
   check_index(slot, 1, q, "slot");
   check_index(pad, B, q, "pad");
-  TORCH_CHECK(splits >= 1 && splits <= 1024, "patcher: splits must be in 1..1024, got ", splits);
+  TORCH_CHECK(splits >= 1 && splits <= 16, "patcher: splits must be in 1..16, got ", splits);
   const int64_t counters = (B * Hkv + 63) / 64 * 64;
   const int64_t needed = counters + B * Hq * splits * (D + 2);
   TORCH_CHECK(workspace.is_cuda() && workspace.device() == q.device() && workspace.scalar_type() == at::kInt &&

@@ -229,7 +229,7 @@ def test_rope_qkv_cache(batch, arch, dtype):
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("heads", [(32, 32), (12, 2), (9, 3), (32, 8), (28, 4)])
 @pytest.mark.parametrize("length", [1, 7, 129, 1000, 4096])
-@pytest.mark.parametrize("batch,splits", [(1, 1), (1, 16), (3, 7), (8, 64)])
+@pytest.mark.parametrize("batch,splits", [(1, 1), (1, 16), (3, 7), (8, 16)])
 def test_decode_attention(batch, splits, length, heads, head_dim, dtype):
     from patcher.ops import decode_attention_workspace
 

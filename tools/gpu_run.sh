@@ -94,8 +94,51 @@ case "${1:-}" in
     timeout 100 python3 -m evals.ops --ops gemv,decode_attention --dtypes fp16 --decode-batches 1 \
       --json "$OUT/ops_decode.json" 2>&1 | grep -v "it/s" | tail -25
     ;;
+  round4)  # tests of the changed kernels, the main TPOT table rows, the Pythia context sweep
+    mkdir -p /tmp/m && cp .carry/smolA/* /tmp/m/ 2>/dev/null
+    step build
+    /usr/bin/time -f "build wall %e s" python3 -c "from patcher.ops import extension; extension.load()" 2>&1 | tail -2
+    step kernel and decode tests
+    timeout 150 python3 -m pytest -q -rf --maxfail=20 tests/test_kernels.py -k "not bad_inputs" 2>&1 | tail -4
+    timeout 150 python3 -m pytest -q -rf tests/test_decode.py tests/test_models.py -k "cuda or graph or ten_thousand" 2>&1 | tail -4
+    step "exception repro (one process, then each case alone)"
+    timeout 60 python3 tools/exception_repro.py 2>&1 | tail -6
+    timeout 90 cuda-gdb -batch -ex run -ex "bt 12" --args python3 tools/exception_repro.py 2>&1 \
+      | grep -E "^#|caught|signal" | cut -c1-220 | head -16
+    mkdir -p "$OUT/r"
+    step "TPOT pythia-2.8b, every mode"
+    timeout 300 python3 -m evals.tpot --random-config pythia-2.8b --repeats 3 --json "$OUT/r/tpot_pythia-2.8b.json" 2>&1 \
+      | grep -v "it/s" | tail -9
+    step "TPOT sweep pythia-2.8b"
+    timeout 240 python3 -m evals.tpot --random-config pythia-2.8b --modes hf-eager,hf-static-compiled,patched \
+      --sweep-context 128,512,1024,2048,4096 --new-tokens 32 --repeats 2 --no-profile \
+      --json "$OUT/r/tpot_sweep_pythia-2.8b.json" 2>&1 | grep -v "it/s" | tail -18
+    tar -C "$OUT" -czf "$OUT/results4.tar.gz" r && rm -rf "$OUT/r"
+    ;;
+  round5)  # SmolLM2 (the second half of the GGUF), perplexity, and the remaining TPOT rows
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    cat /tmp/m/*.part0 .carry/smolB/*.part1 > /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf && ls -la /tmp/m
+    export PATCHER_SMOLLM2_GGUF=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf PATCHER_WIKITEXT=$PWD/.carry/data/wikitext-2-raw-test.txt
+    mkdir -p "$OUT/r"
+    step SmolLM2 tests
+    timeout 150 python3 -m pytest -q -rf -s tests/test_smollm2.py tests/test_decode.py -k "smollm2 or cuda_logits" 2>&1 \
+      | grep -v "it/s" | tail -8
+    step "perplexity SmolLM2 fp16, full WikiText-2"
+    timeout 200 python3 -m evals.perplexity --gguf-file "$PATCHER_SMOLLM2_GGUF" --text-file "$PATCHER_WIKITEXT" \
+      --dtype fp16 --json "$OUT/r/ppl_smollm2_fp16.json" 2>&1 | grep -v "it/s\|Converting\|Loading" | tail -6
+    step "TPOT SmolLM2 (trained)"
+    timeout 150 python3 -m evals.tpot --gguf-file "$PATCHER_SMOLLM2_GGUF" --modes hf-eager,hf-static-compiled,patched \
+      --repeats 3 --json "$OUT/r/tpot_smollm2.json" 2>&1 | grep -v "it/s\|Converting\|Loading" | tail -6
+    for m in qwen2-1.5b llama-3.1-8b; do
+      step "TPOT $m"
+      timeout 200 python3 -m evals.tpot --random-config $m --modes hf-eager,hf-static-compiled,patched-eager,patched \
+        --new-tokens 64 --repeats 2 --json "$OUT/r/tpot_$m.json" 2>&1 | grep -v "it/s" | tail -7
+    done
+    tar -C "$OUT" -czf "$OUT/results5.tar.gz" r && rm -rf "$OUT/r"
+    ;;
   *)
-    echo "usage: tools/gpu_run.sh check|decode|tests|quick-tpot" >&2
+    echo "usage: tools/gpu_run.sh check|decode|tests|quick-tpot|round4|round5" >&2
     exit 2
     ;;
 esac

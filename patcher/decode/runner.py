@@ -29,6 +29,7 @@ EOS_CHECK_EVERY = 16  # decode steps between host checks for "every row has fini
 CUBLAS_MIN_BATCH = 4
 MIN_CAPACITY = 256
 MAX_EOS_IDS = 8
+MAX_SPLITS = 16  # decode_attention merges at most this many partial softmaxes per (row, kv head)
 
 
 @dataclass
@@ -111,7 +112,7 @@ class DecodeRunner:
         if self.device.type != "cuda":
             return 1
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return max(1, min(64, math.ceil(2 * sms / (batch * self.num_kv_heads))))
+        return max(1, min(MAX_SPLITS, math.ceil(2 * sms / (batch * self.num_kv_heads))))
 
     def rope_tables(self, capacity: int):
         """cos/sin [capacity, rotary_dim] for positions 0..capacity-1, from the model's own rotary embedding."""
