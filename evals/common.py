@@ -69,7 +69,7 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
     return random_models.build(name, dtype=dtype, device=device, attn_implementation=args.attn), None, name
 
 
-def environment(device: torch.device) -> dict:
+def environment(device: torch.device, tool: str = "") -> dict:
     import transformers
 
     import patcher
@@ -81,7 +81,7 @@ def environment(device: torch.device) -> dict:
         "transformers": transformers.__version__,
         "patcher": patcher.__version__,
         "device": str(device),
-        "command": " ".join([Path(sys.executable).name, "-m", *sys.argv]) if sys.argv else "",
+        "command": " ".join(["python", "-m", tool, *sys.argv[1:]]) if tool else " ".join(sys.argv),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

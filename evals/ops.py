@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     print(f"measured HBM read bandwidth: {bandwidth:.0f} GB/s")
     common.write_json(args.json, {
         "tool": "evals.ops", "hbm_read_bandwidth_gbs": bandwidth,
-        "environment": common.environment(torch.device("cuda")), "results": rows,
+        "environment": common.environment(torch.device("cuda"), "evals.ops"), "results": rows,
     })
     return 0
 

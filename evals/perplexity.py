@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         "data": source,
         "text_tokens": total_tokens,
         "settings": {"ctx": ctx, "stride": args.stride, "max_tokens": args.max_tokens, "backend": args.backend},
-        "environment": common.environment(device),
+        "environment": common.environment(device, "evals.perplexity"),
         "patch_report": report.to_dict(),
         "results": results,
         "unpatch_restores_baseline": unpatch_identical,

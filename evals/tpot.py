@@ -228,7 +228,7 @@ def main(argv=None) -> int:
         "settings": {k: v for k, v in vars(args).items() if k != "default_random"},
         "hbm_read_bandwidth_gbs": bandwidth,
         "weight_bytes": weight_bytes(model),
-        "environment": common.environment(device),
+        "environment": common.environment(device, "evals.tpot"),
         "results": rows,
     }
     common.write_json(args.json, payload)

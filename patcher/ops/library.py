@@ -18,7 +18,9 @@ _lib = torch.library.Library("patcher", "DEF")
 
 def _fresh(t: torch.Tensor, inputs: tuple) -> torch.Tensor:
     """A contiguous output that shares no memory with any input (a custom op's output must not alias)."""
-    if t.is_contiguous() and not any(isinstance(i, torch.Tensor) and i.data_ptr() == t.data_ptr() for i in inputs):
+    storage = t.untyped_storage().data_ptr()
+    shares = any(isinstance(i, torch.Tensor) and i.untyped_storage().data_ptr() == storage for i in inputs)
+    if t.is_contiguous() and not shares:
         return t
     return t.clone(memory_format=torch.contiguous_format)
 

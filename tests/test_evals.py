@@ -1,0 +1,86 @@
+"""The evaluation tools end to end on the CPU: perplexity and TPOT on tiny random models, perplexity on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import smollm2_gguf, wikitext_path
+from evals import perplexity, tpot
+
+TEXT = wikitext_path()
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    if TEXT is not None:
+        return str(TEXT)
+    path = tmp_path / "text.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    return str(path)
+
+
+def test_perplexity_tiny_random_model(tmp_path, text_file, capsys):
+    out = tmp_path / "ppl.json"
+    code = perplexity.main(["--random-config", "tiny-llama", "--text-file", text_file, "--max-tokens", "3000",
+                            "--ctx", "256", "--stride", "128", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["tool"] == "evals.perplexity" and result["model"] == "tiny-llama"
+    assert {"torch", "transformers", "device", "command"} <= result["environment"].keys()
+    assert result["settings"] == {"ctx": 256, "stride": 128, "max_tokens": 3000, "backend": "auto"}
+    base, patched = result["results"]["unpatched"], result["results"]["patched"]
+    # random weights over a 512-token vocabulary (text read as bytes): perplexity of the order of the vocabulary
+    # size (above it: tiny-llama's raised init makes its random logits confidently wrong)
+    assert 512 / 5 < base["perplexity"] < 512 * 10
+    # HF's recipe: every window scores its new tokens minus one (the label shift), as counted by the guide
+    windows = len(list(perplexity.windows(3000, ctx=256, stride=128)))
+    assert base["tokens_scored"] == patched["tokens_scored"] == 3000 - windows
+    assert abs(patched["delta_ppl_relative"]) < 1e-6  # reference backend on the CPU: the same arithmetic
+    assert patched["first_window_top1_agreement"] == 1.0
+    assert result["unpatch_restores_baseline"] is True
+    assert "unpatched" in capsys.readouterr().out
+
+
+def test_sliding_windows_score_every_token_once():
+    spans = list(perplexity.windows(1000, ctx=256, stride=100))
+    assert spans[0] == (0, 256, 256)
+    assert sum(scored for _, _, scored in spans) == 1000
+    assert spans[-1][1] == 1000
+    assert all(end - begin <= 256 for begin, end, _ in spans)
+
+
+def test_tpot_tiny_model_with_sweep_plot(tmp_path, capsys):
+    out = tmp_path / "tpot.json"
+    code = tpot.main(["--random-config", "tiny-pythia", "--new-tokens", "8", "--repeats", "2", "--sweep-context",
+                      "16,32", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    modes = {r["mode"] for r in result["results"]}
+    assert modes == {"hf-eager", "patched-eager", "patched"}
+    assert {r["context"] for r in result["results"]} == {16, 32}
+    for row in result["results"]:
+        assert row["tpot_ms"] > 0 and math.isfinite(row["tpot_ms"]) and len(row["tpot_ms_all"]) == 2
+        assert row["bytes_per_step"] > result["weight_bytes"] > 0
+    assert (tmp_path / "tpot.png").stat().st_size > 10_000
+    assert "TPOT ms" in capsys.readouterr().out
+
+
+def test_tpot_rejects_compiled_modes_on_cpu():
+    with pytest.raises(SystemExit):
+        tpot.main(["--random-config", "tiny-llama", "--modes", "hf-static-compiled"])
+
+
+@pytest.mark.skipif(smollm2_gguf() is None or TEXT is None, reason="needs the SmolLM2 GGUF and WikiText")
+def test_perplexity_smollm2_on_a_wikitext_slice(tmp_path):
+    out = tmp_path / "ppl.json"
+    code = perplexity.main(["--gguf-file", str(smollm2_gguf()), "--text-file", str(TEXT), "--max-tokens", "2048",
+                            "--ctx", "1024", "--stride", "512", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    base, patched = result["results"]["unpatched"], result["results"]["patched"]
+    assert 5 < base["perplexity"] < 100  # a trained model on WikiText
+    assert abs(patched["delta_ppl_relative"]) < 1e-5
+    assert result["text_tokens"] == 304986  # the WikiText-2 test split as HF's recipe tokenizes it
