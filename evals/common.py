@@ -54,8 +54,9 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
         if not path.is_file():
             sys.exit(f"error: GGUF file {path} not found")
         folder = args.model or str(path.parent)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=path.name, dtype=dtype,
-                                                     attn_implementation=args.attn)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=path.name, dtype=dtype, attn_implementation=args.attn
+        )
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=path.name)
         return model.to(device).eval(), tokenizer, path.name
     if args.model:
@@ -85,8 +86,12 @@ def environment(device: torch.device, tool: str = "") -> dict:
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env.update(gpu=props.name, gpu_memory_gb=round(props.total_memory / 1e9, 1), cuda=torch.version.cuda,
-                   sm_count=props.multi_processor_count)
+        env.update(
+            gpu=props.name,
+            gpu_memory_gb=round(props.total_memory / 1e9, 1),
+            cuda=torch.version.cuda,
+            sm_count=props.multi_processor_count,
+        )
     else:
         env["cpu"] = platform.processor() or platform.machine()
     return env
@@ -126,10 +131,8 @@ def gpu_time_ms(fn, reps: int = 50, warmup: int = 5, flush: bool = False) -> flo
 
 def hbm_read_bandwidth_gbs(device: torch.device, gib: int = 4) -> float:
     """Measured HBM read bandwidth: a sum over `gib` GiB (bytes read / median time)."""
-    x = torch.ones((gib << 30) // 4, dtype=torch.float32, device=device)
-    ms = gpu_time_ms(lambda: x.sum(), reps=10, warmup=2)
-    del x
-    torch.cuda.empty_cache()
+    data = torch.ones((gib << 30) // 4, dtype=torch.float32, device=device)
+    ms = gpu_time_ms(data.sum, reps=10, warmup=2)
     return (gib << 30) / (ms * 1e-3) / 1e9
 
 

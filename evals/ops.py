@@ -41,8 +41,8 @@ def case_add_rms_norm(tokens, arch, dtype, ops):
     H = ARCHS[arch][0]
     x, d = _rand(tokens, H, dtype=dtype), _rand(tokens, H, dtype=dtype)
     norm = LlamaRMSNorm(H, eps=1e-5).to("cuda", dtype)
-    fused = lambda: ops.add_rms_norm(x, d, norm.weight, 1e-5)  # noqa: E731
-    unfused = lambda: norm(x + d)  # noqa: E731  (LlamaDecoderLayer: residual + hidden_states, then the norm)
+    fused = lambda: ops.add_rms_norm(x, d, norm.weight, 1e-5)
+    unfused = lambda: norm(x + d)
     return fused, unfused, (4 * tokens * H + H) * dtype.itemsize
 
 
@@ -50,7 +50,7 @@ def case_add_dual_layer_norm(tokens, arch, dtype, ops):
     H = ARCHS[arch][0]
     x, a, m = (_rand(tokens, H, dtype=dtype) for _ in range(3))
     ln1, ln2 = (torch.nn.LayerNorm(H, eps=1e-5).to("cuda", dtype) for _ in range(2))
-    fused = lambda: ops.add_dual_layer_norm(x, a, m, ln1.weight, ln1.bias, ln2.weight, ln2.bias, 1e-5)  # noqa: E731
+    fused = lambda: ops.add_dual_layer_norm(x, a, m, ln1.weight, ln1.bias, ln2.weight, ln2.bias, 1e-5)
 
     def unfused():  # GPTNeoXLayer (parallel residual), then the next layer's two norms
         h = m + a + x
@@ -63,8 +63,8 @@ def case_add_layer_norm(tokens, arch, dtype, ops):
     H = ARCHS[arch][0]
     x, d = _rand(tokens, H, dtype=dtype), _rand(tokens, H, dtype=dtype)
     ln = torch.nn.LayerNorm(H, eps=1e-5).to("cuda", dtype)
-    fused = lambda: ops.add_layer_norm(x, d, None, ln.weight, ln.bias, 1e-5)  # noqa: E731
-    unfused = lambda: ln(d + x)  # noqa: E731
+    fused = lambda: ops.add_layer_norm(x, d, None, ln.weight, ln.bias, 1e-5)
+    unfused = lambda: ln(d + x)
     return fused, unfused, (4 * tokens * H + 2 * H) * dtype.itemsize
 
 
@@ -78,7 +78,7 @@ def case_rope_qkv(tokens, arch, dtype, ops):
     angles = torch.randn(1, tokens, R // 2, device="cuda")
     emb = torch.cat([angles, angles], -1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    fused = lambda: ops.rope_qkv(qkv, cos, sin, hq, hkv, D, interleaved)  # noqa: E731
+    fused = lambda: ops.rope_qkv(qkv, cos, sin, hq, hkv, D, interleaved)
 
     def unfused():  # the attention modules' own prologue
         if interleaved:
@@ -99,17 +99,17 @@ def case_silu_and_mul(tokens, arch, dtype, ops):
     inter = ARCHS[arch][1]
     gate_up = _rand(tokens, 2 * inter, dtype=dtype)
     gate, up = _rand(tokens, inter, dtype=dtype), _rand(tokens, inter, dtype=dtype)
-    fused = lambda: ops.silu_and_mul(gate_up)  # noqa: E731
-    unfused = lambda: F.silu(gate) * up  # noqa: E731  (LlamaMLP: act_fn(gate_proj(x)) * up_proj(x))
+    fused = lambda: ops.silu_and_mul(gate_up)
+    unfused = lambda: F.silu(gate) * up
     return fused, unfused, 3 * tokens * inter * dtype.itemsize
 
 
 def case_bias_gelu(tokens, arch, dtype, ops):
     inter = ARCHS[arch][1]
     h, b = _rand(tokens, inter, dtype=dtype), _rand(inter, dtype=dtype)
-    fused = lambda: ops.bias_gelu(h, b, False)  # noqa: E731
+    fused = lambda: ops.bias_gelu(h, b, False)
     # HF adds this bias inside the GEMM (addmm epilogue) and then runs GELU alone; we compare with that GELU.
-    unfused = lambda: F.gelu(h)  # noqa: E731
+    unfused = lambda: F.gelu(h)
     return fused, unfused, (2 * tokens * inter + inter) * dtype.itemsize
 
 
@@ -155,8 +155,10 @@ def case_decode_attention(batch, arch, dtype, ops, context):
     capacity = 8192
     cache_bytes = 2 * batch * hkv * capacity * D * dtype.itemsize
     copies = _copies(cache_bytes * context // capacity)
-    caches = [(_rand(batch, hkv, capacity, D, dtype=dtype), _rand(batch, hkv, capacity, D, dtype=dtype))
-              for _ in range(copies)]
+    caches = [
+        (_rand(batch, hkv, capacity, D, dtype=dtype), _rand(batch, hkv, capacity, D, dtype=dtype))
+        for _ in range(copies)
+    ]
     q = _rand(batch, hq, D, dtype=dtype)
     slot = torch.tensor([context - 1], device="cuda")
     pad = torch.zeros(batch, dtype=torch.long, device="cuda")
@@ -166,8 +168,10 @@ def case_decode_attention(batch, arch, dtype, ops, context):
     mask[..., context:] = float("-inf")
     fused = [lambda k=k, v=v: ops.decode_attention(q, k, v, slot, pad, D**-0.5, splits, workspace) for k, v in caches]
     q4 = q[:, :, None, :]
-    unfused = [lambda k=k, v=v: F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, enable_gqa=hq != hkv)
-               for k, v in caches]
+    unfused = [
+        lambda k=k, v=v: F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, enable_gqa=hq != hkv)
+        for k, v in caches
+    ]
     nbytes = (2 * batch * hkv * context * D + 2 * batch * hq * D) * dtype.itemsize
     return fused, unfused, nbytes
 
@@ -205,8 +209,9 @@ CASES = {  # op -> (case builder, architectures it applies to)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.ops", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m evals.ops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ops", default=None, help=f"comma-separated subset of {','.join(CASES)}")
     parser.add_argument("--dtypes", default="fp32,fp16,bf16")
     parser.add_argument("--tokens", default="1,4096")
@@ -224,11 +229,25 @@ def main(argv=None) -> int:
     dtypes = [common.DTYPES[d] for d in args.dtypes.split(",")]
     token_counts = [int(t) for t in args.tokens.split(",")]
     bandwidth = common.hbm_read_bandwidth_gbs(torch.device("cuda"))
-    jobs = [(op, arch, dt, t, None) for op in names if op in CASES for arch in CASES[op][1] for dt in dtypes
-            for t in token_counts]
+    jobs = [
+        (op, arch, dt, t, None)
+        for op in names
+        if op in CASES
+        for arch in CASES[op][1]
+        for dt in dtypes
+        for t in token_counts
+    ]
     batches = [int(b) for b in args.decode_batches.split(",")]
-    jobs += [(op, arch, dt, b, v) for op in names if op in DECODE_CASES for arch in DECODE_CASES[op][1]
-             for dt in dtypes if dt != torch.float32 for b in batches for v in DECODE_CASES[op][2]]
+    jobs += [
+        (op, arch, dt, b, v)
+        for op in names
+        if op in DECODE_CASES
+        for arch in DECODE_CASES[op][1]
+        for dt in dtypes
+        if dt != torch.float32
+        for b in batches
+        for v in DECODE_CASES[op][2]
+    ]
     rows = []
     for op, arch, dtype, tokens, variant in tqdm(jobs, desc="ops", file=sys.stderr):
         if variant is None:
@@ -242,23 +261,48 @@ def main(argv=None) -> int:
             fused, unfused, nbytes = DECODE_CASES[op][0](tokens, arch, dtype, ops, variant)
             fused_us, unfused_us = graph_time_us(fused), graph_time_us(unfused)
         gbs = nbytes / (fused_us * 1e-6) / 1e9
-        rows.append({
-            "op": op if variant is None else f"{op}[{variant}]", "arch": arch, "tokens": tokens,
-            "dtype": str(dtype).replace("torch.", ""), "fused_us": fused_us, "unfused_us": unfused_us,
-            "speedup": unfused_us / fused_us, "bytes": nbytes, "fused_gbs": gbs, "pct_hbm": 100 * gbs / bandwidth,
-        })
+        rows.append(
+            {
+                "op": op if variant is None else f"{op}[{variant}]",
+                "arch": arch,
+                "tokens": tokens,
+                "dtype": str(dtype).replace("torch.", ""),
+                "fused_us": fused_us,
+                "unfused_us": unfused_us,
+                "speedup": unfused_us / fused_us,
+                "bytes": nbytes,
+                "fused_gbs": gbs,
+                "pct_hbm": 100 * gbs / bandwidth,
+            }
+        )
         del fused, unfused
         torch.cuda.empty_cache()
-    print(common.table(rows, [
-        ("op", "op", ""), ("arch", "shape", ""), ("tokens", "tokens/batch", "d"), ("dtype", "dtype", ""),
-        ("fused_us", "fused us", ".1f"), ("unfused_us", "unfused us", ".1f"), ("speedup", "speedup", ".2f"),
-        ("fused_gbs", "fused GB/s", ".0f"), ("pct_hbm", "% HBM", ".0f"),
-    ]))
+    print(
+        common.table(
+            rows,
+            [
+                ("op", "op", ""),
+                ("arch", "shape", ""),
+                ("tokens", "tokens/batch", "d"),
+                ("dtype", "dtype", ""),
+                ("fused_us", "fused us", ".1f"),
+                ("unfused_us", "unfused us", ".1f"),
+                ("speedup", "speedup", ".2f"),
+                ("fused_gbs", "fused GB/s", ".0f"),
+                ("pct_hbm", "% HBM", ".0f"),
+            ],
+        )
+    )
     print(f"measured HBM read bandwidth: {bandwidth:.0f} GB/s")
-    common.write_json(args.json, {
-        "tool": "evals.ops", "hbm_read_bandwidth_gbs": bandwidth,
-        "environment": common.environment(torch.device("cuda"), "evals.ops"), "results": rows,
-    })
+    common.write_json(
+        args.json,
+        {
+            "tool": "evals.ops",
+            "hbm_read_bandwidth_gbs": bandwidth,
+            "environment": common.environment(torch.device("cuda"), "evals.ops"),
+            "results": rows,
+        },
+    )
     return 0
 
 

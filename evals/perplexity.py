@@ -31,9 +31,11 @@ def load_text(args) -> tuple[str, str]:
         from datasets import load_dataset
 
         rows = load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
-    except Exception as e:  # no network, no datasets package, ...
-        sys.exit(f"error: could not load WikiText-2 through datasets ({type(e).__name__}: {e}); "
-                 "pass --text-file PATH (e.g. ../shared/data/wikitext-2-raw-test.txt)")
+    except Exception as e:  # noqa: BLE001  (no network, no datasets package, a hub error: all mean --text-file)
+        sys.exit(
+            f"error: could not load WikiText-2 through datasets ({type(e).__name__}: {e}); "
+            "pass --text-file PATH (e.g. ../shared/data/wikitext-2-raw-test.txt)"
+        )
     return "\n\n".join(rows), "wikitext-2-raw-v1 test (datasets)"
 
 
@@ -86,15 +88,20 @@ def first_window_logits(model, ids, ctx, device) -> torch.Tensor:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.perplexity", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m evals.perplexity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     common.add_model_args(parser)
     parser.add_argument("--text-file", help="evaluate this text instead of WikiText-2 from datasets")
     parser.add_argument("--ctx", type=int, default=None, help="window length (default 2048 or the model's maximum)")
     parser.add_argument("--stride", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=None, help="only the first N tokens (quick runs)")
-    parser.add_argument("--backend", default="auto", choices=["auto", "kernels", "reference"],
-                        help="patch_model backend for the patched run")
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "kernels", "reference"],
+        help="patch_model backend for the patched run",
+    )
     parser.add_argument("--json", default=None, help="write every figure and the run's settings here")
     args = parser.parse_args(argv)
 
@@ -110,8 +117,12 @@ def main(argv=None) -> int:
     ctx = args.ctx or min(2048, getattr(model.config, "max_position_embeddings", 2048))
     if args.stride <= 0 or args.stride > ctx:
         parser.error(f"--stride must be in 1..ctx ({ctx})")
-    print(f"{name}, {str(dtype).replace('torch.', '')}, {source}: {total_tokens} tokens"
-          + (f" (first {len(ids)})" if args.max_tokens else "") + f", ctx {ctx}, stride {args.stride}", file=sys.stderr)
+    print(
+        f"{name}, {str(dtype).replace('torch.', '')}, {source}: {total_tokens} tokens"
+        + (f" (first {len(ids)})" if args.max_tokens else "")
+        + f", ctx {ctx}, stride {args.stride}",
+        file=sys.stderr,
+    )
 
     results = {}
     base_logits = first_window_logits(model, ids, ctx, device)
@@ -133,25 +144,37 @@ def main(argv=None) -> int:
     unpatch_identical = bool(torch.equal(restored_logits, base_logits))
 
     rows = [{"mode": m, **r} for m, r in results.items()]
-    print(common.table(rows, [
-        ("mode", "mode", ""), ("perplexity", "perplexity", ".4f"), ("delta_ppl", "delta", "+.5f"),
-        ("delta_ppl_relative", "delta rel", "+.4%"), ("tokens_scored", "tokens", "d"),
-        ("tokens_per_s", "tok/s", ".0f"), ("first_window_max_abs_logit_diff", "max|dlogit| win1", ".3g"),
-        ("first_window_top1_agreement", "top-1 agree win1", ".4f"),
-    ]))
+    print(
+        common.table(
+            rows,
+            [
+                ("mode", "mode", ""),
+                ("perplexity", "perplexity", ".4f"),
+                ("delta_ppl", "delta", "+.5f"),
+                ("delta_ppl_relative", "delta rel", "+.4%"),
+                ("tokens_scored", "tokens", "d"),
+                ("tokens_per_s", "tok/s", ".0f"),
+                ("first_window_max_abs_logit_diff", "max|dlogit| win1", ".3g"),
+                ("first_window_top1_agreement", "top-1 agree win1", ".4f"),
+            ],
+        )
+    )
     print(f"unpatch restores the baseline (first window logits bit-identical): {unpatch_identical}")
-    common.write_json(args.json, {
-        "tool": "evals.perplexity",
-        "model": name,
-        "dtype": str(dtype).replace("torch.", ""),
-        "data": source,
-        "text_tokens": total_tokens,
-        "settings": {"ctx": ctx, "stride": args.stride, "max_tokens": args.max_tokens, "backend": args.backend},
-        "environment": common.environment(device, "evals.perplexity"),
-        "patch_report": report.to_dict(),
-        "results": results,
-        "unpatch_restores_baseline": unpatch_identical,
-    })
+    common.write_json(
+        args.json,
+        {
+            "tool": "evals.perplexity",
+            "model": name,
+            "dtype": str(dtype).replace("torch.", ""),
+            "data": source,
+            "text_tokens": total_tokens,
+            "settings": {"ctx": ctx, "stride": args.stride, "max_tokens": args.max_tokens, "backend": args.backend},
+            "environment": common.environment(device, "evals.perplexity"),
+            "patch_report": report.to_dict(),
+            "results": results,
+            "unpatch_restores_baseline": unpatch_identical,
+        },
+    )
     return 0 if unpatch_identical else 1
 
 

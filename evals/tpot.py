@@ -87,7 +87,7 @@ def mode_setup(model, mode: str):
 
 
 def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True) -> dict:
-    gen_kwargs = dict(do_sample=False, attention_mask=torch.ones_like(prompt))
+    gen_kwargs = {"do_sample": False, "attention_mask": torch.ones_like(prompt)}
     if mode.endswith("static-compiled"):
         gen_kwargs["cache_implementation"] = "static"
         gen_kwargs["max_cache_len"] = model._tpot_cache_len
@@ -170,15 +170,22 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 COLUMNS = [
-    ("mode", "mode", ""), ("context", "context", "d"), ("tpot_ms", "TPOT ms", ".3f"), ("ttft_ms", "TTFT ms", ".1f"),
-    ("tokens_per_s", "tok/s", ".0f"), ("achieved_gbs", "GB/s", ".0f"), ("tpot_over_roofline", "x roofline", ".2f"),
-    ("kernels_per_step", "kernels/step", ".0f"), ("peak_memory_gb", "peak GB", ".1f"),
+    ("mode", "mode", ""),
+    ("context", "context", "d"),
+    ("tpot_ms", "TPOT ms", ".3f"),
+    ("ttft_ms", "TTFT ms", ".1f"),
+    ("tokens_per_s", "tok/s", ".0f"),
+    ("achieved_gbs", "GB/s", ".0f"),
+    ("tpot_over_roofline", "x roofline", ".2f"),
+    ("kernels_per_step", "kernels/step", ".0f"),
+    ("peak_memory_gb", "peak GB", ".1f"),
 ]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.tpot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m evals.tpot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     common.add_model_args(parser)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -209,8 +216,11 @@ def main(argv=None) -> int:
         model.config.max_position_embeddings = longest  # rope has no length limit; random weights anyway
 
     bandwidth = common.hbm_read_bandwidth_gbs(device) if device.type == "cuda" else None
-    print(f"{name}, {str(dtype).replace('torch.', '')}, batch {args.batch}, {args.new_tokens} new tokens"
-          + (f", measured HBM read bandwidth {bandwidth:.0f} GB/s" if bandwidth else ""), file=sys.stderr)
+    print(
+        f"{name}, {str(dtype).replace('torch.', '')}, batch {args.batch}, {args.new_tokens} new tokens"
+        + (f", measured HBM read bandwidth {bandwidth:.0f} GB/s" if bandwidth else ""),
+        file=sys.stderr,
+    )
     rows = []
     with tqdm(total=len(contexts) * len(modes), desc="tpot", file=sys.stderr) as progress:
         for context in contexts:
@@ -219,8 +229,10 @@ def main(argv=None) -> int:
     print(common.table(rows, COLUMNS))
     if bandwidth:
         roof = rows[0]["roofline_ms"]
-        print(f"roofline at context {rows[0]['context']}: {rows[0]['bytes_per_step'] / 1e9:.3f} GB per step / "
-              f"{bandwidth:.0f} GB/s = {roof:.3f} ms")
+        print(
+            f"roofline at context {rows[0]['context']}: {rows[0]['bytes_per_step'] / 1e9:.3f} GB per step / "
+            f"{bandwidth:.0f} GB/s = {roof:.3f} ms"
+        )
     payload = {
         "tool": "evals.tpot",
         "model": name,

@@ -151,20 +151,20 @@ inline int round_up(int64_t n, int64_t multiple) { return static_cast<int>((n + 
 }  // namespace patcher
 
 // Runs the statement list with `T` bound to the element type of `dtype` (float, __half, __nv_bfloat16).
-#define PATCHER_DISPATCH_DTYPE(dtype, T, ...)     \
-  switch (dtype) {                                \
-    case ::patcher::DType::kFloat32: {            \
-      using T = float;                            \
-      __VA_ARGS__;                                \
-    } break;                                      \
-    case ::patcher::DType::kFloat16: {            \
-      using T = __half;                           \
-      __VA_ARGS__;                                \
-    } break;                                      \
-    case ::patcher::DType::kBFloat16: {           \
-      using T = __nv_bfloat16;                    \
-      __VA_ARGS__;                                \
-    } break;                                      \
-    default:                                      \
-      return cudaErrorInvalidValue;               \
+#define PATCHER_DISPATCH_DTYPE(dtype, T, ...) \
+  switch (dtype) {                            \
+    case ::patcher::DType::kFloat32: {        \
+      using T = float;                        \
+      __VA_ARGS__;                            \
+    } break;                                  \
+    case ::patcher::DType::kFloat16: {        \
+      using T = __half;                       \
+      __VA_ARGS__;                            \
+    } break;                                  \
+    case ::patcher::DType::kBFloat16: {       \
+      using T = __nv_bfloat16;                \
+      __VA_ARGS__;                            \
+    } break;                                  \
+    default:                                  \
+      return cudaErrorInvalidValue;           \
   }

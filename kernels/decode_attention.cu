@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
       float mx = m[g];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) mx = fmaxf(mx, s[u]);
-      if (mx == -INFINITY) continue;  // no key for this group in this step
+      if (mx == -INFINITY) continue;        // no key for this group in this step
       const float alpha = expf(m[g] - mx);  // 0 while m is still -inf
       l[g] *= alpha;
 #pragma unroll

@@ -41,8 +41,8 @@ __device__ __forceinline__ float rotate(const T* src, int e, const Slot& s, int 
   const int half = R / 2;
   const float rotated = s.d < half ? -to_float(src[e + half]) : to_float(src[e - half]);
   // __fmul_rn/__fadd_rn keep fp32 from contracting into an FMA: torch rounds each product separately.
-  return round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(x, to_float(cos[s.d]))),
-                               round_to<T>(__fmul_rn(rotated, to_float(sin[s.d])))));
+  return round_to<T>(
+      __fadd_rn(round_to<T>(__fmul_rn(x, to_float(cos[s.d]))), round_to<T>(__fmul_rn(rotated, to_float(sin[s.d])))));
 }
 
 template <typename T>
@@ -98,16 +98,16 @@ cudaError_t launch_rope_qkv(const RopeQkvParams& p, cudaStream_t stream) {
   const int64_t blocks = p.batch * p.tokens;
   if (blocks == 0) return cudaSuccess;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  PATCHER_DISPATCH_DTYPE(p.dtype, T,
-                         return launch_pdl(rope_qkv_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream, p));
+  PATCHER_DISPATCH_DTYPE(
+      p.dtype, T, return launch_pdl(rope_qkv_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream, p));
   return cudaSuccess;
 }
 
 cudaError_t launch_rope_qkv_cache(const RopeCacheParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
-  PATCHER_DISPATCH_DTYPE(p.dtype, T,
-                         return launch_pdl(rope_qkv_cache_kernel<T>, dim3(static_cast<unsigned>(p.batch)), dim3(256), 0,
-                                           stream, p));
+  PATCHER_DISPATCH_DTYPE(
+      p.dtype, T,
+      return launch_pdl(rope_qkv_cache_kernel<T>, dim3(static_cast<unsigned>(p.batch)), dim3(256), 0, stream, p));
   return cudaSuccess;
 }
 

@@ -21,8 +21,9 @@ using at::Tensor;
 using patcher::DType;
 using OptTensor = std::optional<Tensor>;
 
-// Shapes and strides as text for error messages. (Streaming a c10::IntArrayRef into TORCH_CHECK crashed the
-// process under torch 2.11 on the GPU machine, so messages format them here.)
+// Numbers in error messages are formatted with std::to_string, never streamed: with torch 2.11 on the GPU machine,
+// streaming an integer into a TORCH_CHECK message crashed the process inside std::ostream::_M_insert<long>
+// (cuda-gdb backtrace), while messages made only of strings worked.
 std::string dims(c10::IntArrayRef values) {
   std::string text = "[";
   for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
@@ -53,7 +54,8 @@ void check_like(const Tensor& t, const Tensor& x, const char* name) {
 // A [hidden] parameter vector.
 const void* vector_arg(const Tensor& t, const Tensor& x, int64_t n, const char* name) {
   check_like(t, x, name);
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "patcher: ", name, " must have shape [", n, "], got ", dims(t.sizes()));
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "patcher: ", name, " must have shape [", std::to_string(n), "], got ",
+              dims(t.sizes()));
   TORCH_CHECK(t.stride(0) == 1, "patcher: ", name, " must be contiguous");
   return t.data_ptr();
 }
@@ -75,13 +77,14 @@ int64_t row_stride(const Tensor& t, const char* name) {
       stride = t.stride(i);
       expected = stride * t.size(i);
     } else {
-      TORCH_CHECK(t.stride(i) == expected, "patcher: ", name, " must be readable as rows of ", t.size(-1),
-                  " with one row stride; got sizes ", dims(t.sizes()), " and strides ", dims(t.strides()));
+      TORCH_CHECK(t.stride(i) == expected, "patcher: ", name, " must be readable as rows of ",
+                  std::to_string(t.size(-1)), " with one row stride; got sizes ", dims(t.sizes()), " and strides ",
+                  dims(t.strides()));
       expected *= t.size(i);
     }
   }
   if (stride < 0) return t.size(-1);  // a single row
-  TORCH_CHECK(stride >= t.size(-1), "patcher: rows of ", name, " overlap (row stride ", stride, ")");
+  TORCH_CHECK(stride >= t.size(-1), "patcher: rows of ", name, " overlap (row stride ", std::to_string(stride), ")");
   return stride;
 }
 
@@ -109,7 +112,8 @@ NormResult run_norm(const Tensor& x, const Tensor* delta, const OptTensor& delta
   NormResult r;
   if (delta) {
     check_like(*delta, x, "delta");
-    TORCH_CHECK(delta->sizes() == x.sizes(), "patcher: delta has shape ", dims(delta->sizes()), " but x has ", dims(x.sizes()));
+    TORCH_CHECK(delta->sizes() == x.sizes(), "patcher: delta has shape ", dims(delta->sizes()), " but x has ",
+                dims(x.sizes()));
     p.delta = delta->data_ptr();
     p.delta_stride = row_stride(*delta, "delta");
     if (delta2.has_value()) {
@@ -179,22 +183,27 @@ std::tuple<Tensor, Tensor, Tensor> rope_qkv(const Tensor& qkv, const Tensor& cos
   const c10::cuda::CUDAGuard guard(qkv.device());
   TORCH_CHECK(qkv.dim() == 3, "patcher: qkv must be [batch, tokens, width], got ", dims(qkv.sizes()));
   TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && head_dim > 0 && num_q_heads % num_kv_heads == 0,
-              "patcher: bad head counts q ", num_q_heads, ", kv ", num_kv_heads, ", head_dim ", head_dim);
-  TORCH_CHECK(!interleaved || num_q_heads == num_kv_heads, "patcher: interleaved qkv needs as many kv heads as q heads");
+              "patcher: bad head counts q ", std::to_string(num_q_heads), ", kv ", std::to_string(num_kv_heads),
+              ", head_dim ", std::to_string(head_dim));
+  TORCH_CHECK(!interleaved || num_q_heads == num_kv_heads,
+              "patcher: interleaved qkv needs as many kv heads as q heads");
   const int64_t B = qkv.size(0), T = qkv.size(1);
-  TORCH_CHECK(qkv.size(2) == (num_q_heads + 2 * num_kv_heads) * head_dim, "patcher: qkv width ", qkv.size(2),
-              " != (", num_q_heads, " + 2 x ", num_kv_heads, ") x ", head_dim);
+  TORCH_CHECK(qkv.size(2) == (num_q_heads + 2 * num_kv_heads) * head_dim, "patcher: qkv width ",
+              std::to_string(qkv.size(2)), " != (", std::to_string(num_q_heads), " + 2 x ",
+              std::to_string(num_kv_heads), ") x ", std::to_string(head_dim));
   TORCH_CHECK(qkv.size(2) <= 1 || qkv.stride(2) == 1, "patcher: the last dimension of qkv must be contiguous");
   for (const Tensor* t : {&cos, &sin}) {
     const char* name = t == &cos ? "cos" : "sin";
     check_like(*t, qkv, name);
-    TORCH_CHECK(t->dim() == 3 && (t->size(0) == B || t->size(0) == 1) && t->size(1) == T,
-                "patcher: ", name, " must be [", B, " or 1, ", T, ", rotary_dim], got ", dims(t->sizes()));
+    TORCH_CHECK(t->dim() == 3 && (t->size(0) == B || t->size(0) == 1) && t->size(1) == T, "patcher: ", name,
+                " must be [", std::to_string(B), " or 1, ", std::to_string(T), ", rotary_dim], got ", dims(t->sizes()));
     TORCH_CHECK(t->size(2) <= 1 || t->stride(2) == 1, "patcher: the last dimension of ", name, " must be contiguous");
   }
-  TORCH_CHECK(cos.sizes() == sin.sizes(), "patcher: cos ", dims(cos.sizes()), " and sin ", dims(sin.sizes()), " differ");
+  TORCH_CHECK(cos.sizes() == sin.sizes(), "patcher: cos ", dims(cos.sizes()), " and sin ", dims(sin.sizes()),
+              " differ");
   const int64_t rotary = cos.size(2);
-  TORCH_CHECK(rotary % 2 == 0 && rotary <= head_dim, "patcher: rotary_dim ", rotary, " must be even and <= ", head_dim);
+  TORCH_CHECK(rotary % 2 == 0 && rotary <= head_dim, "patcher: rotary_dim ", std::to_string(rotary),
+              " must be even and <= ", std::to_string(head_dim));
 
   patcher::RopeQkvParams p{};
   p.dtype = dtype_of(qkv);
@@ -288,7 +297,8 @@ Tensor gemv(const Tensor& x, const Tensor& weight, const OptTensor& bias, c10::s
   p.dtype = dtype_of(x);
   p.k = x.size(-1);
   p.batch = p.k == 0 ? 0 : x.numel() / p.k;
-  TORCH_CHECK(p.batch <= 8, "patcher: gemv takes at most 8 rows of x (decode); got ", p.batch, ", use F.linear");
+  TORCH_CHECK(p.batch <= 8, "patcher: gemv takes at most 8 rows of x (decode); got ", std::to_string(p.batch),
+              ", use F.linear");
   p.n = p.act == patcher::kActSiluMul ? rows_w / 2 : rows_w;
   p.x = x.data_ptr();
   p.x_stride = row_stride(x, "x");
@@ -308,14 +318,15 @@ void check_cache(const Tensor& cache, const Tensor& like, int64_t batch, int64_t
                  const char* name) {
   check_like(cache, like, name);
   TORCH_CHECK(cache.dim() == 4 && cache.size(0) == batch && cache.size(1) == heads && cache.size(3) == head_dim,
-              "patcher: ", name, " must be [", batch, ", ", heads, ", capacity, ", head_dim, "], got ", dims(cache.sizes()));
+              "patcher: ", name, " must be [", std::to_string(batch), ", ", std::to_string(heads), ", capacity, ",
+              std::to_string(head_dim), "], got ", dims(cache.sizes()));
   TORCH_CHECK(cache.is_contiguous(), "patcher: ", name, " must be contiguous");
 }
 
 void check_index(const Tensor& t, int64_t n, const Tensor& like, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.device() == like.device(), "patcher: ", name, " must be on ", like.device());
-  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == n && t.is_contiguous(),
-              "patcher: ", name, " must be a contiguous int64 tensor of shape [", n, "], got ", t.scalar_type(), " ",
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == n && t.is_contiguous(), "patcher: ", name,
+              " must be a contiguous int64 tensor of shape [", std::to_string(n), "], got ", t.scalar_type(), " ",
               dims(t.sizes()));
 }
 
@@ -326,11 +337,13 @@ Tensor rope_qkv_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, c
   const c10::cuda::CUDAGuard guard(qkv.device());
   TORCH_CHECK(qkv.dim() == 2, "patcher: qkv must be [batch, width] (one token per row), got ", dims(qkv.sizes()));
   TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && head_dim > 0,
-              "patcher: bad head counts q ", num_q_heads, ", kv ", num_kv_heads);
-  TORCH_CHECK(!interleaved || num_q_heads == num_kv_heads, "patcher: interleaved qkv needs as many kv heads as q heads");
+              "patcher: bad head counts q ", std::to_string(num_q_heads), ", kv ", std::to_string(num_kv_heads));
+  TORCH_CHECK(!interleaved || num_q_heads == num_kv_heads,
+              "patcher: interleaved qkv needs as many kv heads as q heads");
   const int64_t B = qkv.size(0);
-  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * head_dim, "patcher: qkv width ", qkv.size(1),
-              " != (", num_q_heads, " + 2 x ", num_kv_heads, ") x ", head_dim);
+  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * head_dim, "patcher: qkv width ",
+              std::to_string(qkv.size(1)), " != (", std::to_string(num_q_heads), " + 2 x ",
+              std::to_string(num_kv_heads), ") x ", std::to_string(head_dim));
   TORCH_CHECK(qkv.size(1) <= 1 || qkv.stride(1) == 1, "patcher: the last dimension of qkv must be contiguous");
   for (const Tensor* t : {&cos, &sin}) {
     check_like(*t, qkv, t == &cos ? "cos" : "sin");
@@ -338,7 +351,8 @@ Tensor rope_qkv_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, c
   }
   TORCH_CHECK(cos.sizes() == sin.sizes(), "patcher: cos and sin tables differ in shape");
   const int64_t rotary = cos.size(1);
-  TORCH_CHECK(rotary % 2 == 0 && rotary <= head_dim && cos.size(0) > 0, "patcher: bad rotary table ", dims(cos.sizes()));
+  TORCH_CHECK(rotary % 2 == 0 && rotary <= head_dim && cos.size(0) > 0, "patcher: bad rotary table ",
+              dims(cos.sizes()));
   check_index(slot, 1, qkv, "slot");
   check_index(pad, B, qkv, "pad");
   check_cache(k_cache, qkv, B, num_kv_heads, head_dim, "k_cache");
@@ -376,22 +390,23 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "patcher: q must be contiguous [batch, heads, head_dim], got ",
               dims(q.sizes()));
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  TORCH_CHECK(D == 64 || D == 80 || D == 128, "patcher: decode_attention supports head_dim 64, 80 and 128, got ", D);
+  TORCH_CHECK(D == 64 || D == 80 || D == 128, "patcher: decode_attention supports head_dim 64, 80 and 128, got ",
+              std::to_string(D));
   TORCH_CHECK(k_cache.dim() == 4, "patcher: k_cache must be [batch, kv_heads, capacity, head_dim]");
   const int64_t Hkv = k_cache.size(1);
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 8, "patcher: ", Hq, " query heads over ", Hkv,
-              " kv heads: need a multiple, at most 8 per kv head");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 8, "patcher: ", std::to_string(Hq), " query heads over ",
+              std::to_string(Hkv), " kv heads: need a multiple, at most 8 per kv head");
   check_cache(k_cache, q, B, Hkv, D, "k_cache");
   check_cache(v_cache, q, B, Hkv, D, "v_cache");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "patcher: k_cache and v_cache differ in shape");
   check_index(slot, 1, q, "slot");
   check_index(pad, B, q, "pad");
-  TORCH_CHECK(splits >= 1 && splits <= 16, "patcher: splits must be in 1..16, got ", splits);
+  TORCH_CHECK(splits >= 1 && splits <= 16, "patcher: splits must be in 1..16, got ", std::to_string(splits));
   const int64_t counters = (B * Hkv + 63) / 64 * 64;
   const int64_t needed = counters + B * Hq * splits * (D + 2);
   TORCH_CHECK(workspace.is_cuda() && workspace.device() == q.device() && workspace.scalar_type() == at::kInt &&
                   workspace.is_contiguous() && workspace.numel() >= needed,
-              "patcher: workspace must be a zeroed contiguous int32 CUDA tensor of at least ", needed,
+              "patcher: workspace must be a zeroed contiguous int32 CUDA tensor of at least ", std::to_string(needed),
               " elements (patcher.ops.decode_attention_workspace)");
   patcher::DecodeAttentionParams p{};
   p.dtype = dtype_of(q);

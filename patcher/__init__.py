@@ -1,9 +1,9 @@
 """Fused CUDA kernels for HF Transformers decoder stacks (GPT-NeoX, LLaMA, Qwen2), swapped in with one call.
 
-    from patcher import patch_model, unpatch_model
-    report = patch_model(model)     # every decoder layer now runs fused kernels
-    print(report)                   # what was replaced, what was left as it was and why
-    unpatch_model(model)            # back to the original forwards, bit-identical outputs
+from patcher import patch_model, unpatch_model
+report = patch_model(model)     # every decoder layer now runs fused kernels
+print(report)                   # what was replaced, what was left as it was and why
+unpatch_model(model)            # back to the original forwards, bit-identical outputs
 """
 
 from .ops import ExtensionError
@@ -13,12 +13,12 @@ from .report import ModuleRecord, PatchReport
 __version__ = "0.1.0"
 
 __all__ = [
-    "patch_model",
-    "unpatch_model",
-    "is_patched",
-    "set_fast_generate",
-    "PatchReport",
-    "ModuleRecord",
-    "UnsupportedModelError",
     "ExtensionError",
+    "ModuleRecord",
+    "PatchReport",
+    "UnsupportedModelError",
+    "is_patched",
+    "patch_model",
+    "set_fast_generate",
+    "unpatch_model",
 ]

@@ -18,8 +18,9 @@ from __future__ import annotations
 import functools
 import types
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,7 +72,11 @@ class PatchState:
 
 def _swap_forward(module: nn.Module, fn: Callable) -> _Swap:
     # accelerate's hooks replace `forward` with a wrapper calling `_old_forward`; swap under the hook, keep it.
-    slot = "_old_forward" if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward") else "forward"
+    slot = (
+        "_old_forward"
+        if getattr(module, "_hf_hook", None) is not None and hasattr(module, "_old_forward")
+        else "forward"
+    )
     swap = _Swap(module, slot, module.__dict__.get(slot, _ABSENT))
     module.__dict__[slot] = types.MethodType(fn, module)
     return swap
@@ -229,11 +234,21 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         in_norm, post_norm = getattr(layer, spec.input_norm), getattr(layer, spec.post_norm)
 
         qkv_detail = "fused q/k/v GEMM" if len(spec.qkv) > 1 else "QKV GEMM"
-        swap(attn, entry.attention, attention_plan(attn, spec, config, ops),
-             f"{qkv_detail} + rope_qkv ({ops.name})", functools.partial(undo_attention_plan, attn, spec))
+        swap(
+            attn,
+            entry.attention,
+            attention_plan(attn, spec, config, ops),
+            f"{qkv_detail} + rope_qkv ({ops.name})",
+            functools.partial(undo_attention_plan, attn, spec),
+        )
         mlp_detail = "fused gate/up GEMM + silu_and_mul" if spec.mlp_gated else "GEMM + bias_gelu"
-        swap(mlp, entry.mlp, mlp_plan(mlp, spec, config, ops), f"{mlp_detail} ({ops.name})",
-             functools.partial(undo_mlp_plan, mlp, spec))
+        swap(
+            mlp,
+            entry.mlp,
+            mlp_plan(mlp, spec, config, ops),
+            f"{mlp_detail} ({ops.name})",
+            functools.partial(undo_mlp_plan, mlp, spec),
+        )
         for norm in (in_norm, post_norm):
             swap(norm, entry.norm, norm_plan(norm, spec, ops), f"{spec.norm} norm ({ops.name})")
 
@@ -252,9 +267,16 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
 
     if final_reason is None:
         ops = backends[next(final_norm.parameters()).device]
-        swap(final_norm, entry.norm, norm_plan(final_norm, spec, ops), f"takes the last layer's residual add ({ops.name})")
+        swap(
+            final_norm,
+            entry.norm,
+            norm_plan(final_norm, spec, ops),
+            f"takes the last layer's residual add ({ops.name})",
+        )
     elif final_norm is not None:
-        report.unpatched.append(ModuleRecord(names.get(id(final_norm), "final norm"), type(final_norm).__name__, "", final_reason))
+        report.unpatched.append(
+            ModuleRecord(names.get(id(final_norm), "final norm"), type(final_norm).__name__, "", final_reason)
+        )
 
     if patchable and callable(getattr(model, "generate", None)):
         from .decode import fast_generate
@@ -263,8 +285,14 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         swap = _Swap(model, "generate", model.__dict__.get("generate", _ABSENT))
         model.__dict__["generate"] = types.MethodType(fast_generate, model)
         state.swaps.append(swap)
-        report.replaced.append(ModuleRecord("(model).generate", type(model).__name__, "fast_generate",
-                                            "static KV cache + one CUDA graph per decode step, where it applies"))
+        report.replaced.append(
+            ModuleRecord(
+                "(model).generate",
+                type(model).__name__,
+                "fast_generate",
+                "static KV cache + one CUDA graph per decode step, where it applies",
+            )
+        )
 
     for group in ("_patcher_qkv_weight", "_patcher_qkv_bias", "_patcher_gate_up_weight", "_patcher_gate_up_bias"):
         for module in model.modules():

@@ -13,60 +13,126 @@ from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, Qwen2
 
 def _pythia(hidden, layers, heads, intermediate, vocab, parallel=True, **kw):
     return GPTNeoXConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        intermediate_size=intermediate, rotary_pct=0.25, rotary_emb_base=10000, max_position_embeddings=2048,
-        use_parallel_residual=parallel, layer_norm_eps=1e-5, hidden_act="gelu", tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=0, **kw,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=intermediate,
+        rotary_pct=0.25,
+        rotary_emb_base=10000,
+        max_position_embeddings=2048,
+        use_parallel_residual=parallel,
+        layer_norm_eps=1e-5,
+        hidden_act="gelu",
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        **kw,
     )
 
 
 def _llama(hidden, layers, heads, kv_heads, intermediate, vocab, rope, **kw):
     return LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, intermediate_size=intermediate, rms_norm_eps=1e-5, rope_parameters=rope,
-        bos_token_id=1, eos_token_id=2, **kw,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope,
+        bos_token_id=1,
+        eos_token_id=2,
+        **kw,
     )
 
 
 def _qwen2(hidden, layers, heads, kv_heads, intermediate, vocab, theta, **kw):
     return Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, intermediate_size=intermediate, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": theta}, use_sliding_window=False,
-        bos_token_id=1, eos_token_id=2, **kw,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        use_sliding_window=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        **kw,
     )
 
 
 LLAMA31_ROPE = {
-    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
 }
 
 CONFIGS = {
     # real sizes
     "pythia-2.8b": lambda: _pythia(2560, 32, 32, 10240, 50304),
     "pythia-6.9b": lambda: _pythia(4096, 32, 32, 16384, 50432),
-    "llama-3.1-8b": lambda: _llama(4096, 32, 32, 8, 14336, 128256, LLAMA31_ROPE, max_position_embeddings=131072,
-                                   tie_word_embeddings=False),
-    "qwen2-1.5b": lambda: _qwen2(1536, 28, 12, 2, 8960, 151936, 10000.0, max_position_embeddings=131072,
-                                 tie_word_embeddings=False),
-    "qwen2-7b": lambda: _qwen2(3584, 28, 28, 4, 18944, 152064, 1000000.0, max_position_embeddings=131072,
-                               tie_word_embeddings=False),
-    "smollm2-135m": lambda: _llama(576, 30, 9, 3, 1536, 49152, {"rope_type": "default", "rope_theta": 100000.0},
-                                   max_position_embeddings=8192, tie_word_embeddings=True, head_dim=64),
+    "llama-3.1-8b": lambda: _llama(
+        4096, 32, 32, 8, 14336, 128256, LLAMA31_ROPE, max_position_embeddings=131072, tie_word_embeddings=False
+    ),
+    "qwen2-1.5b": lambda: _qwen2(
+        1536, 28, 12, 2, 8960, 151936, 10000.0, max_position_embeddings=131072, tie_word_embeddings=False
+    ),
+    "qwen2-7b": lambda: _qwen2(
+        3584, 28, 28, 4, 18944, 152064, 1000000.0, max_position_embeddings=131072, tie_word_embeddings=False
+    ),
+    "smollm2-135m": lambda: _llama(
+        576,
+        30,
+        9,
+        3,
+        1536,
+        49152,
+        {"rope_type": "default", "rope_theta": 100000.0},
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        head_dim=64,
+    ),
     # tiny, for tests: every variant the patcher handles, with the real head sizes (Pythia's 80 with 20 rotary
     # dims, 64 with GQA for LLaMA/Qwen2) so that the decode kernels run on them too; initializer_range is raised
     # so that values are O(1)
     "tiny-pythia": lambda: _pythia(320, 3, 4, 640, 512, initializer_range=0.1),
     "tiny-neox-sequential": lambda: _pythia(320, 3, 4, 640, 512, parallel=False, initializer_range=0.1),
-    "tiny-llama": lambda: _llama(256, 3, 4, 2, 384, 512, {"rope_type": "default", "rope_theta": 10000.0},
-                                 max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.1),
-    "tiny-llama-tied": lambda: _llama(256, 3, 4, 2, 384, 512, {"rope_type": "default", "rope_theta": 10000.0},
-                                      max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.1),
-    "tiny-qwen2": lambda: _qwen2(256, 3, 4, 2, 384, 512, 10000.0, max_position_embeddings=512,
-                                 tie_word_embeddings=True, initializer_range=0.1),
-    "tiny-qwen2-untied": lambda: _qwen2(256, 3, 4, 2, 384, 512, 10000.0, max_position_embeddings=512,
-                                        tie_word_embeddings=False, initializer_range=0.1),
+    "tiny-llama": lambda: _llama(
+        256,
+        3,
+        4,
+        2,
+        384,
+        512,
+        {"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    ),
+    "tiny-llama-tied": lambda: _llama(
+        256,
+        3,
+        4,
+        2,
+        384,
+        512,
+        {"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+    ),
+    "tiny-qwen2": lambda: _qwen2(
+        256, 3, 4, 2, 384, 512, 10000.0, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.1
+    ),
+    "tiny-qwen2-untied": lambda: _qwen2(
+        256, 3, 4, 2, 384, 512, 10000.0, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.1
+    ),
 }
 
 TINY = [name for name in CONFIGS if name.startswith("tiny-")]
@@ -79,8 +145,13 @@ def config(name: str):
     return CONFIGS[name]()
 
 
-def build(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
-          attn_implementation: str = "sdpa"):
+def build(
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+):
     """A *ForCausalLM with random weights (HF's own initialization), in eval mode, built directly on `device`."""
     cfg = config(name)
     torch.manual_seed(seed)

@@ -6,8 +6,8 @@ separate q/k/v, gated or plain MLP) means writing its spec in `patcher/models/` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .layers import attention, decoder, mlp, norm
 from .models import gpt_neox, llama, qwen2

@@ -44,8 +44,10 @@ class PatchReport:
 
     def __str__(self) -> str:
         lines = [
-            f"patch_model: {self.model_class} ({self.model_type}), {self.layers_restructured}/{self.layers_total} "
-            f"decoder layers restructured, backend {self.backend} on {', '.join(self.devices) or '-'}, {self.dtype}"
+            (
+                f"patch_model: {self.model_class} ({self.model_type}), {self.layers_restructured}/{self.layers_total} "
+                f"decoder layers restructured, backend {self.backend} on {', '.join(self.devices) or '-'}, {self.dtype}"
+            )
         ]
         if self.replaced:
             lines.append(f"  replaced ({len(self.replaced)} modules):")
@@ -58,7 +60,9 @@ class PatchReport:
         if self.launches_per_layer:
             total = sum(self.launches_per_layer.values())
             parts = ", ".join(f"{k} {v}" for k, v in self.launches_per_layer.items())
-            lines.append(f"  kernel launches per layer and decode token, besides KV cache and attention: {total} ({parts})")
+            lines.append(
+                f"  kernel launches per layer and decode token, besides KV cache and attention: {total} ({parts})"
+            )
         lines.append(f"  left unpatched ({len(self.unpatched)}):" if self.unpatched else "  left unpatched: none")
         lines += [f"    {r.name} ({r.kind}): {r.detail}" for r in self.unpatched]
         lines += [f"  note: {m}" for m in self.messages]
@@ -73,4 +77,7 @@ def _grouped(records: list[ModuleRecord]) -> list[str]:
         key = (re.sub(r"\.\d+(\.|$)", r".*\1", r.name), r.kind, r.replacement, r.detail)
         counts[key] += 1
         first.setdefault(key, r)
-    return [f"{name:<28} {kind} -> {repl} [{detail}]" + (f" x{n}" if n > 1 else "") for (name, kind, repl, detail), n in counts.items()]
+    return [
+        f"{name:<28} {kind} -> {repl} [{detail}]" + (f" x{n}" if n > 1 else "")
+        for (name, kind, repl, detail), n in counts.items()
+    ]

@@ -41,7 +41,9 @@ def assert_within_torch_error(kernel: torch.Tensor, torch_low: torch.Tensor, ref
     scale = max(ref32.abs().max().item(), 1.0) if ref32.numel() else 1.0
     err_kernel, err_torch = max_err(kernel, ref32), max_err(torch_low, ref32)
     bound = KERNEL_ERROR_FACTOR * err_torch + FLOOR[kernel.dtype] * scale
-    assert err_kernel <= bound, f"{what}: kernel error {err_kernel:.3g} > bound {bound:.3g} (torch error {err_torch:.3g})"
+    assert err_kernel <= bound, (
+        f"{what}: kernel error {err_kernel:.3g} > bound {bound:.3g} (torch error {err_torch:.3g})"
+    )
 
 
 def smollm2_gguf() -> Path | None:

@@ -12,9 +12,10 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import requires_cuda, smollm2_gguf, wikitext_path
-from patcher import patch_model, random_models as rm, set_fast_generate, unpatch_model
+
+from patcher import patch_model, set_fast_generate, unpatch_model
+from patcher import random_models as rm
 from patcher.decode import DecodeRunner, Sampling, generate_path
 from patcher.decode.generate import call_reason
 
@@ -134,8 +135,19 @@ def test_graph_sampling_reproducible_and_eos():
     runs = []
     for seed in (1, 1, 2):
         torch.manual_seed(seed)
-        runs.append(model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=True, top_k=30, top_p=0.95,
-                                   temperature=0.7, eos_token_id=None, pad_token_id=0))
+        runs.append(
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=64,
+                do_sample=True,
+                top_k=30,
+                top_p=0.95,
+                temperature=0.7,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        )
     assert generate_path(model)["path"] == "graph"
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
     free = runs[0]
@@ -160,8 +172,10 @@ def test_ten_thousand_steps_without_memory_growth():
     torch.cuda.synchronize()
     assert out.shape[1] == 8 + 10_000 and generate_path(model)["path"] == "graph"
     assert torch.cuda.memory_allocated() <= before + (1 << 20)
-    print(f"\nstatic cache and graph buffers: {model._patcher_state.runner.memory_bytes() / 2**20:.1f} MiB; peak during "
-          f"10,000 steps {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB, allocated before {before / 2**20:.1f} MiB")
+    print(
+        f"\nstatic cache and graph buffers: {model._patcher_state.runner.memory_bytes() / 2**20:.1f} MiB; peak during "
+        f"10,000 steps {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB, allocated before {before / 2**20:.1f} MiB"
+    )
 
 
 SMOLLM2 = smollm2_gguf()
@@ -178,14 +192,14 @@ def test_smollm2_greedy_agrees_with_hf_eager():
     model.generation_config.eos_token_id = None
     lines = [l for l in wikitext_path().read_text(encoding="utf-8").split("\n") if len(l) > 200][:20]
     prompts = [tokenizer(l, return_tensors="pt").input_ids[:, :32].cuda() for l in lines]
-    kwargs = dict(max_new_tokens=128, do_sample=False, pad_token_id=0)
+    kwargs = {"max_new_tokens": 128, "do_sample": False, "pad_token_id": 0}
     expected = [model.generate(p, attention_mask=torch.ones_like(p), **kwargs) for p in prompts]
     patch_model(model)
     same, total, notes = 0, 0, []
     for p, e in zip(prompts, expected):
         got = model.generate(p, attention_mask=torch.ones_like(p), **kwargs)
         assert generate_path(model)["path"] == "graph"
-        new_got, new_exp = got[0, p.shape[1]:], e[0, p.shape[1]:]
+        new_got, new_exp = got[0, p.shape[1] :], e[0, p.shape[1] :]
         diverged = (new_got != new_exp).nonzero()
         first = int(diverged[0]) if len(diverged) else len(new_got)
         same += first
@@ -196,6 +210,8 @@ def test_smollm2_greedy_agrees_with_hf_eager():
             top2 = logits.topk(2).values
             notes.append((first, float(top2[0] - top2[1])))
     rate = same / total
-    print(f"\nSmolLM2 fp16: {rate:.1%} of tokens before the first divergence; divergences (position, top-2 margin): {notes}")
+    print(
+        f"\nSmolLM2 fp16: {rate:.1%} of tokens before the first divergence; divergences (position, top-2 margin): {notes}"
+    )
     assert rate >= 0.95
     assert all(margin < 0.25 for _, margin in notes), notes

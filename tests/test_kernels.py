@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import assert_within_torch_error, poison_cuda_cache, requires_cuda
 
 pytestmark = requires_cuda
@@ -105,7 +104,7 @@ def test_rope_qkv(layout, arch, batch_tokens, dtype):
     hq, hkv, d, rot, interleaved = ROPE_ARCHS[arch]
     B, T = batch_tokens
     qkv = make((B, T, (hq + 2 * hkv) * d), dtype, layout)
-    angles = torch.randn(B if B > 1 else 1, T, rot // 2, device="cuda") * 3
+    angles = torch.randn(max(1, B), T, rot // 2, device="cuda") * 3
     emb = torch.cat([angles, angles], dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     check_op("rope_qkv", (qkv, cos, sin, hq, hkv, d, interleaved), exact_outputs=(0, 1, 2))
@@ -160,11 +159,25 @@ BAD_INPUTS = {  # name -> (op, args builder, message the error must contain)
     "delta on cpu": ("add_rms_norm", lambda x, w: (x, x.cpu(), w, 1e-6), "CUDA tensor"),
     "strided last dim": ("rms_norm", lambda x, w: (make((64, 4), torch.float16).t(), w, 1e-6), "contiguous"),
     "float64": ("rms_norm", lambda x, w: (x.double(), w.double(), 1e-6), "unsupported dtype"),
-    "qkv width": ("rope_qkv", lambda x, w: (make((1, 2, 100), torch.float16), make((1, 2, 8), torch.float16),
-                                            make((1, 2, 8), torch.float16), 2, 2, 16, False), "width"),
+    "qkv width": (
+        "rope_qkv",
+        lambda x, w: (
+            make((1, 2, 100), torch.float16),
+            make((1, 2, 8), torch.float16),
+            make((1, 2, 8), torch.float16),
+            2,
+            2,
+            16,
+            False,
+        ),
+        "width",
+    ),
     "odd silu width": ("silu_and_mul", lambda x, w: (make((3, 63), torch.float16),), "even"),
-    "gemv rows": ("gemv", lambda x, w: (make((9, 64), torch.float16), make((32, 64), torch.float16), None, "none"),
-                  "at most 8"),
+    "gemv rows": (
+        "gemv",
+        lambda x, w: (make((9, 64), torch.float16), make((32, 64), torch.float16), None, "none"),
+        "at most 8",
+    ),
     "gemv activation": ("gemv", lambda x, w: (x, make((32, 64), torch.float16), None, "relu"), "activation"),
 }
 

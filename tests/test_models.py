@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import tempfile
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import FP32_LOGIT_ATOL, HAS_CUDA, assert_within_torch_error, max_err, requires_cuda
 from safetensors.torch import load_file
 
-from conftest import FP32_LOGIT_ATOL, HAS_CUDA, assert_within_torch_error, max_err, requires_cuda
 from patcher import PatchReport, UnsupportedModelError, is_patched, patch_model, unpatch_model
 from patcher import random_models as rm
 
@@ -56,7 +55,7 @@ def test_fp32_logits_match_unpatched(name, backend):
 def test_greedy_generate_identical(name):
     model = rm.build(name)
     ids = ids_for(model, batch=2, tokens=7)
-    kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    kwargs = {"max_new_tokens": 32, "do_sample": False, "pad_token_id": 0, "attention_mask": torch.ones_like(ids)}
     expected = model.generate(ids, **kwargs)
     patch_model(model)
     assert torch.equal(model.generate(ids, **kwargs), expected)
@@ -93,8 +92,8 @@ def test_state_dict_and_save_pretrained_unchanged(name, tmp_path):
     patch_model(model)
     after = model.state_dict()
     assert list(after) == list(before)
-    for k in before:
-        assert torch.equal(after[k], before[k]), k
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
     model.save_pretrained(tmp_path / "after")
     saved_before = load_file(tmp_path / "before" / "model.safetensors")
     saved_after = load_file(tmp_path / "after" / "model.safetensors")
@@ -122,7 +121,13 @@ def test_report_contents():
     layers = model.config.num_hidden_layers
     # layer, attention, MLP, two norms per layer; the final norm; the model's generate
     assert len(report.replaced) == 5 * layers + 2
-    assert {"model.layers.0", "model.layers.0.self_attn", "model.layers.0.mlp", "model.norm", "(model).generate"} <= names
+    assert {
+        "model.layers.0",
+        "model.layers.0.self_attn",
+        "model.layers.0.mlp",
+        "model.norm",
+        "(model).generate",
+    } <= names
     assert report.fused_weights == 2 * layers  # q/k/v and gate/up per layer
     assert sum(report.launches_per_layer.values()) == 8
     text = str(report)
@@ -218,8 +223,15 @@ def test_accelerate_hooks_and_offloaded_layers():
     model = rm.build("tiny-llama")
     ids = ids_for(model)
     expected = logits(model, ids)
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
-                  "model.layers.2": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.layers.2": "cpu",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
     with tempfile.TemporaryDirectory() as offload, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = dispatch_model(model, device_map=device_map, offload_dir=offload, main_device="cpu")
@@ -326,7 +338,9 @@ def test_real_size_logits_within_tolerance(name, dtype):
     patch_model(model)
     got = logits(model, ids)
     assert_within_torch_error(got, hf_low, ref32, f"{name} {dtype}")
-    print(f"\n{name} {dtype}: max|patched-fp32| {max_err(got, ref32):.4g}, max|hf-fp32| {max_err(hf_low, ref32):.4g}, "
-          f"max|patched-hf| {max_err(got, hf_low):.4g}")
+    print(
+        f"\n{name} {dtype}: max|patched-fp32| {max_err(got, ref32):.4g}, max|hf-fp32| {max_err(hf_low, ref32):.4g}, "
+        f"max|patched-hf| {max_err(got, hf_low):.4g}"
+    )
     del model
     torch.cuda.empty_cache()

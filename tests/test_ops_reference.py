@@ -116,5 +116,7 @@ def test_op_schema_and_fake_kernel(op):
     torch.library.opcheck(getattr(torch.ops.patcher, op).default, args)
     expected = getattr(reference, op)(*args)
     got = getattr(KERNELS, op)(*args)
-    for e, g in zip(expected if isinstance(expected, tuple) else (expected,), got if isinstance(got, tuple) else (got,)):
+    for e, g in zip(
+        expected if isinstance(expected, tuple) else (expected,), got if isinstance(got, tuple) else (got,)
+    ):
         assert torch.equal(e, g) and g.is_contiguous()

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import FP32_LOGIT_ATOL, assert_within_torch_error, max_err, requires_cuda, smollm2_gguf, wikitext_path
+
 from patcher import patch_model, unpatch_model
 
 GGUF = smollm2_gguf()
-pytestmark = pytest.mark.skipif(GGUF is None or wikitext_path() is None,
-                                reason="set PATCHER_SMOLLM2_GGUF (../shared/tools/get-smollm2.sh) to run")
+pytestmark = pytest.mark.skipif(
+    GGUF is None or wikitext_path() is None, reason="set PATCHER_SMOLLM2_GGUF (../shared/tools/get-smollm2.sh) to run"
+)
 
 
 def load(dtype, device="cpu"):
@@ -54,7 +55,7 @@ def test_fp32_logits_on_wikitext(smollm2_fp32, text_ids):
 def test_fp32_greedy_generation(smollm2_fp32):
     model, tokenizer = smollm2_fp32
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
-    kwargs = dict(max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids))
+    kwargs = {"max_new_tokens": 24, "do_sample": False, "attention_mask": torch.ones_like(ids)}
     expected = model.generate(ids, **kwargs)
     patch_model(model)
     try:

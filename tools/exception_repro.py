@@ -1,4 +1,5 @@
 """Raises the same patcher:: op error several times, then a different one (investigating a crash seen on the H100)."""
+
 import torch
 
 from patcher.ops import extension

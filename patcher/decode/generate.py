@@ -20,12 +20,35 @@ MAX_BATCH = 8
 HEAD_DIMS = (64, 80, 128)
 # Generation options the decode runner implements; any other option that differs from transformers' defaults
 # (repetition_penalty, min_new_tokens, num_beams, output_scores, ...) sends the call to HF's loop.
-HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-           "pad_token_id", "bos_token_id", "use_cache", "output_attentions", "output_hidden_states",
-           "transformers_version", "_from_model_config", "decoder_start_token_id"}
-HF_ONLY_ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
-                     "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
-                     "custom_generate", "tokenizer")
+HANDLED = {
+    "max_length",
+    "max_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "eos_token_id",
+    "pad_token_id",
+    "bos_token_id",
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
+    "transformers_version",
+    "_from_model_config",
+    "decoder_start_token_id",
+}
+HF_ONLY_ARGUMENTS = (
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "synced_gpus",
+    "assistant_model",
+    "streamer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+    "tokenizer",
+)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -41,8 +64,10 @@ def model_reason(model) -> str | None:
     if report.unpatched:
         return f"{len(report.unpatched)} module(s) are not patched ({report.unpatched[0].name})"
     if report.backend != "kernels" or len(report.devices) != 1 or not report.devices[0].startswith("cuda"):
-        return f"the decode path runs on one CUDA device with the kernels backend (have {report.backend} on " \
-               f"{', '.join(report.devices)})"
+        return (
+            f"the decode path runs on one CUDA device with the kernels backend (have {report.backend} on "
+            f"{', '.join(report.devices)})"
+        )
     config, spec = model.config, state.spec
     if spec.head_dim(config) not in HEAD_DIMS:
         return f"head_dim {spec.head_dim(config)} (the decode attention kernel supports {HEAD_DIMS})"
@@ -66,7 +91,7 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
     try:
         config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
         defaults = config._get_default_generation_params()
-    except Exception as e:  # an unexpected transformers version: HF's own loop will report properly
+    except Exception as e:  # noqa: BLE001  (an unexpected transformers version: HF's own loop reports it properly)
         return f"could not read the generation config ({type(e).__name__}: {e})", {}
     for key, value in config.to_diff_dict().items():
         if key not in HANDLED and value is not None and defaults.get(key, None) != value:
@@ -75,7 +100,9 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
         return "use_cache=False", {}
     input_ids = model_kwargs.pop("input_ids", None)
     attention_mask = model_kwargs.pop("attention_mask", None)
-    extra = [k for k, v in model_kwargs.items() if v is not None and k not in ("output_attentions", "output_hidden_states")]
+    extra = [
+        k for k, v in model_kwargs.items() if v is not None and k not in ("output_attentions", "output_hidden_states")
+    ]
     if extra:
         return f"model arguments {extra}", {}
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
@@ -105,8 +132,14 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
     )
     if sampling.do_sample and sampling.temperature <= 0:
         return "temperature <= 0", {}
-    return None, dict(input_ids=input_ids, attention_mask=attention_mask.to(input_ids.device), new_tokens=new_tokens,
-                      sampling=sampling, eos=eos, pad_token_id=int(pad))
+    return None, {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask.to(input_ids.device),
+        "new_tokens": new_tokens,
+        "sampling": sampling,
+        "eos": eos,
+        "pad_token_id": int(pad),
+    }
 
 
 def fast_generate(self, inputs=None, generation_config=None, **kwargs):
@@ -123,8 +156,9 @@ def fast_generate(self, inputs=None, generation_config=None, **kwargs):
         state.last_generate = {"path": "hf", "reason": reason}
         if reason not in state.warned and state.fast_generate:
             state.warned.add(reason)
-            warnings.warn(f"patcher: generate uses transformers' loop (fused kernels, no CUDA graph): {reason}",
-                          stacklevel=2)
+            warnings.warn(
+                f"patcher: generate uses transformers' loop (fused kernels, no CUDA graph): {reason}", stacklevel=2
+            )
         original = state.original_generate or type(self).generate.__get__(self)
         return original(generation_config=generation_config, **kwargs)
     if state.runner is None:

@@ -54,8 +54,8 @@ class LayerStep:
 class StepState:
     """The static buffers one (batch size, cache capacity) pair decodes in; a captured graph reads only these."""
 
-    def __init__(self, runner: "DecodeRunner", batch: int, capacity: int):
-        dev, cfg = runner.device, runner.config
+    def __init__(self, runner: DecodeRunner, batch: int, capacity: int):
+        dev = runner.device
         self.batch, self.capacity = batch, capacity
         kv_shape = (runner.num_layers, batch, runner.num_kv_heads, capacity, runner.head_dim)
         self.k = torch.zeros(kv_shape, dtype=runner.dtype, device=dev)
@@ -68,8 +68,9 @@ class StepState:
         self.pad_token = torch.zeros((), dtype=torch.long, device=dev)
         self.cublas = runner.device.type == "cuda" and batch >= CUBLAS_MIN_BATCH
         self.splits = runner.attention_splits(batch)
-        self.workspace = decode_attention_workspace(batch, runner.num_heads, runner.num_kv_heads, runner.head_dim,
-                                                    self.splits, dev)
+        self.workspace = decode_attention_workspace(
+            batch, runner.num_heads, runner.num_kv_heads, runner.head_dim, self.splits, dev
+        )
         self.cos, self.sin = runner.rope_tables(capacity)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_sampling: Sampling | None = None
@@ -97,7 +98,9 @@ class DecodeRunner:
         for layer in getattr(base, spec.layers):
             attention, mlp = getattr(layer, spec.attention), getattr(layer, spec.mlp)
             gelu = "gelu_tanh" if getattr(mlp._patcher, "tanh", False) else "gelu"
-            self.layers.append(LayerStep(layer._patcher, attention._patcher, mlp._patcher, float(attention.scaling), gelu))
+            self.layers.append(
+                LayerStep(layer._patcher, attention._patcher, mlp._patcher, float(attention.scaling), gelu)
+            )
         self.ops = self.layers[0].attention.ops
         self.num_layers = len(self.layers)
         self.num_heads, self.num_kv_heads = spec.num_heads(config), spec.num_kv_heads(config)
@@ -149,8 +152,19 @@ class DecodeRunner:
         a, ops = layer.attention, self.ops
         qkv = self._linear(h, a.qkv_weight, a.qkv_bias, "none", st)
         k_cache, v_cache = st.k[index], st.v[index]
-        q = ops.rope_qkv_cache(qkv, st.cos, st.sin, st.slot, st.pad, k_cache, v_cache, a.num_heads, a.num_kv_heads,
-                               a.head_dim, a.interleaved)
+        q = ops.rope_qkv_cache(
+            qkv,
+            st.cos,
+            st.sin,
+            st.slot,
+            st.pad,
+            k_cache,
+            v_cache,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            a.interleaved,
+        )
         out = ops.decode_attention(q, k_cache, v_cache, st.slot, st.pad, layer.scale, st.splits, st.workspace)
         return self._linear(out, a.out_weight, a.out_bias, "none", st)
 
@@ -228,8 +242,15 @@ class DecodeRunner:
 
     # ---- generate -------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int, sampling: Sampling,
-                 eos: list[int], pad_token_id: int) -> torch.Tensor:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        new_tokens: int,
+        sampling: Sampling,
+        eos: list[int],
+        pad_token_id: int,
+    ) -> torch.Tensor:
         """prompt [B, T] (left-padded) -> [B, T + n] with n <= new_tokens (fewer if every row hit EOS)."""
         B, T = input_ids.shape
         st = self.state_for(B, T + new_tokens)
@@ -247,8 +268,13 @@ class DecodeRunner:
 
         # Prefill with the patched model (fused kernels + HF attention), then move its K/V into the static cache.
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         for i, layer in enumerate(out.past_key_values.layers):
             st.k[i, :, :, :T].copy_(layer.keys)
             st.v[i, :, :, :T].copy_(layer.values)

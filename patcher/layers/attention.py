@@ -13,8 +13,8 @@ every rope variant HF supports, including dynamic scaling, gives the same angles
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

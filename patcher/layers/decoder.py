@@ -15,8 +15,8 @@ Parallel (GPT-NeoX / Pythia):  HF computes x + attn(ln1(x)) + mlp(ln2(x)).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import nn
 

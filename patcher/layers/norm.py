@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import nn
 
@@ -38,8 +38,8 @@ def dual_norm_plan(first: nn.Module, second: nn.Module, spec: ArchSpec, ops: Bac
     """Both LayerNorms of a GPT-NeoX parallel-residual layer from one pass: they share mean and variance."""
     w1, b1, w2, b2 = first.weight, first.bias, second.weight, second.bias
     eps = float(getattr(first, spec.eps_attr))
-    dual_norm = lambda x: ops.dual_layer_norm(x, w1, b1, w2, b2, eps)  # noqa: E731
-    add_dual_norm = lambda x, d, d2: ops.add_dual_layer_norm(x, d, d2, w1, b1, w2, b2, eps)  # noqa: E731
+    dual_norm = lambda x: ops.dual_layer_norm(x, w1, b1, w2, b2, eps)
+    add_dual_norm = lambda x, d, d2: ops.add_dual_layer_norm(x, d, d2, w1, b1, w2, b2, eps)
     return dual_norm, add_dual_norm
 
 

@@ -71,4 +71,12 @@ def backend_for(device: torch.device, requested: str = "auto") -> Backend:
 decode_attention_workspace = reference.decode_attention_workspace
 
 __all__ = [
-    "decode_attention_workspace","Backend", "KERNELS", "REFERENCE", "backend_for", "ExtensionError", "OP_NAMES", "reference"]
+    "KERNELS",
+    "OP_NAMES",
+    "REFERENCE",
+    "Backend",
+    "ExtensionError",
+    "backend_for",
+    "decode_attention_workspace",
+    "reference",
+]

@@ -55,7 +55,9 @@ def load(device: torch.device | None = None) -> None:
         if _loaded:
             return
         if not torch.cuda.is_available():
-            raise ExtensionError("CUDA is not available: the fused kernels need an NVIDIA GPU (use backend='reference')")
+            raise ExtensionError(
+                "CUDA is not available: the fused kernels need an NVIDIA GPU (use backend='reference')"
+            )
         from torch.utils import cpp_extension
 
         if cpp_extension.CUDA_HOME is None:
@@ -78,8 +80,11 @@ def load(device: torch.device | None = None) -> None:
         so = build_dir / f"{name}.so"
         fresh = not so.is_file()
         if fresh:
-            print(f"patcher: building CUDA kernels for sm_{major}{minor} into {build_dir} (once per machine)...",
-                  file=sys.stderr, flush=True)
+            print(
+                f"patcher: building CUDA kernels for sm_{major}{minor} into {build_dir} (once per machine)...",
+                file=sys.stderr,
+                flush=True,
+            )
         start = time.perf_counter()
         previous_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
         os.environ["TORCH_CUDA_ARCH_LIST"] = arch  # only the GPU we run on: a short build

@@ -121,6 +121,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, tanh: bool) -> torch.T
 
 # ---- decode path -------------------------------------------------------------------------------------------------
 
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     """F.linear for the few rows of a decode step, with the MLP activation fused:
     "none", "gelu", "gelu_tanh", or "silu_mul" (weight = [gate; up], output silu(gate) * up)."""
@@ -132,15 +133,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activ
     return F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
-def rope_qkv_cache(qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                   interleaved: bool) -> torch.Tensor:
+def rope_qkv_cache(
+    qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads: int, num_kv_heads: int, head_dim: int, interleaved: bool
+) -> torch.Tensor:
     """One decode token per row: q [B, Hq, D] with RoPE, and K/V written into k_cache/v_cache[:, :, slot].
 
     cos/sin are tables [positions, R]; row b sits at position slot - pad[b] (pad: its leading padding tokens).
     """
     positions = (slot - pad).clamp(0, cos.shape[0] - 1)
-    q, k, v = rope_qkv(qkv.unsqueeze(1), cos[positions].unsqueeze(1), sin[positions].unsqueeze(1),
-                       num_q_heads, num_kv_heads, head_dim, interleaved)
+    q, k, v = rope_qkv(
+        qkv.unsqueeze(1),
+        cos[positions].unsqueeze(1),
+        sin[positions].unsqueeze(1),
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        interleaved,
+    )
     k_cache.index_copy_(2, slot, k)
     v_cache.index_copy_(2, slot, v)
     return q[:, :, 0].contiguous()
@@ -165,8 +174,9 @@ def decode_attention(q, k_cache, v_cache, slot, pad, scale: float, splits: int, 
     return out.to(q.dtype).reshape(B, Hq * D)
 
 
-def decode_attention_workspace(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, splits: int,
-                               device) -> torch.Tensor:
+def decode_attention_workspace(
+    batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, splits: int, device
+) -> torch.Tensor:
     """The zeroed scratch decode_attention needs: per-(row, kv head) counters, then the split partials."""
     counters = (batch * num_kv_heads + 63) // 64 * 64
     return torch.zeros(counters + batch * num_q_heads * splits * (head_dim + 2), dtype=torch.int32, device=device)
