@@ -6,6 +6,7 @@ print(report)                   # what was replaced, what was left as it was and
 unpatch_model(model)            # back to the original forwards, bit-identical outputs
 """
 
+from .gptq import load_gptq
 from .ops import ExtensionError
 from .patching import UnsupportedModelError, is_patched, patch_model, set_fast_generate, unpatch_model
 from .report import ModuleRecord, PatchReport
@@ -18,6 +19,7 @@ __all__ = [
     "PatchReport",
     "UnsupportedModelError",
     "is_patched",
+    "load_gptq",
     "patch_model",
     "set_fast_generate",
     "unpatch_model",

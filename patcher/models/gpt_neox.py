@@ -28,4 +28,5 @@ SPEC = ArchSpec(
     parallel_residual="use_parallel_residual",  # Pythia: x + attn(ln1(x)) + mlp(ln2(x))
     rotary_fraction="partial_rotary_factor",  # Pythia: rotary_pct 0.25 (20 of 80 dims for 2.8B)
     dropout_configs=("attention_dropout", "hidden_dropout"),
+    checkpoint_renames=((r"^embed_out\.", "lm_head."),),  # Pythia checkpoints name the output head embed_out
 )

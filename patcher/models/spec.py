@@ -42,6 +42,7 @@ class ArchSpec:
     rotary_fraction: str | None  # key of config.rope_parameters with the rotated fraction of head_dim
     rotary_style: str = "half"  # NeoX half rotation (rotate_half pairs dim i with i + rot/2); the only one here
     dropout_configs: tuple[str, ...] = ()  # config attributes that must be 0 for an exact eval-mode forward
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()  # (regex, replacement) from checkpoint keys to module keys
 
     # --- reading the config -------------------------------------------------------------------------------
     def flag(self, config, value: str | bool) -> bool:
