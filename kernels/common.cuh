@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <utility>
 
 #include "launchers.h"
@@ -121,7 +122,8 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
 #endif
 }
 
-// Launches `kernel` with programmatic stream serialization on GPUs that have it (sm_90+).
+// Launches `kernel` with programmatic stream serialization on GPUs that have it (sm_90+). PATCHER_DISABLE_PDL=1 in
+// the environment launches it plainly instead (a switch for bisecting, read once per process).
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                        Args&&... args) {
@@ -129,7 +131,8 @@ cudaError_t launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, siz
     int device = 0, major = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    return major >= 9;
+    const char* disabled = std::getenv("PATCHER_DISABLE_PDL");
+    return major >= 9 && !(disabled && disabled[0] == '1');
   }();
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
