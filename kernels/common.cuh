@@ -67,12 +67,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-
 // Sum over the whole block, returned to every thread. `scratch` holds 32 floats; blockDim.x is a multiple of 32.
 // Safe to call repeatedly with the same scratch: the first barrier waits for readers of the previous call.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
@@ -112,13 +106,6 @@ __device__ __forceinline__ void griddep_wait() {
 __device__ __forceinline__ void griddep_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// Starts pulling `bytes` (a multiple of 16) at a 16-byte aligned `ptr` into L2 without waiting for them.
-__device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
 #endif
 }
 

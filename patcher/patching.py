@@ -294,9 +294,10 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
             )
         )
 
-    for group in ("_patcher_qkv_weight", "_patcher_qkv_bias", "_patcher_gate_up_weight", "_patcher_gate_up_bias"):
-        for module in model.modules():
-            buffer = module._buffers.get(group)
+    fused_names = ("_patcher_qkv_weight", "_patcher_qkv_bias", "_patcher_gate_up_weight", "_patcher_gate_up_bias")
+    for module in model.modules():
+        for name in fused_names:
+            buffer = module._buffers.get(name)
             if buffer is not None:
                 report.fused_weights += 1
                 report.fused_bytes += buffer.numel() * buffer.element_size()

@@ -72,11 +72,9 @@ class PatchReport:
 def _grouped(records: list[ModuleRecord]) -> list[str]:
     """One row per pattern: layer indices folded into '*', with a count."""
     counts = Counter()
-    first = {}
     for r in records:
         key = (re.sub(r"\.\d+(\.|$)", r".*\1", r.name), r.kind, r.replacement, r.detail)
         counts[key] += 1
-        first.setdefault(key, r)
     return [
         f"{name:<28} {kind} -> {repl} [{detail}]" + (f" x{n}" if n > 1 else "")
         for (name, kind, repl, detail), n in counts.items()

@@ -42,10 +42,6 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def is_loaded() -> bool:
-    return _loaded
-
-
 def load(device: torch.device | None = None) -> None:
     """Builds (once per machine) and loads the CUDA kernels. Raises ExtensionError with the reason if it can't."""
     global _loaded
