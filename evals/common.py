@@ -25,6 +25,13 @@ def add_model_args(parser: argparse.ArgumentParser, default_random: str | None =
     parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: fp16 on CUDA, fp32 on CPU")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--attn", default="sdpa", help="HF attention implementation (default sdpa)")
+    group.add_argument("--gptq", help="a GPTQ 4-bit checkpoint folder (patcher.load_gptq)")
+    parser.add_argument(
+        "--int4-random",
+        type=int,
+        metavar="GROUP",
+        help="with --random-config: random GPTQ int4 weights of this group size in every decoder linear",
+    )
     parser.set_defaults(default_random=default_random)
 
 
@@ -46,6 +53,11 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
     """Returns (model, tokenizer or None, name)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if args.gptq:
+        from patcher import load_gptq
+
+        model = load_gptq(args.gptq, dtype=dtype, device_map=device)
+        return model, AutoTokenizer.from_pretrained(args.gptq), args.gptq
     chosen = [a for a in (args.model, args.gguf_file, args.random_config) if a]
     if len(chosen) > 1 and not (args.model and args.gguf_file):
         sys.exit("error: give one of --model, --gguf-file, --random-config")
@@ -67,7 +79,11 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
     name = args.random_config or args.default_random
     if name is None:
         name = "pythia-2.8b" if device.type == "cuda" else "tiny-pythia"
-    return random_models.build(name, dtype=dtype, device=device, attn_implementation=args.attn), None, name
+    model = random_models.build(name, dtype=dtype, device=device, attn_implementation=args.attn)
+    if getattr(args, "int4_random", None):
+        random_models.quantize_random(model, args.int4_random)
+        name += f"-int4-g{args.int4_random}"
+    return model, None, name
 
 
 def environment(device: torch.device, tool: str = "") -> dict:

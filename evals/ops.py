@@ -176,9 +176,80 @@ def case_decode_attention(batch, arch, dtype, ops, context):
     return fused, unfused, nbytes
 
 
+def _random_int4(k, widths, group_size=128):
+    from patcher.ops.int4 import Int4Linear
+
+    def seg(n):
+        groups = k // group_size
+        qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")
+        qzeros = torch.full((groups, n // 8), 0x77777777, dtype=torch.int32, device="cuda")
+        scales = (torch.rand(groups, n, device="cuda") / (4 * k**0.5)).half()
+        g_idx = torch.arange(k, dtype=torch.int32, device="cuda") // group_size
+        return qweight, qzeros, scales, g_idx, None
+
+    parts = [list(t) for t in zip(*(seg(n) for n in widths))]
+    return Int4Linear(*parts, group_size=group_size, act_order=False, zero_offset=1)
+
+
+def case_int4(batch, arch, dtype, ops, which):
+    """A decode-step GPTQ int4 linear (g128). "norm_qkv": the fused [add +] norm -> int4 QKV -> RoPE -> cache op,
+    against the same work as separate ops (add+norm kernel, int4 matrix-vector product, rope_qkv_cache)."""
+    from patcher.ops import int4 as int4_ops
+
+    H, inter, hq, hkv, D, rot, interleaved = ARCHS[arch]
+    gated = arch != "pythia-2.8b"
+    k, widths, act = {
+        "norm_qkv": (H, [(hq + 2 * hkv) * D] if interleaved else [hq * D, hkv * D, hkv * D], "none"),
+        "out": (hq * D, [H], "none"),
+        "mlp_in": (H, [inter, inter] if gated else [inter], "silu_mul" if gated else "gelu"),
+        "mlp_out": (inter, [H], "none"),
+    }[which]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n_total = sum(widths)
+    weight_bytes = k * n_total // 2 + (k // 128) * n_total * 2 + (k // 128) * n_total // 8 * 4
+    linears = [_random_int4(k, widths) for _ in range(_copies(weight_bytes))]
+    head = D if which == "norm_qkv" else None
+    splits = int4_ops.splits_for(batch, linears[0], sms, head)
+    workspace = torch.zeros(int4_ops.workspace_numel(batch, linears[0], splits, head), dtype=torch.int32, device="cuda")
+    x = _rand(batch, k, dtype=dtype)
+    nbytes = weight_bytes + (batch * k + batch * (widths[0] if act == "silu_mul" else n_total)) * dtype.itemsize
+    if which != "norm_qkv":
+        none = (None,) * 6 + (0.0, False)
+        fused = [lambda w=w: ops.int4_gemv(x, *none, *w.args(), act, splits, workspace) for w in linears]
+
+        def unfused_call(w):
+            y = ops.int4_linear(x, *w.args())
+            return ops.silu_and_mul(y) if act == "silu_mul" else (F.gelu(y) if act == "gelu" else y)
+
+        return fused, [lambda w=w: unfused_call(w) for w in linears], nbytes
+    capacity = 1024
+    kc, vc = _rand(batch, hkv, capacity, D, dtype=dtype), _rand(batch, hkv, capacity, D, dtype=dtype)
+    angles = torch.randn(capacity, rot // 2, device="cuda")
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    slot, pad = torch.tensor([500], device="cuda"), torch.zeros(batch, dtype=torch.long, device="cuda")
+    d = _rand(batch, k, dtype=dtype)
+    w1, b1 = _rand(k, dtype=dtype), _rand(k, dtype=dtype)
+    if gated:
+        pro = (d, None, w1, None, None, None, 1e-5, True)
+        separate_norm = lambda: ops.add_rms_norm(x, d, w1, 1e-5)[0]
+    else:  # Pythia: the whole parallel-residual junction, both LayerNorms (the second one is the MLP's input)
+        pro = (d, d, w1, b1, w1, b1, 1e-5, False)
+        separate_norm = lambda: ops.add_dual_layer_norm(x, d, d, w1, b1, w1, b1, 1e-5)[0]
+    rope = (cos, sin, slot, pad, kc, vc, hq, hkv, D, interleaved)
+    fused = [lambda w=w: ops.int4_qkv_rope_cache(x, *pro, *w.args(), *rope, splits, workspace) for w in linears]
+
+    def unfused_call(w):
+        qkv = ops.int4_linear(separate_norm(), *w.args())
+        return ops.rope_qkv_cache(qkv, *rope)
+
+    nbytes += (2 if gated else 4) * batch * k * dtype.itemsize  # the delta(s) read and the residual sum written
+    return fused, [lambda w=w: unfused_call(w) for w in linears], nbytes
+
+
 DECODE_CASES = {  # op -> (builder, architectures, variants)
     "gemv": (case_gemv, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], ["qkv", "out", "mlp_in", "mlp_out"]),
     "decode_attention": (case_decode_attention, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [512, 4096]),
+    "int4": (case_int4, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], ["norm_qkv", "out", "mlp_in", "mlp_out"]),
 }
 
 

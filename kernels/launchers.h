@@ -137,4 +137,91 @@ struct DecodeAttentionParams {
 };
 cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream);
 
+// ---- GPTQ int4 ---------------------------------------------------------------------------------------------
+// A GPTQ 4-bit linear in the checkpoint's own layout (patcher/gptq/format.py). Several segments side by side form
+// one logical output (q | k | v of LLaMA/Qwen2, gate | up), so fused projections need no concatenated copy.
+//   W[k, n] = scales[g, n] * (q[k, n] - zero[g, n]),  g = act_order ? g_idx[k] : k / group_size
+struct Int4Segment {
+  const int32_t* qweight;  // [k / 8, n]: 8 consecutive k of one column per word
+  const int32_t* qzeros;   // [groups, n / 8]: 8 consecutive columns per word
+  const void* scales;      // [groups, n] fp16
+  const int32_t* g_idx;    // [k] (read only with act_order)
+  const void* bias;        // [n] fp16, or nullptr
+  int64_t n;
+};
+constexpr int kInt4MaxSegments = 3;
+
+// What follows the matrix product in the last block of a column tile:
+//   kInt4Store:    out[b, col] = act(round(x.w) + bias)            (act from GemvAct: none, gelu, gelu_tanh)
+//   kInt4SiluMul:  out[b, col] = silu(gate) * up                   (two segments of equal width: gate, up)
+//   kInt4RopeCache: the decode-step attention prologue of rope_qkv_cache: q [batch, Hq, D] with RoPE, K/V into
+//                  k_cache/v_cache at `slot` (tiles are one head wide)
+enum Int4Epilogue : int32_t { kInt4Store = 0, kInt4SiluMul = 1, kInt4RopeCache = 2 };
+
+// x [batch, k] (batch 1..8), or, with a norm prologue, the residual stream from which x is computed in the kernel:
+//   sum = x + delta (or (delta2 + delta) + x), h = norm(sum) * weight (+ bias)   the rounding of launch_norm
+// Blocks of the first column tile also write `sum` (when delta is set) and h2 = the second LayerNorm of sum.
+struct Int4Params {
+  DType dtype;  // of x and the outputs
+  int64_t batch, k;
+  int num_segments;
+  Int4Segment seg[kInt4MaxSegments];
+  int64_t group_size;  // without act_order (k / group_size is the group; a multiple of 8)
+  bool act_order;
+  int32_t zero_offset;  // 1 for the v1 format (stores zero - 1), 0 for v2
+  const void* x;
+  int64_t x_stride;
+  // Norm prologue (norm_weight == nullptr: none).
+  const void* delta;
+  int64_t delta_stride;
+  const void* delta2;
+  int64_t delta2_stride;
+  const void* norm_weight;
+  const void* norm_bias;
+  const void* norm_weight2;  // nullptr: no h2
+  const void* norm_bias2;
+  float eps;
+  bool rms;
+  void* sum;  // [batch, k] contiguous, when delta is set
+  void* h2;   // [batch, k] contiguous, when norm_weight2 is set
+  // Epilogue.
+  int32_t epilogue;
+  int32_t act;
+  void* out;        // kInt4Store: [batch, sum of n]; kInt4SiluMul: [batch, n]; kInt4RopeCache: q [batch, Hq, D]
+  const void* cos;  // kInt4RopeCache, as in RopeCacheParams
+  const void* sin;
+  int64_t rotary_dim, table_len;
+  const int64_t* slot;
+  const int64_t* pad;
+  int64_t num_q_heads, num_kv_heads, head_dim;
+  bool interleaved;
+  void* k_cache;
+  void* v_cache;
+  int64_t capacity;
+  // Work split: K is cut into `splits` slices; partial sums of the slices meet in `partials` and the last block of
+  // each column tile (found with `counters`, zero on entry and left zero) finishes it. With splits == 1 and one
+  // segment per tile, neither is used.
+  int32_t splits;
+  int32_t* counters;  // [tiles]
+  float* partials;    // [splits, batch, sum of n]
+};
+// Column tile width: one head for kInt4RopeCache, else 128 (the Python side sizes the workspace with the same rule).
+int64_t int4_tile_width(const Int4Params& p);
+int64_t int4_tiles(const Int4Params& p);
+cudaError_t launch_int4_gemv(const Int4Params& p, cudaStream_t stream);
+
+// Dequantization for prefill (more than 8 rows): W [k, n] in the dtype of `out`, exactly the reference's values
+// (fp16 multiply as the checkpoint's torch kernels do, then a cast), for a cuBLAS matmul.
+struct Int4DequantParams {
+  DType dtype;
+  int64_t k;
+  Int4Segment seg;
+  int64_t group_size;
+  bool act_order;
+  int32_t zero_offset;
+  void* out;  // [k, out_stride], this segment's columns start at out
+  int64_t out_stride;
+};
+cudaError_t launch_int4_dequantize(const Int4DequantParams& p, cudaStream_t stream);
+
 }  // namespace patcher

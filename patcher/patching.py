@@ -30,6 +30,7 @@ from .layers.attention import attention_plan, check_attention, undo_attention_pl
 from .layers.decoder import LayerPlan
 from .layers.mlp import check_mlp, mlp_plan, undo_mlp_plan
 from .layers.norm import check_norm, dual_norm_plan, norm_plan
+from .layers.weights import is_int4
 from .models.spec import ArchSpec
 from .registry import REGISTRY, Entry
 from .report import ModuleRecord, PatchReport
@@ -234,6 +235,8 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         in_norm, post_norm = getattr(layer, spec.input_norm), getattr(layer, spec.post_norm)
 
         qkv_detail = "fused q/k/v GEMM" if len(spec.qkv) > 1 else "QKV GEMM"
+        if is_int4(getattr(attn, spec.qkv[0])):
+            qkv_detail = "GPTQ int4 q/k/v side by side" if len(spec.qkv) > 1 else "GPTQ int4 QKV"
         swap(
             attn,
             entry.attention,
@@ -242,6 +245,8 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
             functools.partial(undo_attention_plan, attn, spec),
         )
         mlp_detail = "fused gate/up GEMM + silu_and_mul" if spec.mlp_gated else "GEMM + bias_gelu"
+        if is_int4(getattr(mlp, spec.mlp_in[0])):
+            mlp_detail = "GPTQ int4 " + ("gate/up side by side + silu_and_mul" if spec.mlp_gated else "GEMM + gelu")
         swap(
             mlp,
             entry.mlp,

@@ -158,3 +158,32 @@ def build(
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval()
+
+
+def quantize_random(model, group_size: int = 128, seed: int = 0):
+    """Replaces every decoder linear with a GPTQLinear of random int4 weights (v1 format), on the linear's device:
+    a real-size int4 model for speed measurements without quantizing anything (weights about 1/sqrt(K))."""
+    from .gptq import format as fmt
+    from .gptq.linear import GPTQLinear
+    from .registry import REGISTRY
+
+    spec = REGISTRY[model.config.model_type].spec
+    g = torch.Generator(device=model.device).manual_seed(seed)
+    names = (*spec.qkv, spec.out_proj, *spec.mlp_in, spec.mlp_out)
+    for layer in getattr(getattr(model, spec.base_model), spec.layers):
+        for parent in (getattr(layer, spec.attention), getattr(layer, spec.mlp)):
+            for name in names:
+                linear = getattr(parent, name, None)
+                if not isinstance(linear, torch.nn.Linear):
+                    continue
+                k, n, dev = linear.in_features, linear.out_features, linear.weight.device
+                q = GPTQLinear(k, n, group_size, linear.bias is not None, device=dev)
+                groups = fmt.groups_for(k, group_size)
+                q.qweight.copy_(torch.randint(-(2**31), 2**31 - 1, q.qweight.shape, generator=g, device=dev))
+                q.qzeros.copy_(torch.full_like(q.qzeros, 0x77777777))  # zero point 8 in every nibble (v1: 7 + 1)
+                q.scales.copy_(torch.rand(groups, n, generator=g, device=dev) / (4 * k**0.5) + 1 / (8 * k**0.5))
+                if linear.bias is not None:
+                    q.bias.copy_(linear.bias.detach().half())
+                setattr(parent, name, q)
+    model.config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False}
+    return model

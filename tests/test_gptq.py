@@ -1,4 +1,5 @@
-"""GPTQ 4-bit checkpoints (CPU): the format, the reference dequantization, the pack tool and load_gptq.
+"""GPTQ 4-bit checkpoints: the format, the reference dequantization, the pack tool, load_gptq, and patched int4
+models (CPU reference backend; on the GPU the int4 kernels and the graph-captured decode).
 
 The cross-check against optimum + gptqmodel (the loader transformers 5 itself uses) runs where those are installed;
 .ci/run installs them in an environment of their own.
@@ -12,10 +13,11 @@ import json
 
 import pytest
 import torch
-from conftest import FP32_LOGIT_ATOL, max_err, smollm2_gguf, wikitext_path
+from conftest import FP32_LOGIT_ATOL, assert_within_torch_error, max_err, requires_cuda, smollm2_gguf, wikitext_path
 
-from patcher import load_gptq, patch_model
+from patcher import load_gptq, patch_model, unpatch_model
 from patcher import random_models as rm
+from patcher.decode import DecodeRunner, Sampling, generate_path
 from patcher.gptq import format as fmt
 from patcher.gptq.linear import GPTQLinear
 from patcher.gptq.pack import main as pack_main
@@ -146,17 +148,73 @@ def test_load_gptq_rejects_what_it_cannot_read(tmp_path):
         load_gptq(tmp_path / "nowhere")
 
 
-def test_patch_model_leaves_gptq_layers_as_they_are_with_a_reason(tmp_path):
-    pack_model(rm.build("tiny-qwen2"), tmp_path / "q", group_size=64)
-    model = load_gptq(tmp_path / "q", dtype=torch.float32)
+def gptq_model(name, tmp_path, act_order=False, dtype=torch.float32, device="cpu", group_size=64):
+    pack_model(rm.build(name), tmp_path / "q", group_size=group_size, act_order=act_order)
+    model = load_gptq(tmp_path / "q", dtype=dtype, device_map=device)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-pythia", "tiny-neox-sequential"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_patch_model_runs_gptq_models_on_int4_ops(name, act_order, tmp_path):
+    """CPU, reference backend: the patched int4 model (restructured stack, int4 ops, the decode step with its fused
+    norm prologues) computes what the unpatched GPTQ model computes; unpatch is bit-identical."""
+    model = gptq_model(name, tmp_path, act_order)
+    ids = torch.randint(3, 500, (2, 11))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = model(ids).logits
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        report = patch_model(model)
+        got = model(ids).logits
+        runner = DecodeRunner(model, use_graphs=False)
+        decoded = runner.generate(ids, mask, 16, Sampling(), eos=[], pad_token_id=0)
+    assert report.layers_restructured == model.config.num_hidden_layers and not report.unpatched
+    assert all("int4" in r.detail for r in report.replaced if r.name.endswith(("attention", "mlp", "self_attn")))
+    assert max_err(got, expected) <= FP32_LOGIT_ATOL
+    assert torch.equal(decoded, tokens)
+    unpatch_model(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+
+
+def test_gptq_layers_the_kernels_cannot_read_are_left_with_a_reason(tmp_path):
+    model = gptq_model("tiny-qwen2", tmp_path)
+    model.model.layers[1].self_attn.k_proj.scales.data = model.model.layers[1].self_attn.k_proj.scales.float()
     ids = torch.randint(3, 500, (1, 9))
     with torch.no_grad():
         expected = model(ids).logits
         report = patch_model(model)
         got = model(ids).logits
-    assert report.layers_restructured == 0
-    assert all("GPTQLinear" in r.detail for r in report.unpatched)
+    assert report.layers_restructured == model.config.num_hidden_layers - 1
+    assert len(report.unpatched) == 1 and "scales in torch.float32" in report.unpatched[0].detail
     assert max_err(got, expected) <= FP32_LOGIT_ATOL
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-pythia"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_model_on_the_gpu(name, dtype, act_order, tmp_path):
+    """GPU: patched int4 logits within the 2x rule of the unpatched GPTQ model (both against its fp32 run); the
+    graph-captured decode equals the same step run eagerly, batch 1 and 3."""
+    model = gptq_model(name, tmp_path, act_order, dtype=dtype, device="cuda")
+    ids = torch.randint(3, 500, (3, 13), device="cuda")
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ref32 = load_gptq(tmp_path / "q", dtype=torch.float32, device_map="cuda")(ids).logits
+        hf = model(ids).logits
+        patch_model(model)
+        got = model(ids).logits
+    assert_within_torch_error(got, hf, ref32, f"{name} int4 logits")
+    for batch in (1, 3):
+        eager = DecodeRunner(model, use_graphs=False).generate(
+            ids[:batch], mask[:batch], 24, Sampling(), eos=[], pad_token_id=0
+        )
+        graph = model.generate(ids[:batch], attention_mask=mask[:batch], max_new_tokens=24, do_sample=False)
+        assert generate_path(model)["path"] == "graph"
+        assert torch.equal(graph, eager)
 
 
 @pytest.mark.skipif(smollm2_gguf() is None or wikitext_path() is None, reason="needs the SmolLM2 GGUF and WikiText")

@@ -78,8 +78,9 @@ def test_silu_and_mul_is_llama_mlp_activation(dtype):
     gate, up = rand(4, 7, 33, dtype=dtype), rand(4, 7, 33, dtype=dtype)
     expected = ACT2FN["silu"](gate) * up  # LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
     got = reference.silu_and_mul(torch.cat([gate, up], dim=-1))
-    # Bit-exact on most CPUs; a vectorized and a scalar exp (contiguous gate vs a strided view) may differ by an ulp.
-    ulp = {torch.float32: 1.2e-7, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    # Bit-exact on most CPUs; a vectorized and a scalar exp (contiguous gate vs a strided view) may differ by an ulp,
+    # which the product with up can carry into a second one.
+    ulp = {torch.float32: 2.4e-7, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]  # two units in the last place
     torch.testing.assert_close(got, expected, rtol=ulp, atol=0)
 
 

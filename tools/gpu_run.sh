@@ -6,6 +6,8 @@
 #                                (needs the SmolLM2 GGUF at $PATCHER_SMOLLM2_GGUF), the patched+compiled mode
 #   tools/gpu_run.sh quick-tpot  the default generate path on every real-size shape, and the decode ops
 #   tools/gpu_run.sh measure     the full TPOT matrix, perplexity in fp32/bf16, the per-op benchmark
+#   tools/gpu_run.sh int4        GPTQ int4 kernel tests, per-op benchmark, whole-model int4 TPOT against fp16
+#   tools/gpu_run.sh smollm2     SmolLM2 GPU tests, int4 g128 perplexity, fp32/bf16 perplexity
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/patcher-out}
@@ -71,8 +73,38 @@ case "${1:-}" in
     timeout 300 python3 -m evals.ops --json "$OUT/r/ops.json" 2>&1 | grep -v "it/s" | tail -40
     tar -C "$OUT" -czf "$OUT/results.tar.gz" r && rm -rf "$OUT/r"
     ;;
+  int4)  # GPTQ int4: kernel tests, the per-op benchmark, whole-model TPOT against fp16 patched
+    step build
+    python3 -c "from patcher.ops import extension; extension.load()" 2>&1 | tail -2
+    step int4 kernel tests
+    timeout 200 python3 -m pytest -q -x tests/test_int4_kernels.py 2>&1 | tail -4
+    step int4 per-op benchmark
+    timeout 100 python3 -m evals.ops --ops int4 --dtypes fp16 --decode-batches 1,4 --json "$OUT/ops_int4.json" 2>&1 \
+      | grep -v "it/s" | tail -28
+    for m in pythia-2.8b llama-3.1-8b; do
+      step "TPOT $m: int4 g128 and fp16"
+      timeout 150 python3 -m evals.tpot --random-config $m --int4-random 128 --modes patched-eager,patched \
+        --new-tokens 64 --repeats 2 --json "$OUT/tpot_${m}_int4.json" 2>&1 | grep -v "it/s" | tail -5
+      timeout 100 python3 -m evals.tpot --random-config $m --modes patched --new-tokens 64 --repeats 2 \
+        --json "$OUT/tpot_${m}_fp16.json" 2>&1 | grep -v "it/s" | tail -4
+    done
+    ;;
+  smollm2)  # needs $PATCHER_SMOLLM2_GGUF and $PATCHER_WIKITEXT
+    step "SmolLM2 tests on the GPU"
+    timeout 200 python3 -m pytest -q -rf tests/test_smollm2.py tests/test_decode.py tests/test_gptq.py -k smollm2 \
+      2>&1 | grep -v "it/s" | tail -4
+    step "SmolLM2 int4 g128: perplexity, int4 kernels against the dequantize-then-matmul reference"
+    python3 -m patcher.gptq.pack "$PATCHER_SMOLLM2_GGUF" /tmp/smol-int4 --group-size 128 2>&1 | tail -1
+    timeout 200 python3 -m evals.perplexity --gptq /tmp/smol-int4 --text-file "$PATCHER_WIKITEXT" \
+      --json "$OUT/perplexity_smollm2_int4.json" 2>&1 | grep -v "it/s\|Converting\|Loading" | tail -6
+    for dt in fp32 bf16; do
+      step "perplexity SmolLM2 $dt"
+      timeout 150 python3 -m evals.perplexity --gguf-file "$PATCHER_SMOLLM2_GGUF" --text-file "$PATCHER_WIKITEXT" \
+        --dtype $dt --json "$OUT/perplexity_smollm2_$dt.json" 2>&1 | grep -v "it/s\|Converting\|Loading" | tail -5
+    done
+    ;;
   *)
-    echo "usage: tools/gpu_run.sh tests|verify|quick-tpot|measure" >&2
+    echo "usage: tools/gpu_run.sh tests|verify|quick-tpot|measure|int4|smollm2" >&2
     exit 2
     ;;
 esac

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ops import decode_attention_workspace
+from ..ops import decode_attention_workspace, int4
 from ..registry import REGISTRY
 
 EOS_CHECK_EVERY = 16  # decode steps between host checks for "every row has finished"
@@ -49,6 +49,7 @@ class LayerStep:
     mlp: object  # MlpPlan
     scale: float
     gelu: str  # activation of a plain MLP: "gelu" or "gelu_tanh"
+    norms: tuple  # ((weight, bias, eps) of the input norm, (weight, bias, eps) of the post-attention norm)
 
 
 class StepState:
@@ -72,13 +73,21 @@ class StepState:
             batch, runner.num_heads, runner.num_kv_heads, runner.head_dim, self.splits, dev
         )
         self.cos, self.sin = runner.rope_tables(capacity)
+        # GPTQ int4 linears: K splits per linear for this batch size, and one workspace the step's kernels share
+        # (each leaves its counters zero, and they run one after another on one stream).
+        self.int4_splits = {key: runner.int4_splits(batch, lin, head) for key, (lin, head) in runner.int4.items()}
+        sizes = [
+            int4.workspace_numel(batch, lin, self.int4_splits[key], head) for key, (lin, head) in runner.int4.items()
+        ]
+        self.int4_workspace = torch.zeros(max(sizes, default=0), dtype=torch.int32, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_sampling: Sampling | None = None
         self.graph_has_eos = False
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.tokens, self.workspace))
+        buffers = (self.k, self.v, self.tokens, self.workspace, self.int4_workspace)
+        return sum(t.numel() * t.element_size() for t in buffers)
 
 
 class DecodeRunner:
@@ -98,8 +107,12 @@ class DecodeRunner:
         for layer in getattr(base, spec.layers):
             attention, mlp = getattr(layer, spec.attention), getattr(layer, spec.mlp)
             gelu = "gelu_tanh" if getattr(mlp._patcher, "tanh", False) else "gelu"
+            norms = tuple(
+                (n.weight, getattr(n, "bias", None), float(getattr(n, spec.eps_attr)))
+                for n in (getattr(layer, spec.input_norm), getattr(layer, spec.post_norm))
+            )
             self.layers.append(
-                LayerStep(layer._patcher, attention._patcher, mlp._patcher, float(attention.scaling), gelu)
+                LayerStep(layer._patcher, attention._patcher, mlp._patcher, float(attention.scaling), gelu, norms)
             )
         self.ops = self.layers[0].attention.ops
         self.num_layers = len(self.layers)
@@ -107,6 +120,14 @@ class DecodeRunner:
         self.head_dim = spec.head_dim(config)
         self.device, self.dtype = self.lm_weight.device, self.lm_weight.dtype
         self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.rms = spec.norm == "rms"
+        # Every GPTQ int4 linear of the step: id -> (Int4Linear, head_dim when its epilogue is RoPE, else None).
+        self.int4 = {}
+        for layer in self.layers:
+            a, m = layer.attention, layer.mlp
+            for lin, head in ((a.qkv_int4, self.head_dim), (a.out_int4, None), (m.in_int4, None), (m.out_int4, None)):
+                if lin is not None:
+                    self.int4[id(lin)] = (lin, head)
         self.states: dict[int, StepState] = {}  # batch size -> buffers (and graph), grown on demand
 
     # ---- setup ------------------------------------------------------------------------------------------------
@@ -116,6 +137,10 @@ class DecodeRunner:
             return 1
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return max(1, min(MAX_SPLITS, math.ceil(2 * sms / (batch * self.num_kv_heads))))
+
+    def int4_splits(self, batch: int, linear, head_dim) -> int:
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
+        return int4.splits_for(batch, linear, sms, head_dim)
 
     def rope_tables(self, capacity: int):
         """cos/sin [capacity, rotary_dim] for positions 0..capacity-1, from the model's own rotary embedding."""
@@ -137,8 +162,15 @@ class DecodeRunner:
         return sum(s.nbytes for s in self.states.values())
 
     # ---- one decode step ------------------------------------------------------------------------------------
-    def _linear(self, h, weight, bias, act: str, st: StepState):
+    def _int4(self, lin, x, act: str, st: StepState, prologue=(None,) * 6 + (0.0, False)):
+        """A GPTQ int4 linear of the step, optionally behind the fused add + norm: returns (out, sum, h2)."""
+        splits = st.int4_splits[id(lin)]
+        return self.ops.int4_gemv(x, *prologue, *lin.args(), act, splits, st.int4_workspace)
+
+    def _linear(self, h, weight, bias, act: str, st: StepState, int4_linear=None):
         """x @ W^T (+ b) with the MLP activation: our GEMV (epilogue fused), or cuBLAS then the activation."""
+        if int4_linear is not None:
+            return self._int4(int4_linear, h, act, st)[0]
         if not st.cublas:
             return self.ops.gemv(h, weight, bias, act)
         y = F.linear(h, weight, bias)
@@ -148,11 +180,30 @@ class DecodeRunner:
             return F.gelu(y, approximate="tanh" if act == "gelu_tanh" else "none")
         return y
 
-    def _attention(self, layer: LayerStep, index: int, h, st: StepState):
+    def _attention(self, layer: LayerStep, index: int, h, st: StepState, q=None):
+        """Attention of one layer from its normalized input h, or from q when the int4 prologue made it."""
+        a, ops = layer.attention, self.ops
+        k_cache, v_cache = st.k[index], st.v[index]
+        if q is None:
+            q = self._rope_from_dense_qkv(layer, h, k_cache, v_cache, st)
+        out = ops.decode_attention(q, k_cache, v_cache, st.slot, st.pad, layer.scale, st.splits, st.workspace)
+        return self._linear(out, a.out_weight, a.out_bias, "none", st, a.out_int4)
+
+    def _int4_qkv(self, layer: LayerStep, index: int, x, delta, delta2, st: StepState, norm2: bool):
+        """The int4 attention prologue in one kernel: [add +] norm -> int4 QKV -> RoPE -> K/V into the cache.
+        Returns (q, sum, h2); sum is empty without delta, h2 (the second LayerNorm, GPT-NeoX) only with norm2."""
+        a = layer.attention
+        (w, b, eps), (w2, b2, _) = layer.norms
+        return self.ops.int4_qkv_rope_cache(
+            x, delta, delta2, w, b, w2 if norm2 else None, b2 if norm2 else None, eps, self.rms,
+            *a.qkv_int4.args(), st.cos, st.sin, st.slot, st.pad, st.k[index], st.v[index],
+            a.num_heads, a.num_kv_heads, a.head_dim, a.interleaved, st.int4_splits[id(a.qkv_int4)], st.int4_workspace,
+        )  # fmt: skip
+
+    def _rope_from_dense_qkv(self, layer: LayerStep, h, k_cache, v_cache, st: StepState):
         a, ops = layer.attention, self.ops
         qkv = self._linear(h, a.qkv_weight, a.qkv_bias, "none", st)
-        k_cache, v_cache = st.k[index], st.v[index]
-        q = ops.rope_qkv_cache(
+        return ops.rope_qkv_cache(
             qkv,
             st.cos,
             st.sin,
@@ -165,13 +216,12 @@ class DecodeRunner:
             a.head_dim,
             a.interleaved,
         )
-        out = ops.decode_attention(q, k_cache, v_cache, st.slot, st.pad, layer.scale, st.splits, st.workspace)
-        return self._linear(out, a.out_weight, a.out_bias, "none", st)
 
     def _mlp(self, layer: LayerStep, h, st: StepState):
         m = layer.mlp
         act = "silu_mul" if self.spec.mlp_gated else layer.gelu
-        return self._linear(self._linear(h, m.in_weight, m.in_bias, act, st), m.out_weight, m.out_bias, "none", st)
+        inner = self._linear(h, m.in_weight, m.in_bias, act, st, m.in_int4)
+        return self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4)
 
     def logits(self, st: StepState) -> torch.Tensor:
         """The next-token logits [B, V] of the current tokens (st.tokens[:, slot]); K/V land in the cache."""
@@ -179,6 +229,9 @@ class DecodeRunner:
         residual, delta, delta2 = x, None, None
         for i, layer in enumerate(self.layers):
             p = layer.plan
+            if layer.attention.qkv_int4 is not None:  # int4: the norms run inside the projections' kernels
+                residual, delta, delta2 = self._int4_layer(layer, i, residual, delta, delta2, st)
+                continue
             if self.parallel:
                 if delta is None:
                     h_attn, h_mlp = p.dual_norm(residual)
@@ -195,6 +248,23 @@ class DecodeRunner:
                 delta, delta2 = self._mlp(layer, h, st), None
         final = self.final_norm.add_norm(residual, delta, delta2)[0]
         return self._linear(final, self.lm_weight, self.lm_bias, "none", st)
+
+    def _int4_layer(self, layer: LayerStep, i: int, residual, delta, delta2, st: StepState):
+        """One layer of an int4 model: each add + norm is the prologue of the int4 kernel that reads its output."""
+        q, total, h2 = self._int4_qkv(layer, i, residual, delta, delta2, st, norm2=self.parallel)
+        if delta is not None:
+            residual = total
+        attn = self._attention(layer, i, None, st, q=q)
+        if self.parallel:  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)); h2 = ln2(x) came with q
+            return residual, attn, self._mlp(layer, h2, st)
+        m = layer.mlp
+        act = "silu_mul" if self.spec.mlp_gated else layer.gelu
+        if m.in_int4 is None:  # a dense MLP behind int4 attention: the separate add + norm
+            h, residual = layer.plan.post_add_norm(residual, attn, None)
+            return residual, self._mlp(layer, h, st), None
+        w, b, eps = layer.norms[1]
+        inner, residual, _ = self._int4(m.in_int4, residual, act, st, (attn, None, w, b, None, None, eps, self.rms))
+        return residual, self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4), None
 
     def choose(self, logits: torch.Tensor, st: StepState, sampling: Sampling, has_eos: bool) -> torch.Tensor:
         """Next tokens from logits, HF's order of warpers (temperature, top-k, top-p); EOS bookkeeping."""

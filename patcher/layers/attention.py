@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..models.spec import ArchSpec
-from ..ops import Backend
+from ..ops import Backend, int4
+from ..ops.int4 import Int4Linear
 from . import weights
 
 FUSED_QKV = "_patcher_qkv_weight"
@@ -32,9 +32,9 @@ FUSED_QKV_BIAS = "_patcher_qkv_bias"
 @dataclass
 class AttentionPlan:
     ops: Backend
-    qkv_weight: torch.Tensor
+    qkv_weight: torch.Tensor | None  # None when the projections are GPTQ int4 (qkv_int4)
     qkv_bias: torch.Tensor | None
-    out_weight: torch.Tensor
+    out_weight: torch.Tensor | None
     out_bias: torch.Tensor | None
     num_heads: int
     num_kv_heads: int
@@ -42,13 +42,17 @@ class AttentionPlan:
     interleaved: bool
     eager_attention: Callable  # the modeling file's own eager_attention_forward, HF's fallback interface
     extra_kwargs: dict = field(default_factory=dict)
+    qkv_int4: Int4Linear | None = None
+    out_int4: Int4Linear | None = None
 
 
 def check_attention(module: nn.Module, spec: ArchSpec, config) -> str | None:
     projections = [getattr(module, name, None) for name in (*spec.qkv, spec.out_proj)]
-    for name, proj in zip((*spec.qkv, spec.out_proj), projections):
-        if type(proj) is not nn.Linear:
-            return f"{name} is {type(proj).__name__}, not nn.Linear"
+    reason = weights.projection_reason(projections[:-1], spec.qkv) or weights.projection_reason(
+        projections[-1:], (spec.out_proj,)
+    )
+    if reason:
+        return reason
     qkv = projections[:-1]
     if len({p.bias is None for p in qkv}) > 1:
         return "q/k/v projections disagree on having a bias"
@@ -73,7 +77,11 @@ def check_attention(module: nn.Module, spec: ArchSpec, config) -> str | None:
 def attention_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> AttentionPlan:
     qkv = [getattr(module, name) for name in spec.qkv]
     out = getattr(module, spec.out_proj)
-    if len(qkv) == 1:
+    qkv_int4 = int4.from_modules(qkv) if weights.is_int4(qkv[0]) else None
+    out_int4 = int4.from_modules([out]) if weights.is_int4(out) else None
+    if qkv_int4 is not None:
+        qkv_weight = qkv_bias = None
+    elif len(qkv) == 1:
         qkv_weight, qkv_bias = qkv[0].weight, qkv[0].bias
     else:
         qkv_weight = weights.fuse(module, FUSED_QKV, [p.weight for p in qkv])
@@ -82,20 +90,22 @@ def attention_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> A
         ops=ops,
         qkv_weight=qkv_weight,
         qkv_bias=qkv_bias,
-        out_weight=out.weight,
-        out_bias=out.bias,
+        out_weight=None if out_int4 else out.weight,
+        out_bias=None if out_int4 else out.bias,
         num_heads=spec.num_heads(config),
         num_kv_heads=spec.num_kv_heads(config),
         head_dim=spec.head_dim(config),
         interleaved=spec.qkv_interleaved,
         eager_attention=sys.modules[type(module).__module__].eager_attention_forward,
         extra_kwargs={name: getattr(module, name) for name in spec.attention_kwargs},
+        qkv_int4=qkv_int4,
+        out_int4=out_int4,
     )
 
 
 def undo_attention_plan(module: nn.Module, spec: ArchSpec) -> None:
     qkv = [getattr(module, name) for name in spec.qkv]
-    if len(qkv) > 1:
+    if len(qkv) > 1 and not weights.is_int4(qkv[0]):
         weights.unfuse(module, FUSED_QKV, [p.weight for p in qkv])
         if qkv[0].bias is not None:
             weights.unfuse(module, FUSED_QKV_BIAS, [p.bias for p in qkv])
@@ -113,7 +123,7 @@ def attention_forward(
     plan: AttentionPlan = self._patcher
     cache = past_key_values if past_key_values is not None else layer_past
     bsz, q_len = hidden_states.shape[:2]
-    qkv = F.linear(hidden_states, plan.qkv_weight, plan.qkv_bias)
+    qkv = weights.project(plan.ops, hidden_states, plan.qkv_weight, plan.qkv_bias, plan.qkv_int4)
     cos, sin = position_embeddings
     q, k, v = plan.ops.rope_qkv(qkv, cos, sin, plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.interleaved)
     if cache is not None:
@@ -123,4 +133,4 @@ def attention_forward(
         self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **plan.extra_kwargs, **kwargs
     )
     out = out.reshape(bsz, q_len, -1)
-    return F.linear(out, plan.out_weight, plan.out_bias), attn_weights
+    return weights.project(plan.ops, out, plan.out_weight, plan.out_bias, plan.out_int4), attn_weights

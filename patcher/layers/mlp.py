@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..models.spec import ArchSpec
-from ..ops import Backend
+from ..ops import Backend, int4
+from ..ops.int4 import Int4Linear
 from . import weights
 
 FUSED_GATE_UP = "_patcher_gate_up_weight"
@@ -27,17 +27,20 @@ GELU_ACTIVATIONS = {"gelu": False, "gelu_pytorch_tanh": True}  # name -> tanh ap
 @dataclass
 class MlpPlan:
     ops: Backend
-    in_weight: torch.Tensor  # gated: [gate; up] fused
+    in_weight: torch.Tensor | None  # gated: [gate; up] fused; None when GPTQ int4 (in_int4)
     in_bias: torch.Tensor | None
-    out_weight: torch.Tensor
+    out_weight: torch.Tensor | None
     out_bias: torch.Tensor | None
     tanh: bool = False  # GELU variant (plain MLP only)
+    in_int4: Int4Linear | None = None  # gated: gate and up side by side
+    out_int4: Int4Linear | None = None
 
 
 def check_mlp(module: nn.Module, spec: ArchSpec, config) -> str | None:
-    for name in (*spec.mlp_in, spec.mlp_out):
-        if type(getattr(module, name, None)) is not nn.Linear:
-            return f"{name} is {type(getattr(module, name, None)).__name__}, not nn.Linear"
+    reason = weights.projection_reason([getattr(module, n, None) for n in spec.mlp_in], spec.mlp_in)
+    reason = reason or weights.projection_reason([getattr(module, spec.mlp_out, None)], (spec.mlp_out,))
+    if reason:
+        return reason
     act = getattr(config, spec.act_config, None)
     if spec.mlp_gated:
         if act not in GATED_ACTIVATIONS:
@@ -52,6 +55,21 @@ def check_mlp(module: nn.Module, spec: ArchSpec, config) -> str | None:
 
 def mlp_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> MlpPlan:
     out = getattr(module, spec.mlp_out)
+    inputs = [getattr(module, name) for name in spec.mlp_in]
+    if weights.is_int4(inputs[0]) or weights.is_int4(out):
+        tanh = False if spec.mlp_gated else GELU_ACTIVATIONS[getattr(config, spec.act_config)]
+        plan = MlpPlan(ops, None, None, out.weight if not weights.is_int4(out) else None, None, tanh)
+        if weights.is_int4(inputs[0]):
+            plan.in_int4 = int4.from_modules(inputs)
+        elif spec.mlp_gated:
+            plan.in_weight = weights.fuse(module, FUSED_GATE_UP, [p.weight for p in inputs])
+        else:
+            plan.in_weight, plan.in_bias = inputs[0].weight, inputs[0].bias
+        if weights.is_int4(out):
+            plan.out_int4 = int4.from_modules([out])
+        else:
+            plan.out_bias = out.bias
+        return plan
     if spec.mlp_gated:
         gate, up = (getattr(module, name) for name in spec.mlp_in)
         in_weight = weights.fuse(module, FUSED_GATE_UP, [gate.weight, up.weight])
@@ -63,20 +81,21 @@ def mlp_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> MlpPlan
 
 
 def undo_mlp_plan(module: nn.Module, spec: ArchSpec) -> None:
-    if spec.mlp_gated:
+    if spec.mlp_gated and FUSED_GATE_UP in module._buffers:
         gate, up = (getattr(module, name) for name in spec.mlp_in)
         weights.unfuse(module, FUSED_GATE_UP, [gate.weight, up.weight])
-        if gate.bias is not None:
+        if FUSED_GATE_UP_BIAS in module._buffers:
             weights.unfuse(module, FUSED_GATE_UP_BIAS, [gate.bias, up.bias])
 
 
 def gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     plan: MlpPlan = self._patcher
-    h = plan.ops.silu_and_mul(F.linear(x, plan.in_weight, plan.in_bias))
-    return F.linear(h, plan.out_weight, plan.out_bias)
+    h = plan.ops.silu_and_mul(weights.project(plan.ops, x, plan.in_weight, plan.in_bias, plan.in_int4))
+    return weights.project(plan.ops, h, plan.out_weight, plan.out_bias, plan.out_int4)
 
 
 def gelu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     plan: MlpPlan = self._patcher
-    h = plan.ops.bias_gelu(F.linear(x, plan.in_weight), plan.in_bias, plan.tanh)
-    return F.linear(h, plan.out_weight, plan.out_bias)
+    # (int4: the GPTQ bias is added in the int4 op, as GPTQLinear adds it; in_bias is None)
+    h = plan.ops.bias_gelu(weights.project(plan.ops, x, plan.in_weight, None, plan.in_int4), plan.in_bias, plan.tanh)
+    return weights.project(plan.ops, h, plan.out_weight, plan.out_bias, plan.out_int4)

@@ -29,3 +29,29 @@ def unfuse(owner: nn.Module, name: str, params: list[torch.Tensor]) -> None:
     for p in params:
         p.data = p.data.clone()
     del owner._buffers[name]
+
+
+def projection_reason(modules: list[nn.Module], names) -> str | None:
+    """Why these projections (read as one: q/k/v, gate/up, or a single one) can't be patched, or None.
+    They must all be nn.Linear, or all GPTQLinear in a layout the int4 kernels read."""
+    from ..gptq.linear import GPTQLinear  # (patcher.gptq imports the patching module, which imports this one)
+    from ..ops.int4 import int4_reason
+
+    kinds = {type(m) for m in modules}
+    if kinds == {nn.Linear}:
+        return None
+    if kinds == {GPTQLinear}:
+        return int4_reason(modules)
+    found = ", ".join(f"{n} is {type(m).__name__}" for n, m in zip(names, modules))
+    return f"{found}: expected nn.Linear, or GPTQLinear for all of them"
+
+
+def is_int4(module: nn.Module) -> bool:
+    return type(module).__name__ == "GPTQLinear"
+
+
+def project(ops, x: torch.Tensor, weight, bias, int4) -> torch.Tensor:
+    """x @ W^T + b for a dense projection, or the int4 op for a GPTQ one (int4 is an ops.int4.Int4Linear)."""
+    if int4 is not None:
+        return ops.int4_linear(x, *int4.args())
+    return torch.nn.functional.linear(x, weight, bias)

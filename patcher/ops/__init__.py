@@ -29,6 +29,9 @@ OP_NAMES = (
     "gemv",
     "rope_qkv_cache",
     "decode_attention",
+    "int4_linear",
+    "int4_gemv",
+    "int4_qkv_rope_cache",
 )
 
 

@@ -3,7 +3,7 @@
 One shared library holds every kernel. It is built with torch's own extension builder (ninja, one nvcc process per
 `.cu` file, in parallel) for the compute capability of the current GPU only, into a cache folder keyed by a hash of
 the sources, the torch and CUDA versions and the GPU architecture, so a machine builds it once. The `.cu` files
-include no torch headers, which keeps the build short; only `torch_bindings.cpp` does.
+include no torch headers, which keeps the build short; only the `.cpp` glue files do.
 
 The library is pure `TORCH_LIBRARY_IMPL` (no Python bindings), so it is loaded with `torch.ops.load_library`.
 """
@@ -62,7 +62,7 @@ def load(device: torch.device | None = None) -> None:
                 "matching torch's CUDA " + str(torch.version.cuda) + " or use backend='reference'"
             )
         src = kernels_dir()
-        sources = sorted(src.glob("*.cu")) + [src / "torch_bindings.cpp"]
+        sources = sorted(src.glob("*.cu")) + sorted(src.glob("*.cpp"))
         major, minor = torch.cuda.get_device_capability(device)
         arch = f"{major}.{minor}"
         digest = hashlib.sha256()

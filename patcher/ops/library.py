@@ -116,3 +116,49 @@ _define(
     ref.decode_attention,
     lambda q, kc, vc, slot, pad, scale, splits, ws: q.new_empty((q.shape[0], q.shape[1] * q.shape[2])),
 )
+
+
+# GPTQ int4: a linear is given as parallel lists of its segments' tensors (q, k, v or gate, up side by side).
+_INT4 = (
+    "Tensor[] qweight, Tensor[] qzeros, Tensor[] scales, Tensor[] g_idx, Tensor?[] bias, int group_size,"
+    " bool act_order, int zero_offset"
+)
+_PROLOGUE = (
+    "Tensor x, Tensor? delta, Tensor? delta2, Tensor? norm_weight, Tensor? norm_bias, Tensor? norm_weight2,"
+    " Tensor? norm_bias2, float eps, bool rms"
+)
+
+
+def _prologue_fakes(x, delta, norm_weight2):
+    return (_like(x) if delta is not None else x.new_empty(0)), (
+        _like(x) if norm_weight2 is not None else x.new_empty(0)
+    )
+
+
+def _int4_gemv_fake(x, delta, d2, w, b, w2, b2, eps, rms, qw, qz, sc, gi, bias, gs, ao, zo, activation, splits, ws):
+    n = qw[0].shape[1] if activation == "silu_mul" else sum(q.shape[1] for q in qw)
+    return (x.new_empty((*x.shape[:-1], n)), *_prologue_fakes(x, delta, w2))
+
+
+def _int4_qkv_fake(x, delta, d2, w, b, w2, b2, eps, rms, qw, qz, sc, gi, bias, gs, ao, zo, *rope):
+    hq, d = rope[6], rope[8]  # (cos, sin, slot, pad, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, ...)
+    return (x.new_empty((x.shape[0], hq, d)), *_prologue_fakes(x, delta, w2))
+
+
+_define(
+    f"int4_linear(Tensor x, {_INT4}) -> Tensor",
+    ref.int4_linear,
+    lambda x, qw, qz, sc, gi, b, gs, ao, zo: x.new_empty((*x.shape[:-1], sum(q.shape[1] for q in qw))),
+)
+_define(
+    f"int4_gemv({_PROLOGUE}, {_INT4}, str activation, int splits, Tensor(a!) workspace) -> (Tensor, Tensor, Tensor)",
+    ref.int4_gemv,
+    _int4_gemv_fake,
+)
+_define(
+    f"int4_qkv_rope_cache({_PROLOGUE}, {_INT4}, Tensor cos, Tensor sin, Tensor slot, Tensor pad,"
+    " Tensor(b!) k_cache, Tensor(c!) v_cache, int num_q_heads, int num_kv_heads, int head_dim, bool interleaved,"
+    " int splits, Tensor(a!) workspace) -> (Tensor, Tensor, Tensor)",
+    ref.int4_qkv_rope_cache,
+    _int4_qkv_fake,
+)

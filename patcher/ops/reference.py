@@ -180,3 +180,70 @@ def decode_attention_workspace(
     """The zeroed scratch decode_attention needs: per-(row, kv head) counters, then the split partials."""
     counters = (batch * num_kv_heads + 63) // 64 * 64
     return torch.zeros(counters + batch * num_q_heads * splits * (head_dim + 2), dtype=torch.int32, device=device)
+
+
+# ---- GPTQ int4 ---------------------------------------------------------------------------------------------------
+# A GPTQ linear arrives as parallel lists, one entry per segment (q, k, v or gate, up), read side by side. Each
+# segment computes what GPTQLinear.forward computes: x @ dequantize().to(x.dtype), then + bias.to(x.dtype).
+
+
+def int4_weight(qweight, qzeros, scales, g_idx, group_size: int, act_order: bool, zero_offset: int) -> torch.Tensor:
+    """W [K, N] in the scales' dtype: scales[g] * (q - zero[g]), g = g_idx[k] (act-order) or k // group_size."""
+    from ..gptq import format as fmt  # (patcher.gptq imports the patching module, which imports this one)
+
+    K = qweight.shape[0] * fmt.PACK
+    g = g_idx.long() if act_order else torch.arange(K, device=qweight.device) // group_size
+    return fmt.dequantize(qweight, qzeros, scales, g, version=2 if zero_offset == 0 else 1)
+
+
+def int4_linear(x, qweight, qzeros, scales, g_idx, bias, group_size: int, act_order: bool, zero_offset: int):
+    outs = []
+    for qw, qz, sc, gi, b in zip(qweight, qzeros, scales, g_idx, bias):
+        out = x @ int4_weight(qw, qz, sc, gi, group_size, act_order, zero_offset).to(x.dtype)
+        outs.append(out + b.to(x.dtype) if b is not None else out)
+    return torch.cat(outs, dim=-1)
+
+
+def _norm_prologue(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool):
+    """(h, sum, h2): the input of the projection and the extra outputs of the fused norm (empty when absent)."""
+    empty = x.new_empty(0)
+    if norm_weight is None:
+        return x, empty, empty
+    s = x if delta is None else _residual_sum(x, delta, delta2)
+    h = _rms(s, norm_weight, eps) if rms else layer_norm(s, norm_weight, norm_bias, eps)
+    h2 = empty if norm_weight2 is None else layer_norm(s, norm_weight2, norm_bias2, eps)
+    return h, (empty if delta is None else s), h2
+
+
+def int4_gemv(
+    x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool,
+    qweight, qzeros, scales, g_idx, bias, group_size: int, act_order: bool, zero_offset: int,
+    activation: str, splits: int, workspace,
+):  # fmt: skip
+    """A decode-step int4 linear (1 to 8 rows), optionally behind the fused residual add + norm of the stack.
+
+    Returns (out, sum, h2): out = act(int4_linear(h)); h = x, or norm(sum) with sum = x + delta (+ delta2); h2 the
+    second LayerNorm of sum (GPT-NeoX's MLP input). sum/h2 are empty when not asked for. `splits` and `workspace`
+    only shape the CUDA kernel's work.
+    """
+    h, s, h2 = _norm_prologue(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms)
+    y = int4_linear(h, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset)
+    if activation == "silu_mul":
+        y = silu_and_mul(y)
+    elif activation != "none":
+        y = F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return y, s, h2
+
+
+def int4_qkv_rope_cache(
+    x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool,
+    qweight, qzeros, scales, g_idx, bias, group_size: int, act_order: bool, zero_offset: int,
+    cos, sin, slot, pad, k_cache, v_cache, num_q_heads: int, num_kv_heads: int, head_dim: int, interleaved: bool,
+    splits: int, workspace,
+):  # fmt: skip
+    """The decode-step attention prologue of an int4 model in one op: [add +] norm -> int4 QKV -> rope_qkv_cache.
+    Returns (q, sum, h2) as int4_gemv does, with q [B, Hq, D] and K/V written into the caches at `slot`."""
+    h, s, h2 = _norm_prologue(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms)
+    qkv = int4_linear(h, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset)
+    q = rope_qkv_cache(qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, interleaved)
+    return q, s, h2

@@ -1,0 +1,354 @@
+// The CUDA implementations of the GPTQ int4 ops (schemas: patcher/ops/library.py; kernels: int4.cu).
+//
+// A GPTQ linear arrives as parallel lists (qweight, qzeros, scales, g_idx, bias), one entry per segment: the q, k
+// and v projections of a layer, or gate and up, read side by side as one output without a concatenated copy.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "glue.h"
+#include "launchers.h"
+
+namespace {
+
+using namespace patcher_glue;
+using TensorList = c10::ArrayRef<Tensor>;
+using OptTensorList = const c10::List<std::optional<Tensor>>&;
+
+// The segments' tensors, checked against x and against each other. Returns the input size K.
+int64_t fill_segments(const Tensor& x, TensorList qweight, TensorList qzeros, TensorList scales, TensorList g_idx,
+                      OptTensorList bias, int64_t group_size, bool act_order, patcher::Int4Segment* out) {
+  const size_t count = qweight.size();
+  TORCH_CHECK(count >= 1 && count <= patcher::kInt4MaxSegments, "patcher: int4 ops take 1 to ",
+              std::to_string(patcher::kInt4MaxSegments), " weight segments, got ", std::to_string(count));
+  TORCH_CHECK(qzeros.size() == count && scales.size() == count && g_idx.size() == count && bias.size() == count,
+              "patcher: qweight, qzeros, scales, g_idx and bias must list the same number of segments");
+  const int64_t K = qweight[0].size(0) * 8;
+  TORCH_CHECK(act_order || (group_size > 0 && group_size % 8 == 0),
+              "patcher: without act-order the group size must "
+              "be a positive multiple of 8 (pass in_features for one group), got ",
+              std::to_string(group_size));
+  for (size_t s = 0; s < count; ++s) {
+    const std::string seg = "segment " + std::to_string(s) + ": ";
+    const Tensor& qw = qweight[s];
+    TORCH_CHECK(qw.is_cuda() && qw.device() == x.device(), "patcher: ", seg, "qweight must be on ", x.device());
+    TORCH_CHECK(qw.scalar_type() == at::kInt && qw.dim() == 2 && qw.is_contiguous(), "patcher: ", seg,
+                "qweight must be a contiguous int32 [in_features / 8, out_features] tensor, got ", qw.scalar_type(),
+                " ", dims(qw.sizes()));
+    TORCH_CHECK(qw.size(0) * 8 == K, "patcher: ", seg, "in_features ", std::to_string(qw.size(0) * 8),
+                " differs from segment 0's ", std::to_string(K));
+    const int64_t n = qw.size(1);
+    TORCH_CHECK(n % 8 == 0 && n > 0, "patcher: ", seg, "out_features must be a positive multiple of 8, got ",
+                std::to_string(n));
+    const int64_t groups = act_order ? scales[s].size(0) : (K + group_size - 1) / group_size;
+    TORCH_CHECK(scales[s].is_cuda() && scales[s].device() == x.device() && scales[s].scalar_type() == at::kHalf &&
+                    scales[s].dim() == 2 && scales[s].size(0) == groups && scales[s].size(1) == n &&
+                    scales[s].is_contiguous(),
+                "patcher: ", seg, "scales must be contiguous float16 [", std::to_string(groups), ", ",
+                std::to_string(n), "], got ", scales[s].scalar_type(), " ", dims(scales[s].sizes()));
+    TORCH_CHECK(qzeros[s].is_cuda() && qzeros[s].device() == x.device() && qzeros[s].scalar_type() == at::kInt &&
+                    qzeros[s].dim() == 2 && qzeros[s].size(0) == groups && qzeros[s].size(1) == n / 8 &&
+                    qzeros[s].is_contiguous(),
+                "patcher: ", seg, "qzeros must be contiguous int32 [", std::to_string(groups), ", ",
+                std::to_string(n / 8), "], got ", dims(qzeros[s].sizes()));
+    TORCH_CHECK(g_idx[s].is_cuda() && g_idx[s].device() == x.device() && g_idx[s].scalar_type() == at::kInt &&
+                    g_idx[s].dim() == 1 && g_idx[s].size(0) == K && g_idx[s].is_contiguous(),
+                "patcher: ", seg, "g_idx must be contiguous int32 [", std::to_string(K), "]");
+    const void* b = nullptr;
+    const std::optional<Tensor> bs = bias.get(s);
+    if (bs.has_value()) {
+      TORCH_CHECK(bs->is_cuda() && bs->device() == x.device() && bs->scalar_type() == at::kHalf && bs->dim() == 1 &&
+                      bs->size(0) == n && bs->is_contiguous(),
+                  "patcher: ", seg, "bias must be contiguous float16 [", std::to_string(n), "]");
+      b = bs->data_ptr();
+    }
+    out[s] = {qw.data_ptr<int32_t>(),
+              qzeros[s].data_ptr<int32_t>(),
+              scales[s].data_ptr(),
+              g_idx[s].data_ptr<int32_t>(),
+              b,
+              n};
+  }
+  return K;
+}
+
+void check_x(const Tensor& x, int64_t K, const char* name) {
+  TORCH_CHECK(x.is_cuda(), "patcher: ", name, " must be a CUDA tensor, got ", x.device());
+  dtype_of(x);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "patcher: ", name, " ", dims(x.sizes()), " does not match the weight's ",
+              "in_features ", std::to_string(K));
+}
+
+// The workspace of a split-K launch: [counters (tiles, padded to 64) | partials (splits * batch * N floats)].
+void attach_workspace(patcher::Int4Params& p, Tensor& workspace) {
+  int64_t n_total = 0;
+  for (int s = 0; s < p.num_segments; ++s) n_total += p.seg[s].n;
+  const int64_t counters = (patcher::int4_tiles(p) + 63) / 64 * 64;
+  const int64_t needed = counters + p.splits * p.batch * n_total;
+  TORCH_CHECK(workspace.is_cuda() && workspace.scalar_type() == at::kInt && workspace.is_contiguous() &&
+                  workspace.numel() >= needed,
+              "patcher: the int4 workspace must be a zeroed contiguous int32 CUDA tensor of at least ",
+              std::to_string(needed), " elements (patcher.ops.int4.workspace)");
+  p.counters = workspace.data_ptr<int32_t>();
+  p.partials = reinterpret_cast<float*>(workspace.data_ptr<int32_t>() + counters);
+}
+
+void check_splits(const patcher::Int4Params& p) {
+  const int64_t rows = p.k / 8;
+  TORCH_CHECK(p.splits >= 1 && p.splits <= rows, "patcher: splits must be in 1..", std::to_string(rows), ", got ",
+              std::to_string(p.splits));
+  const int64_t per_split = (rows + p.splits - 1) / p.splits;
+  TORCH_CHECK(p.batch * per_split * 8 <= 8192, "patcher: batch x K / splits must be at most 8192 (the kernel's shared ",
+              "x stage); raise splits (patcher.ops.int4.splits_for)");
+}
+
+void check_int4_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err != cudaErrorNotSupported, "patcher: ", op, ": the fused norm needs 16-byte aligned rows (x, delta, ",
+              "norm weights) and hidden size <= 5120 (8192 for 128-wide tiles); use the separate norm op");
+  check_launch(err, op);
+}
+
+// Optional norm prologue: x is the residual stream, the op computes sum = x + delta (+ delta2) and normalizes it.
+struct Prologue {
+  Tensor sum, h2;
+};
+
+Prologue fill_prologue(patcher::Int4Params& p, const Tensor& x, const OptTensor& delta, const OptTensor& delta2,
+                       const OptTensor& norm_weight, const OptTensor& norm_bias, const OptTensor& norm_weight2,
+                       const OptTensor& norm_bias2, double eps, bool rms) {
+  Prologue r;
+  r.sum = at::empty({0}, x.options());
+  r.h2 = at::empty({0}, x.options());
+  TORCH_CHECK(norm_weight.has_value() || (!delta.has_value() && !norm_weight2.has_value()),
+              "patcher: delta and norm_weight2 need norm_weight (the norm prologue)");
+  if (!norm_weight.has_value()) return r;
+  TORCH_CHECK(!delta2.has_value() || delta.has_value(), "patcher: delta2 needs delta");
+  TORCH_CHECK(!rms || (!norm_weight2.has_value() && !norm_bias.has_value()),
+              "patcher: RMSNorm takes no bias and no second weight");
+  const int64_t K = p.k;
+  const auto sizes = x.sizes();
+  if (delta.has_value()) {
+    check_like(*delta, x, "delta");
+    TORCH_CHECK(delta->sizes() == sizes, "patcher: delta ", dims(delta->sizes()), " must match x ", dims(sizes));
+    p.delta = delta->data_ptr();
+    p.delta_stride = row_stride(*delta, "delta");
+    if (delta2.has_value()) {
+      check_like(*delta2, x, "delta2");
+      TORCH_CHECK(delta2->sizes() == sizes, "patcher: delta2 ", dims(delta2->sizes()), " must match x ", dims(sizes));
+      p.delta2 = delta2->data_ptr();
+      p.delta2_stride = row_stride(*delta2, "delta2");
+    }
+    r.sum = at::empty(sizes, x.options());
+    p.sum = r.sum.data_ptr();
+  }
+  p.norm_weight = vector_arg(*norm_weight, x, K, "norm_weight");
+  p.norm_bias = optional_vector_arg(norm_bias, x, K, "norm_bias");
+  if (norm_weight2.has_value()) {
+    p.norm_weight2 = vector_arg(*norm_weight2, x, K, "norm_weight2");
+    p.norm_bias2 = optional_vector_arg(norm_bias2, x, K, "norm_bias2");
+    r.h2 = at::empty(sizes, x.options());
+    p.h2 = r.h2.data_ptr();
+  }
+  p.eps = static_cast<float>(eps);
+  p.rms = rms;
+  return r;
+}
+
+patcher::Int4Params base_params(const Tensor& x, TensorList qweight, TensorList qzeros, TensorList scales,
+                                TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order,
+                                int64_t zero_offset) {
+  patcher::Int4Params p{};
+  p.num_segments = static_cast<int>(qweight.size());
+  p.k = fill_segments(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, p.seg);
+  check_x(x, p.k, "x");
+  TORCH_CHECK(zero_offset == 0 || zero_offset == 1, "patcher: zero_offset must be 1 (GPTQ v1) or 0 (v2)");
+  p.dtype = dtype_of(x);
+  p.group_size = act_order ? 1 : group_size;
+  p.act_order = act_order;
+  p.zero_offset = static_cast<int32_t>(zero_offset);
+  p.batch = x.numel() / p.k;
+  TORCH_CHECK(p.batch >= 1 && p.batch <= 8, "patcher: int4 matrix-vector ops take 1 to 8 rows of x, got ",
+              std::to_string(p.batch), " (int4_linear handles any number)");
+  p.x = x.data_ptr();
+  p.x_stride = row_stride(x, "x");
+  return p;
+}
+
+int32_t activation_code(c10::string_view activation, int num_segments) {
+  if (activation == "none") return patcher::kActNone;
+  if (activation == "gelu") return patcher::kActGelu;
+  if (activation == "gelu_tanh") return patcher::kActGeluTanh;
+  if (activation == "silu_mul") {
+    TORCH_CHECK(num_segments == 2, "patcher: silu_mul takes two segments (gate, up)");
+    return patcher::kActSiluMul;
+  }
+  TORCH_CHECK(false, "patcher: activation must be none, gelu, gelu_tanh or silu_mul, got ", activation);
+}
+
+std::tuple<Tensor, Tensor, Tensor> int4_gemv(const Tensor& x, const OptTensor& delta, const OptTensor& delta2,
+                                             const OptTensor& norm_weight, const OptTensor& norm_bias,
+                                             const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps,
+                                             bool rms, TensorList qweight, TensorList qzeros, TensorList scales,
+                                             TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order,
+                                             int64_t zero_offset, c10::string_view activation, int64_t splits,
+                                             Tensor& workspace) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
+  const Prologue pro = fill_prologue(p, x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
+  const int32_t act = activation_code(activation, p.num_segments);
+  p.epilogue = act == patcher::kActSiluMul ? patcher::kInt4SiluMul : patcher::kInt4Store;
+  p.act = act == patcher::kActSiluMul ? patcher::kActNone : act;
+  if (p.epilogue == patcher::kInt4SiluMul) {
+    TORCH_CHECK(p.seg[0].n == p.seg[1].n, "patcher: silu_mul needs gate and up of equal width");
+  }
+  int64_t n_out = 0;
+  for (int s = 0; s < p.num_segments; ++s) n_out += p.seg[s].n;
+  if (p.epilogue == patcher::kInt4SiluMul) n_out = p.seg[0].n;
+  auto sizes = x.sizes().vec();
+  sizes.back() = n_out;
+  Tensor out = at::empty(sizes, x.options());
+  p.out = out.data_ptr();
+  p.splits = static_cast<int32_t>(splits);
+  check_splits(p);
+  attach_workspace(p, workspace);
+  check_int4_launch(patcher::launch_int4_gemv(p, c10::cuda::getCurrentCUDAStream()), "int4_gemv");
+  return {out, pro.sum, pro.h2};
+}
+
+std::tuple<Tensor, Tensor, Tensor> int4_qkv_rope_cache(
+    const Tensor& x, const OptTensor& delta, const OptTensor& delta2, const OptTensor& norm_weight,
+    const OptTensor& norm_bias, const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps, bool rms,
+    TensorList qweight, TensorList qzeros, TensorList scales, TensorList g_idx, OptTensorList bias, int64_t group_size,
+    bool act_order, int64_t zero_offset, const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
+    Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, bool interleaved,
+    int64_t splits, Tensor& workspace) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
+  TORCH_CHECK(x.dim() == 2, "patcher: x must be [batch, hidden] (one token per row), got ", dims(x.sizes()));
+  const Prologue pro = fill_prologue(p, x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
+  TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && head_dim > 0 &&
+                  head_dim % 4 == 0 && head_dim <= 256,
+              "patcher: bad heads: q ", std::to_string(num_q_heads), ", kv ", std::to_string(num_kv_heads),
+              ", head_dim ", std::to_string(head_dim), " (a multiple of 4, at most 256)");
+  TORCH_CHECK(!interleaved || num_q_heads == num_kv_heads,
+              "patcher: interleaved qkv needs as many kv heads as q heads");
+  int64_t width = 0;
+  for (int s = 0; s < p.num_segments; ++s) {
+    TORCH_CHECK(p.seg[s].n % head_dim == 0, "patcher: every segment must be whole heads of ", std::to_string(head_dim));
+    width += p.seg[s].n;
+  }
+  TORCH_CHECK(width == (num_q_heads + 2 * num_kv_heads) * head_dim, "patcher: qkv width ", std::to_string(width),
+              " != (", std::to_string(num_q_heads), " + 2 x ", std::to_string(num_kv_heads), ") x ",
+              std::to_string(head_dim));
+  for (const Tensor* t : {&cos, &sin}) {
+    check_like(*t, x, t == &cos ? "cos" : "sin");
+    TORCH_CHECK(t->dim() == 2 && t->is_contiguous(), "patcher: cos/sin tables must be contiguous [positions, rotary]");
+  }
+  TORCH_CHECK(cos.sizes() == sin.sizes(), "patcher: cos and sin tables differ in shape");
+  const int64_t B = p.batch;
+  check_index(slot, 1, x, "slot");
+  check_index(pad, B, x, "pad");
+  check_cache(k_cache, x, B, num_kv_heads, head_dim, "k_cache");
+  check_cache(v_cache, x, B, num_kv_heads, head_dim, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "patcher: k_cache and v_cache differ in shape");
+  p.epilogue = patcher::kInt4RopeCache;
+  p.act = patcher::kActNone;
+  p.cos = cos.data_ptr();
+  p.sin = sin.data_ptr();
+  p.rotary_dim = cos.size(1);
+  TORCH_CHECK(p.rotary_dim % 2 == 0 && p.rotary_dim <= head_dim && cos.size(0) > 0, "patcher: bad rotary table ",
+              dims(cos.sizes()));
+  p.table_len = cos.size(0);
+  p.slot = slot.data_ptr<int64_t>();
+  p.pad = pad.data_ptr<int64_t>();
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.interleaved = interleaved;
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.capacity = k_cache.size(2);
+  Tensor q = at::empty({B, num_q_heads, head_dim}, x.options());
+  p.out = q.data_ptr();
+  p.splits = static_cast<int32_t>(splits);
+  check_splits(p);
+  attach_workspace(p, workspace);
+  check_int4_launch(patcher::launch_int4_gemv(p, c10::cuda::getCurrentCUDAStream()), "int4_qkv_rope_cache");
+  return {q, pro.sum, pro.h2};
+}
+
+// Any number of rows: up to 8 through the matrix-vector kernel (workspace allocated here), more through a
+// dequantized weight and cuBLAS. Segments are concatenated along the output.
+Tensor int4_linear(const Tensor& x, TensorList qweight, TensorList qzeros, TensorList scales, TensorList g_idx,
+                   OptTensorList bias, int64_t group_size, bool act_order, int64_t zero_offset) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::Int4Segment seg[patcher::kInt4MaxSegments];
+  const int64_t K = fill_segments(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, seg);
+  check_x(x, K, "x");
+  TORCH_CHECK(zero_offset == 0 || zero_offset == 1, "patcher: zero_offset must be 1 (GPTQ v1) or 0 (v2)");
+  const int64_t rows = x.numel() / K;
+  int64_t n_total = 0;
+  for (size_t s = 0; s < qweight.size(); ++s) n_total += seg[s].n;
+  auto sizes = x.sizes().vec();
+  sizes.back() = n_total;
+  if (rows >= 1 && rows <= 8) {
+    patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
+    p.epilogue = patcher::kInt4Store;
+    p.act = patcher::kActNone;
+    // A fixed split for this path (the decode step picks its own from the GPU's size): enough blocks for any GPU.
+    const int64_t k_rows = K / 8;
+    int64_t splits = (k_rows + 63) / 64;
+    while (p.batch * ((k_rows + splits - 1) / splits) * 8 > 8192) ++splits;
+    p.splits = static_cast<int32_t>(splits);
+    Tensor out = at::empty(sizes, x.options());
+    p.out = out.data_ptr();
+    Tensor workspace =
+        at::zeros({(patcher::int4_tiles(p) + 63) / 64 * 64 + splits * p.batch * n_total}, x.options().dtype(at::kInt));
+    attach_workspace(p, workspace);
+    check_launch(patcher::launch_int4_gemv(p, c10::cuda::getCurrentCUDAStream()), "int4_linear");
+    return out;
+  }
+  Tensor weight = at::empty({K, n_total}, x.options());
+  int64_t column = 0;
+  for (size_t s = 0; s < qweight.size(); ++s) {
+    patcher::Int4DequantParams d{};
+    d.dtype = dtype_of(x);
+    d.k = K;
+    d.seg = seg[s];
+    d.group_size = act_order ? 1 : group_size;
+    d.act_order = act_order;
+    d.zero_offset = static_cast<int32_t>(zero_offset);
+    d.out = static_cast<char*>(weight.data_ptr()) + column * weight.element_size();
+    d.out_stride = n_total;
+    check_launch(patcher::launch_int4_dequantize(d, c10::cuda::getCurrentCUDAStream()), "int4_dequantize");
+    column += seg[s].n;
+  }
+  Tensor out = at::matmul(x, weight);
+  column = 0;
+  for (size_t s = 0; s < qweight.size(); ++s) {  // GPTQLinear adds the bias after the matmul, in the dtype
+    const std::optional<Tensor> b = bias.get(s);
+    if (b.has_value()) out.narrow(-1, column, seg[s].n).add_(b->to(x.scalar_type()));
+    column += seg[s].n;
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int4_gemv", &int4_gemv);
+  m.impl("int4_qkv_rope_cache", &int4_qkv_rope_cache);
+}

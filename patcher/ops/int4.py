@@ -1,0 +1,109 @@
+"""GPTQ int4 linears as the int4 ops take them, and the work-split rule of the decode-step kernels.
+
+`Int4Linear` groups one to three GPTQLinear modules that read the same input (q, k, v; gate, up; or one
+projection) and hands their checkpoint tensors to the `patcher::int4_*` ops as parallel lists, so fused
+projections need no concatenated copy and `state_dict` is untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+MAX_SEGMENTS = 3
+TILE = 128  # output columns per block of the int4 kernels (one head when RoPE follows): kernels/int4.cu
+STAGE_FLOATS = 8192  # batch x K/splits limit of the kernel's shared x stage
+
+
+@dataclass
+class Int4Linear:
+    qweight: list[torch.Tensor]
+    qzeros: list[torch.Tensor]
+    scales: list[torch.Tensor]
+    g_idx: list[torch.Tensor]
+    bias: list[torch.Tensor | None]
+    group_size: int  # k // group_size is the group when not act_order
+    act_order: bool
+    zero_offset: int  # 1 for GPTQ v1 (stores zero - 1), 0 for v2
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight[0].shape[0] * 8
+
+    @property
+    def widths(self) -> list[int]:
+        return [q.shape[1] for q in self.qweight]
+
+    def args(self) -> tuple:
+        return (
+            self.qweight,
+            self.qzeros,
+            self.scales,
+            self.g_idx,
+            self.bias,
+            self.group_size,
+            self.act_order,
+            self.zero_offset,
+        )
+
+    def nbytes(self) -> int:
+        tensors = [*self.qweight, *self.qzeros, *self.scales, *(b for b in self.bias if b is not None)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def int4_reason(modules) -> str | None:
+    """Why these GPTQLinear modules can't run as one int4 linear, or None."""
+    first = modules[0]
+    for m in modules:
+        if m.scales.dtype != torch.float16:
+            return f"GPTQ scales in {m.scales.dtype} (the int4 kernels read float16 scales)"
+        if m.bias is not None and m.bias.dtype != torch.float16:
+            return f"GPTQ bias in {m.bias.dtype} (the int4 kernels read a float16 bias)"
+        if (m.in_features, m.group_size, m.version) != (first.in_features, first.group_size, first.version):
+            return "fused GPTQ projections differ in in_features, group size or format version"
+        if m.qweight.device != first.qweight.device:
+            return "fused GPTQ projections are on different devices"
+    return None
+
+
+def from_modules(modules) -> Int4Linear:
+    """The Int4Linear of GPTQLinear modules that int4_reason accepted. Checks g_idx once (a host sync)."""
+    first = modules[0]
+    K = first.in_features
+    group_size = K if first.group_size in (-1, 0) or first.group_size >= K else first.group_size
+    default = torch.arange(K, device=first.g_idx.device, dtype=torch.int32) // group_size
+    # act-order (g_idx a permutation of the groups) or an odd group size takes the kernels' per-k path.
+    act_order = group_size % 8 != 0 or any(not torch.equal(m.g_idx, default) for m in modules)
+    return Int4Linear(
+        qweight=[m.qweight for m in modules],
+        qzeros=[m.qzeros for m in modules],
+        scales=[m.scales for m in modules],
+        g_idx=[m.g_idx for m in modules],
+        bias=[m.bias for m in modules],
+        group_size=group_size,
+        act_order=act_order,
+        zero_offset=1 if first.version == 1 else 0,
+    )
+
+
+def tiles(linear: Int4Linear, head_dim: int | None = None) -> int:
+    width = head_dim or TILE
+    return sum(math.ceil(n / width) for n in linear.widths)
+
+
+def splits_for(batch: int, linear: Int4Linear, multiprocessors: int, head_dim: int | None = None) -> int:
+    """K slices for the decode-step kernels: about two blocks per SM (one wave: each block keeps streaming weights
+    instead of paying its start and its share of the partial sums again), at least 16 qweight rows per block, and
+    within the kernel's shared x stage."""
+    rows = linear.in_features // 8
+    splits = max(1, min(max(1, rows // 16), math.ceil(2 * multiprocessors / tiles(linear, head_dim))))
+    while batch * math.ceil(rows / splits) * 8 > STAGE_FLOATS:
+        splits += 1
+    return min(splits, rows)
+
+
+def workspace_numel(batch: int, linear: Int4Linear, splits: int, head_dim: int | None = None) -> int:
+    """int32 elements of the workspace (counters, then fp32 partial sums), as kernels/int4_bindings.cpp checks."""
+    return math.ceil(tiles(linear, head_dim) / 64) * 64 + splits * batch * sum(linear.widths)

@@ -1,0 +1,203 @@
+"""GPTQ int4 kernels against their pure-torch references (GPU only), with the 2x rule of conftest.py.
+
+The weights of the reference are exactly the dequantized fp16 checkpoint weights (the kernels form each weight
+with the reference's fp16 rounding), so the float64 reference is the exact product of what the checkpoint means.
+Covered: group sizes 32/128/one group, act-order, GPTQ v1/v2 zero points, batch 1-8 (and 83 rows: the
+dequantize + cuBLAS path), odd widths, fp16/bf16/fp32 activations, every prologue (none, RMSNorm, add + RMSNorm,
+LayerNorm with one or two deltas and two outputs) and epilogue (none, GELU, SwiGLU, RoPE into the cache), K splits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_within_torch_error, max_err, poison_cuda_cache, requires_cuda
+
+from patcher.gptq import format as fmt
+from patcher.ops import int4 as int4_ops
+
+pytestmark = requires_cuda
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    from patcher.ops import KERNELS, extension
+
+    extension.load()
+    return KERNELS
+
+
+def gptq_segment(k: int, n: int, group_size: int, act_order: bool, bias: bool, seed: int):
+    """Random checkpoint tensors of one GPTQ linear (K x N) on the GPU, with weights of about 1/sqrt(K)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = fmt.groups_for(k, group_size)
+    qweight = fmt.pack_rows(torch.randint(0, 16, (k, n), generator=g))
+    qzeros = fmt.pack_cols(torch.randint(0, 15, (groups, n), generator=g))
+    scales = (torch.rand(groups, n, generator=g) * 0.5 + 0.5) / (4 * k**0.5)
+    g_idx = fmt.default_g_idx(k, group_size)
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    b = torch.randn(n, generator=g) * 0.1 if bias else None
+    cuda = [t.cuda() for t in (qweight, qzeros, scales.half(), g_idx)]
+    return (*cuda, None if b is None else b.half().cuda())
+
+
+def gptq_linear(k, widths, group_size=128, act_order=False, bias=False, version=1) -> int4_ops.Int4Linear:
+    segments = [gptq_segment(k, n, group_size, act_order, bias, seed=i + n) for i, n in enumerate(widths)]
+    qweight, qzeros, scales, g_idx, biases = (list(t) for t in zip(*segments))
+    group = k if group_size == -1 else group_size
+    return int4_ops.Int4Linear(qweight, qzeros, scales, g_idx, biases, group, act_order, 1 if version == 1 else 0)
+
+
+def check(op_name, args, outputs=None):
+    """Kernel against the reference in the working dtype and in float64 (floating tensors, lists stay as given)."""
+    from patcher.ops import KERNELS, reference
+
+    poison_cuda_cache()
+    got = getattr(KERNELS, op_name)(*args)
+    low = getattr(reference, op_name)(*args)
+    args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    ref64 = getattr(reference, op_name)(*args64)
+    got, low, ref64 = ((t,) if isinstance(t, torch.Tensor) else t for t in (got, low, ref64))
+    for i, (g, lo, r) in enumerate(zip(got, low, ref64)):
+        if outputs is not None and i not in outputs:
+            continue
+        assert g.shape == lo.shape and g.dtype == lo.dtype and g.is_contiguous()
+        if g.numel():
+            assert_within_torch_error(g, lo, r, f"{op_name} output {i}")
+    return got, low
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 83])
+@pytest.mark.parametrize(
+    "k,widths,group_size,act_order",
+    [
+        (2560, [7680], 128, False),  # Pythia-2.8B query_key_value
+        (576, [576, 192, 192], 32, False),  # SmolLM2 q/k/v side by side
+        (1536, [264], -1, False),  # one group, a width that is not a multiple of the tile
+        (1024, [520, 1040], 64, True),  # act-order, two segments
+    ],
+)
+def test_int4_linear(k, widths, group_size, act_order, rows, dtype):
+    lin = gptq_linear(k, widths, group_size, act_order, bias=len(widths) == 3)
+    x = torch.randn(rows, k, device="cuda").to(dtype)
+    check("int4_linear", (x, *lin.args()))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_int4_linear_zero_point_formats(version):
+    lin = gptq_linear(512, [256], 64, version=version)
+    check("int4_linear", (torch.randn(2, 512, device="cuda").half(), *lin.args()))
+
+
+PROLOGUES = ["none", "rms", "add_rms", "layer", "add2_dual_layer"]
+
+
+def prologue_args(kind, batch, k, dtype):
+    x = torch.randn(batch, k, device="cuda").to(dtype)
+    d, d2 = (torch.randn(batch, k, device="cuda").to(dtype) for _ in range(2))
+    w, b, w2, b2 = ((torch.randn(k, device="cuda") * 0.3 + 1).to(dtype) for _ in range(4))
+    none = (None, None, None, None, None, None, 0.0, False)
+    return x, {
+        "none": none,
+        "rms": (None, None, w, None, None, None, 1e-6, True),
+        "add_rms": (d, None, w, None, None, None, 1e-6, True),
+        "layer": (None, None, w, b, None, None, 1e-5, False),
+        "add2_dual_layer": (d, d2, w, b, w2, b2, 1e-5, False),
+    }[kind]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 2, 5, 8])
+@pytest.mark.parametrize("prologue", PROLOGUES)
+@pytest.mark.parametrize("activation", ["none", "gelu", "gelu_tanh", "silu_mul"])
+@pytest.mark.parametrize("shape,splits", [((2560, 2560), None), ((1024, 1400), 1), ((2048, 512), 7)])
+def test_int4_gemv(shape, splits, activation, prologue, batch, dtype):
+    k, n = shape
+    widths = [n, n] if activation == "silu_mul" else [n]
+    lin = gptq_linear(k, widths, 128, bias=activation == "gelu")
+    splits = splits or int4_ops.splits_for(batch, lin, torch.cuda.get_device_properties(0).multi_processor_count)
+    workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits), dtype=torch.int32, device="cuda")
+    x, pro = prologue_args(prologue, batch, k, dtype)
+    (_, total, h2), (_, total_ref, _) = check("int4_gemv", (x, *pro, *lin.args(), activation, splits, workspace))
+    # The residual sum mirrors torch's rounding, so it must be equal bit for bit; h2 is LayerNorm's output.
+    assert torch.equal(total, total_ref)
+    assert (h2.numel() > 0) == (prologue == "add2_dual_layer") and (total.numel() > 0) == prologue.startswith("add")
+    assert int(workspace[:64].abs().sum()) == 0, "the tile counters must be left at zero"
+
+
+ARCHS = {  # heads q, kv, head_dim, rotary dim, interleaved, q/k/v as separate segments, bias
+    "pythia-2.8b": (32, 32, 80, 20, True, False, True),
+    "llama-8b-gqa": (32, 8, 128, 128, False, True, False),
+    "qwen2-1.5b": (12, 2, 128, 128, False, True, True),
+    "smollm2": (9, 3, 64, 64, False, True, False),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("prologue", ["none", "add_rms", "add2_dual_layer"])
+def test_int4_qkv_rope_cache(prologue, batch, arch, dtype):
+    from patcher.ops import KERNELS, reference
+
+    hq, hkv, d, rot, interleaved, separate, bias = ARCHS[arch]
+    k = min(hq * d, 4096)
+    widths = [hq * d, hkv * d, hkv * d] if separate else [(hq + 2 * hkv) * d]
+    lin = gptq_linear(k, widths, 128, bias=bias)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = int4_ops.splits_for(batch, lin, sms, head_dim=d)
+    workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits, d), dtype=torch.int32, device="cuda")
+    capacity = 48
+    angles = torch.randn(capacity, rot // 2, device="cuda") * 3
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    slot, pad = torch.tensor([29], device="cuda"), torch.arange(batch, device="cuda") * 5
+    x, pro = prologue_args(prologue, batch, k, dtype)
+    caches = [torch.randn(batch, hkv, capacity, d, device="cuda").to(dtype) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    poison_cuda_cache()
+    rope = (cos, sin, slot, pad)
+    heads = (hq, hkv, d, interleaved, splits, workspace)
+    q, total, h2 = KERNELS.int4_qkv_rope_cache(x, *pro, *lin.args(), *rope, *caches, *heads)
+    q_ref, total_ref, h2_ref = reference.int4_qkv_rope_cache(x, *pro, *lin.args(), *rope, *ref_caches, *heads)
+    # q and the new cache rows come from one int4 product each: the same tolerance as int4_gemv's output, checked
+    # against the reference run on float64 copies (cos/sin/x/norm weights in float64, the same int4 weights).
+    pro64 = tuple(t.double() if isinstance(t, torch.Tensor) else t for t in pro)
+    caches64 = [c.double() for c in caches]
+    q64, _, _ = reference.int4_qkv_rope_cache(
+        x.double(), *pro64, *lin.args(), cos.double(), sin.double(), slot, pad, *caches64, *heads
+    )
+    assert_within_torch_error(q, q_ref, q64, "q")
+    for got, low, r64 in zip(caches, ref_caches, caches64):
+        assert_within_torch_error(got, low, r64, "cache")
+        untouched = torch.ones(capacity, dtype=torch.bool, device="cuda")
+        untouched[29] = False
+        assert torch.equal(got[:, :, untouched], low[:, :, untouched]), "only the slot's cache row may change"
+    assert torch.equal(total, total_ref) and h2.shape == h2_ref.shape
+    if h2.numel():  # LayerNorm's second output, computed as launch_norm computes it
+        assert max_err(h2, h2_ref) <= 1e-2 * max(1.0, h2_ref.abs().max().item())
+    assert int(workspace[:64].abs().sum()) == 0
+
+
+def test_int4_opcheck_and_bad_inputs(kernels):
+    lin = gptq_linear(256, [128, 128], 64)
+    x = torch.randn(2, 256, device="cuda").half()
+    workspace = torch.zeros(int4_ops.workspace_numel(2, lin, 2), dtype=torch.int32, device="cuda")
+    torch.library.opcheck(torch.ops.patcher.int4_linear.default, (x, *lin.args()))
+    none = (None,) * 6 + (0.0, False)
+    torch.library.opcheck(torch.ops.patcher.int4_gemv.default, (x, *none, *lin.args(), "silu_mul", 2, workspace))
+    args = list(lin.args())
+    with pytest.raises(RuntimeError, match="float16"):
+        kernels.int4_linear(x, args[0], args[1], [s.float() for s in args[2]], *args[3:])
+    with pytest.raises(RuntimeError, match="in_features"):
+        kernels.int4_linear(torch.randn(2, 128, device="cuda").half(), *args)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        kernels.int4_gemv(torch.randn(9, 256, device="cuda").half(), *none, *args, "none", 2, workspace)
+    with pytest.raises(RuntimeError, match="workspace"):
+        kernels.int4_gemv(x, *none, *args, "none", 2, workspace[:10])
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        kernels.int4_gemv(x, *none, *gptq_linear(256, [128], 64).args(), "silu_mul", 2, workspace)
