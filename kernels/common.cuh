@@ -61,6 +61,24 @@ __device__ __forceinline__ void store_vec(T* dst, const float (&src)[N]) {
   *reinterpret_cast<Vec<T, N>*>(dst) = v;
 }
 
+// The residual sum of one vector of the stream, in place: s = x + delta, or (delta2 + delta) + x (GPT-NeoX's
+// parallel residual), each add rounded to T as HF's adds round. delta2 may be nullptr. Shared by launch_norm and
+// the int4 norm prologue.
+template <typename T, int N>
+__device__ __forceinline__ void add_residual(float (&s)[N], const T* delta, const T* delta2) {
+  float d[N];
+  load_vec<T, N>(d, delta);
+  if (delta2) {
+    float d2[N];
+    load_vec<T, N>(d2, delta2);
+#pragma unroll
+    for (int e = 0; e < N; ++e) s[e] = round_to<T>(round_to<T>(d2[e] + d[e]) + s[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) s[e] = round_to<T>(s[e] + d[e]);
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);

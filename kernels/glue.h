@@ -102,4 +102,26 @@ inline void check_index(const Tensor& t, int64_t n, const Tensor& like, const ch
               dims(t.sizes()));
 }
 
+// The decode-step RoPE + cache arguments (rope_qkv_cache, int4_qkv_rope_cache): cos/sin tables [positions, rotary]
+// on `like`'s device and dtype, slot [1] and pad [batch] int64 indices, and the two [batch, kv_heads, capacity,
+// head_dim] caches. Returns the rotary dim.
+inline int64_t check_rope_cache_args(const Tensor& like, const Tensor& cos, const Tensor& sin, const Tensor& slot,
+                                     const Tensor& pad, const Tensor& k_cache, const Tensor& v_cache, int64_t batch,
+                                     int64_t kv_heads, int64_t head_dim) {
+  for (const Tensor* t : {&cos, &sin}) {
+    check_like(*t, like, t == &cos ? "cos" : "sin");
+    TORCH_CHECK(t->dim() == 2 && t->is_contiguous(), "patcher: cos/sin tables must be contiguous [positions, rotary]");
+  }
+  TORCH_CHECK(cos.sizes() == sin.sizes(), "patcher: cos and sin tables differ in shape");
+  const int64_t rotary = cos.size(1);
+  TORCH_CHECK(rotary % 2 == 0 && rotary <= head_dim && cos.size(0) > 0, "patcher: bad rotary table ",
+              dims(cos.sizes()));
+  check_index(slot, 1, like, "slot");
+  check_index(pad, batch, like, "pad");
+  check_cache(k_cache, like, batch, kv_heads, head_dim, "k_cache");
+  check_cache(v_cache, like, batch, kv_heads, head_dim, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "patcher: k_cache and v_cache differ in shape");
+  return rotary;
+}
+
 }  // namespace patcher_glue

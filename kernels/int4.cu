@@ -132,19 +132,7 @@ __device__ void stage_x(const Int4Params& p, float* xs, int64_t k0, int64_t len,
         const int64_t v = tid + static_cast<int64_t>(j) * nthreads;
         if (v >= nvec) break;
         load_vec<T, V>(s[j], x + v * V);
-        if (d) {
-          float dv[V];
-          load_vec<T, V>(dv, d + v * V);
-          if (d2) {
-            float d2v[V];
-            load_vec<T, V>(d2v, d2 + v * V);
-#pragma unroll
-            for (int e = 0; e < V; ++e) s[j][e] = round_to<T>(round_to<T>(d2v[e] + dv[e]) + s[j][e]);
-          } else {
-#pragma unroll
-            for (int e = 0; e < V; ++e) s[j][e] = round_to<T>(s[j][e] + dv[e]);
-          }
-        }
+        if (d) add_residual<T, V>(s[j], d + v * V, d2 ? d2 + v * V : nullptr);
 #pragma unroll
         for (int e = 0; e < V; ++e) acc += p.rms ? s[j][e] * s[j][e] : s[j][e];
       }
@@ -275,16 +263,18 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
   float acc[BMAX][4] = {};
   if (live) {
     const __half* scales = static_cast<const __half*>(seg.scales);
-    if constexpr (!ACT_ORDER) {
-      __half2 scale[4] = {}, zero1024[4] = {};
-      int64_t group = -1;
-      for (int64_t r0 = t_begin; r0 < t_end; r0 += kPreload) {
+    __half2 scale[4] = {}, zero1024[4] = {};  // without act-order: the current group's, per column
+    int64_t group = -1;
+    for (int64_t r0 = t_begin; r0 < t_end; r0 += kPreload) {
 #pragma unroll
-        for (int j = 0; j < kPreload; ++j) {
-          const int64_t r = r0 + j;
-          if (r >= t_end) break;
-          const uint4 word = w[j];
-          if (r + kPreload < t_end) w[j] = __ldcs(qw + (r + kPreload) * qw_stride);
+      for (int j = 0; j < kPreload; ++j) {
+        const int64_t r = r0 + j;
+        if (r >= t_end) break;
+        const uint4 word = w[j];
+        if (r + kPreload < t_end) w[j] = __ldcs(qw + (r + kPreload) * qw_stride);
+        const uint32_t words[4] = {word.x, word.y, word.z, word.w};
+        const float* xr = xs + (r - r_begin) * 8;
+        if constexpr (!ACT_ORDER) {
           const int64_t g = r * 8 / p.group_size;
           if (g != group) {  // a new group: its scales and zero points
             group = g;
@@ -296,8 +286,6 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
               zero1024[c] = __float2half2_rn(1024.f + static_cast<float>(zero_point(seg, g, col + c, p.zero_offset)));
             }
           }
-          const uint32_t words[4] = {word.x, word.y, word.z, word.w};
-          const float* xr = xs + (r - r_begin) * 8;
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
             float2 q[4];
@@ -312,17 +300,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
               }
             }
           }
-        }
-      }
-    } else {
-      for (int64_t r0 = t_begin; r0 < t_end; r0 += kPreload) {
-#pragma unroll
-        for (int j = 0; j < kPreload; ++j) {
-          const int64_t r = r0 + j;
-          if (r >= t_end) break;
-          const uint4 word = w[j];
-          if (r + kPreload < t_end) w[j] = __ldcs(qw + (r + kPreload) * qw_stride);
-          const uint32_t words[4] = {word.x, word.y, word.z, word.w};
+        } else {  // every k has its own group: one weight at a time
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             const int64_t g = seg.g_idx[r * 8 + e];
@@ -332,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
               const float wv = __half2float(__hmul(__int2half_rn(q), scales[g * seg.n + col + c]));
 #pragma unroll
               for (int b = 0; b < BMAX; ++b) {
-                if (b < p.batch) acc[b][c] += xs[b * len + (r - r_begin) * 8 + e] * wv;
+                if (b < p.batch) acc[b][c] += xr[b * len + e] * wv;
               }
             }
           }

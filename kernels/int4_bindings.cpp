@@ -176,11 +176,15 @@ patcher::Int4Params base_params(const Tensor& x, TensorList qweight, TensorList 
   p.act_order = act_order;
   p.zero_offset = static_cast<int32_t>(zero_offset);
   p.batch = x.numel() / p.k;
+  return p;
+}
+
+// The matrix-vector kernel's input: 1 to 8 rows of x with one row stride.
+void matrix_vector_input(patcher::Int4Params& p, const Tensor& x) {
   TORCH_CHECK(p.batch >= 1 && p.batch <= 8, "patcher: int4 matrix-vector ops take 1 to 8 rows of x, got ",
               std::to_string(p.batch), " (int4_linear handles any number)");
   p.x = x.data_ptr();
   p.x_stride = row_stride(x, "x");
-  return p;
 }
 
 int32_t activation_code(c10::string_view activation, int num_segments) {
@@ -204,6 +208,7 @@ std::tuple<Tensor, Tensor, Tensor> int4_gemv(const Tensor& x, const OptTensor& d
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
+  matrix_vector_input(p, x);
   const Prologue pro = fill_prologue(p, x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
   const int32_t act = activation_code(activation, p.num_segments);
   p.epilogue = act == patcher::kActSiluMul ? patcher::kInt4SiluMul : patcher::kInt4Store;
@@ -235,6 +240,7 @@ std::tuple<Tensor, Tensor, Tensor> int4_qkv_rope_cache(
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
+  matrix_vector_input(p, x);
   TORCH_CHECK(x.dim() == 2, "patcher: x must be [batch, hidden] (one token per row), got ", dims(x.sizes()));
   const Prologue pro = fill_prologue(p, x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
   TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && head_dim > 0 &&
@@ -251,24 +257,13 @@ std::tuple<Tensor, Tensor, Tensor> int4_qkv_rope_cache(
   TORCH_CHECK(width == (num_q_heads + 2 * num_kv_heads) * head_dim, "patcher: qkv width ", std::to_string(width),
               " != (", std::to_string(num_q_heads), " + 2 x ", std::to_string(num_kv_heads), ") x ",
               std::to_string(head_dim));
-  for (const Tensor* t : {&cos, &sin}) {
-    check_like(*t, x, t == &cos ? "cos" : "sin");
-    TORCH_CHECK(t->dim() == 2 && t->is_contiguous(), "patcher: cos/sin tables must be contiguous [positions, rotary]");
-  }
-  TORCH_CHECK(cos.sizes() == sin.sizes(), "patcher: cos and sin tables differ in shape");
   const int64_t B = p.batch;
-  check_index(slot, 1, x, "slot");
-  check_index(pad, B, x, "pad");
-  check_cache(k_cache, x, B, num_kv_heads, head_dim, "k_cache");
-  check_cache(v_cache, x, B, num_kv_heads, head_dim, "v_cache");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "patcher: k_cache and v_cache differ in shape");
+  const int64_t rotary = check_rope_cache_args(x, cos, sin, slot, pad, k_cache, v_cache, B, num_kv_heads, head_dim);
   p.epilogue = patcher::kInt4RopeCache;
   p.act = patcher::kActNone;
   p.cos = cos.data_ptr();
   p.sin = sin.data_ptr();
-  p.rotary_dim = cos.size(1);
-  TORCH_CHECK(p.rotary_dim % 2 == 0 && p.rotary_dim <= head_dim && cos.size(0) > 0, "patcher: bad rotary table ",
-              dims(cos.sizes()));
+  p.rotary_dim = rotary;
   p.table_len = cos.size(0);
   p.slot = slot.data_ptr<int64_t>();
   p.pad = pad.data_ptr<int64_t>();
@@ -294,17 +289,14 @@ Tensor int4_linear(const Tensor& x, TensorList qweight, TensorList qzeros, Tenso
                    OptTensorList bias, int64_t group_size, bool act_order, int64_t zero_offset) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
-  patcher::Int4Segment seg[patcher::kInt4MaxSegments];
-  const int64_t K = fill_segments(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, seg);
-  check_x(x, K, "x");
-  TORCH_CHECK(zero_offset == 0 || zero_offset == 1, "patcher: zero_offset must be 1 (GPTQ v1) or 0 (v2)");
-  const int64_t rows = x.numel() / K;
+  patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
+  const int64_t K = p.k;
   int64_t n_total = 0;
-  for (size_t s = 0; s < qweight.size(); ++s) n_total += seg[s].n;
+  for (int s = 0; s < p.num_segments; ++s) n_total += p.seg[s].n;
   auto sizes = x.sizes().vec();
   sizes.back() = n_total;
-  if (rows >= 1 && rows <= 8) {
-    patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
+  if (p.batch >= 1 && p.batch <= 8) {
+    matrix_vector_input(p, x);
     p.epilogue = patcher::kInt4Store;
     p.act = patcher::kActNone;
     // A fixed split for this path (the decode step picks its own from the GPU's size): enough blocks for any GPU.
@@ -322,25 +314,25 @@ Tensor int4_linear(const Tensor& x, TensorList qweight, TensorList qzeros, Tenso
   }
   Tensor weight = at::empty({K, n_total}, x.options());
   int64_t column = 0;
-  for (size_t s = 0; s < qweight.size(); ++s) {
+  for (int s = 0; s < p.num_segments; ++s) {
     patcher::Int4DequantParams d{};
-    d.dtype = dtype_of(x);
+    d.dtype = p.dtype;
     d.k = K;
-    d.seg = seg[s];
-    d.group_size = act_order ? 1 : group_size;
-    d.act_order = act_order;
-    d.zero_offset = static_cast<int32_t>(zero_offset);
+    d.seg = p.seg[s];
+    d.group_size = p.group_size;
+    d.act_order = p.act_order;
+    d.zero_offset = p.zero_offset;
     d.out = static_cast<char*>(weight.data_ptr()) + column * weight.element_size();
     d.out_stride = n_total;
     check_launch(patcher::launch_int4_dequantize(d, c10::cuda::getCurrentCUDAStream()), "int4_dequantize");
-    column += seg[s].n;
+    column += p.seg[s].n;
   }
   Tensor out = at::matmul(x, weight);
   column = 0;
-  for (size_t s = 0; s < qweight.size(); ++s) {  // GPTQLinear adds the bias after the matmul, in the dtype
+  for (int s = 0; s < p.num_segments; ++s) {  // GPTQLinear adds the bias after the matmul, in the dtype
     const std::optional<Tensor> b = bias.get(s);
-    if (b.has_value()) out.narrow(-1, column, seg[s].n).add_(b->to(x.scalar_type()));
-    column += seg[s].n;
+    if (b.has_value()) out.narrow(-1, column, p.seg[s].n).add_(b->to(x.scalar_type()));
+    column += p.seg[s].n;
   }
   return out;
 }

@@ -37,17 +37,7 @@ __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
     float s[VEC];
     load_vec<T, VEC>(s, x + i * VEC);
     if (delta) {
-      float d[VEC];
-      load_vec<T, VEC>(d, delta + i * VEC);
-      if (delta2) {
-        float d2[VEC];
-        load_vec<T, VEC>(d2, delta2 + i * VEC);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) s[k] = round_to<T>(round_to<T>(d2[k] + d[k]) + s[k]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) s[k] = round_to<T>(s[k] + d[k]);
-      }
+      add_residual<T, VEC>(s, delta + i * VEC, delta2 ? delta2 + i * VEC : nullptr);
       store_vec<T, VEC>(sum + i * VEC, s);
     }
 #pragma unroll

@@ -257,19 +257,7 @@ Tensor rope_qkv_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, c
               std::to_string(qkv.size(1)), " != (", std::to_string(num_q_heads), " + 2 x ",
               std::to_string(num_kv_heads), ") x ", std::to_string(head_dim));
   TORCH_CHECK(qkv.size(1) <= 1 || qkv.stride(1) == 1, "patcher: the last dimension of qkv must be contiguous");
-  for (const Tensor* t : {&cos, &sin}) {
-    check_like(*t, qkv, t == &cos ? "cos" : "sin");
-    TORCH_CHECK(t->dim() == 2 && t->is_contiguous(), "patcher: cos/sin tables must be contiguous [positions, rotary]");
-  }
-  TORCH_CHECK(cos.sizes() == sin.sizes(), "patcher: cos and sin tables differ in shape");
-  const int64_t rotary = cos.size(1);
-  TORCH_CHECK(rotary % 2 == 0 && rotary <= head_dim && cos.size(0) > 0, "patcher: bad rotary table ",
-              dims(cos.sizes()));
-  check_index(slot, 1, qkv, "slot");
-  check_index(pad, B, qkv, "pad");
-  check_cache(k_cache, qkv, B, num_kv_heads, head_dim, "k_cache");
-  check_cache(v_cache, qkv, B, num_kv_heads, head_dim, "v_cache");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "patcher: k_cache and v_cache differ in shape");
+  const int64_t rotary = check_rope_cache_args(qkv, cos, sin, slot, pad, k_cache, v_cache, B, num_kv_heads, head_dim);
 
   patcher::RopeCacheParams p{};
   p.dtype = dtype_of(qkv);

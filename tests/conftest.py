@@ -68,3 +68,23 @@ def poison_cuda_cache(device="cuda") -> None:
     """Fill the caching allocator's free memory with NaN, so an output element a kernel forgets to write is NaN."""
     if HAS_CUDA:
         torch.full((64 << 20,), float("nan"), dtype=torch.float16, device=device)
+
+
+def check_op(op_name, args, exact_outputs=()):
+    """A `patcher::` op on CUDA against its reference in the working dtype and on float64 copies (floating tensors;
+    other arguments, lists of int4 tensors too, as given): the 2x rule for every output, bit equality for
+    `exact_outputs`. Returns (kernel outputs, reference outputs), as tuples."""
+    from patcher.ops import KERNELS, reference
+
+    poison_cuda_cache()
+    got = getattr(KERNELS, op_name)(*args)
+    low = getattr(reference, op_name)(*args)
+    args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    ref64 = getattr(reference, op_name)(*args64)
+    got, low, ref64 = ((t,) if isinstance(t, torch.Tensor) else t for t in (got, low, ref64))
+    for i, (g, lo, r) in enumerate(zip(got, low, ref64)):
+        assert g.is_contiguous() and g.device.type == "cuda" and g.dtype == lo.dtype
+        assert_within_torch_error(g, lo, r, f"{op_name} output {i}")
+        if i in exact_outputs:
+            assert torch.equal(g, lo), f"{op_name} output {i} differs from PyTorch's rounding"
+    return got, low

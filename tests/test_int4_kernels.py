@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_within_torch_error, max_err, poison_cuda_cache, requires_cuda
+from conftest import assert_within_torch_error, check_op, max_err, poison_cuda_cache, requires_cuda
 
 from patcher.gptq import format as fmt
 from patcher.ops import int4 as int4_ops
@@ -51,25 +51,6 @@ def gptq_linear(k, widths, group_size=128, act_order=False, bias=False, version=
     return int4_ops.Int4Linear(qweight, qzeros, scales, g_idx, biases, group, act_order, 1 if version == 1 else 0)
 
 
-def check(op_name, args, outputs=None):
-    """Kernel against the reference in the working dtype and in float64 (floating tensors, lists stay as given)."""
-    from patcher.ops import KERNELS, reference
-
-    poison_cuda_cache()
-    got = getattr(KERNELS, op_name)(*args)
-    low = getattr(reference, op_name)(*args)
-    args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-    ref64 = getattr(reference, op_name)(*args64)
-    got, low, ref64 = ((t,) if isinstance(t, torch.Tensor) else t for t in (got, low, ref64))
-    for i, (g, lo, r) in enumerate(zip(got, low, ref64)):
-        if outputs is not None and i not in outputs:
-            continue
-        assert g.shape == lo.shape and g.dtype == lo.dtype and g.is_contiguous()
-        if g.numel():
-            assert_within_torch_error(g, lo, r, f"{op_name} output {i}")
-    return got, low
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 8, 83])
 @pytest.mark.parametrize(
@@ -84,13 +65,13 @@ def check(op_name, args, outputs=None):
 def test_int4_linear(k, widths, group_size, act_order, rows, dtype):
     lin = gptq_linear(k, widths, group_size, act_order, bias=len(widths) == 3)
     x = torch.randn(rows, k, device="cuda").to(dtype)
-    check("int4_linear", (x, *lin.args()))
+    check_op("int4_linear", (x, *lin.args()))
 
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_int4_linear_zero_point_formats(version):
     lin = gptq_linear(512, [256], 64, version=version)
-    check("int4_linear", (torch.randn(2, 512, device="cuda").half(), *lin.args()))
+    check_op("int4_linear", (torch.randn(2, 512, device="cuda").half(), *lin.args()))
 
 
 PROLOGUES = ["none", "rms", "add_rms", "layer", "add2_dual_layer"]
@@ -122,7 +103,7 @@ def test_int4_gemv(shape, splits, activation, prologue, batch, dtype):
     splits = splits or int4_ops.splits_for(batch, lin, torch.cuda.get_device_properties(0).multi_processor_count)
     workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits), dtype=torch.int32, device="cuda")
     x, pro = prologue_args(prologue, batch, k, dtype)
-    (_, total, h2), (_, total_ref, _) = check("int4_gemv", (x, *pro, *lin.args(), activation, splits, workspace))
+    (_, total, h2), (_, total_ref, _) = check_op("int4_gemv", (x, *pro, *lin.args(), activation, splits, workspace))
     # The residual sum mirrors torch's rounding, so it must be equal bit for bit; h2 is LayerNorm's output.
     assert torch.equal(total, total_ref)
     assert (h2.numel() > 0) == (prologue == "add2_dual_layer") and (total.numel() > 0) == prologue.startswith("add")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_within_torch_error, poison_cuda_cache, requires_cuda
+from conftest import check_op, requires_cuda
 
 pytestmark = requires_cuda
 
@@ -40,22 +40,6 @@ def make(shape, dtype, layout="contiguous", scale=1.0):
         flat = (torch.randn(rows * cols + 1, device="cuda") * scale).to(dtype)
         return flat[1:].view(shape)
     raise ValueError(layout)
-
-
-def check_op(op_name, args, exact_outputs=()):
-    from patcher.ops import KERNELS, reference
-
-    poison_cuda_cache()
-    got = getattr(KERNELS, op_name)(*args)
-    low = getattr(reference, op_name)(*args)
-    args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-    ref64 = getattr(reference, op_name)(*args64)
-    got, low, ref64 = ((t,) if isinstance(t, torch.Tensor) else t for t in (got, low, ref64))
-    for i, (g, lo, r) in enumerate(zip(got, low, ref64)):
-        assert g.is_contiguous() and g.device.type == "cuda" and g.dtype == lo.dtype
-        assert_within_torch_error(g, lo, r, f"{op_name} output {i}")
-        if i in exact_outputs:
-            assert torch.equal(g, lo), f"{op_name} output {i} differs from PyTorch's rounding"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
