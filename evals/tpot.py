@@ -59,6 +59,9 @@ def kv_bytes(model, batch: int, context: float) -> float:
     return per_token * batch * context * model.dtype.itemsize
 
 
+MAX_TIMING_TRIES = 5  # per repeat, for a (1 token, N + 1 tokens) pair whose difference is not positive
+
+
 def count_kernels(fn) -> int:
     """GPU kernels executed while fn() runs (torch.profiler / CUPTI; kernels inside CUDA graphs count too)."""
     from torch.profiler import ProfilerActivity, profile
@@ -108,8 +111,19 @@ def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True)
             torch.cuda.reset_peak_memory_stats(device)
         t1s, tns = [], []
         for _ in range(repeats):
-            t1s.append(common.wall_time(lambda: generate(1), device))
-            tns.append(common.wall_time(lambda: generate(new_tokens + 1), device))
+            # A pair whose long run was not the slower one is noise (tiny models on a busy CPU): measure it again.
+            for _attempt in range(MAX_TIMING_TRIES):
+                t1 = common.wall_time(lambda: generate(1), device)
+                tn = common.wall_time(lambda: generate(new_tokens + 1), device)
+                if tn > t1:
+                    break
+            else:
+                raise RuntimeError(
+                    f"{mode}: generating {new_tokens + 1} tokens was not slower than generating 1 in "
+                    f"{MAX_TIMING_TRIES} tries, so the difference is timing noise; use more --new-tokens"
+                )
+            t1s.append(t1)
+            tns.append(tn)
         tpots = [(tn - t1) / new_tokens for tn, t1 in zip(tns, t1s)]
         row = {
             "mode": mode,
