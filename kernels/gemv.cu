@@ -6,8 +6,9 @@
 // row pairs for SwiGLU), each lane streams 16-byte chunks of all of them with UNROLL chunks issued before the
 // first is used, and the x chunk it loads serves every row of the warp. Matrices with few rows split K over the
 // warps of a block so that every SM has enough warps streaming. Weights are loaded with the streaming cache hint
-// (read once, evicted first) so they do not push x out of L1, and launched with programmatic dependent launch so
-// the launch overlaps the previous kernel's tail. Accumulation is fp32; a warp reduction
+// (read once, evicted first) so they do not push x out of L1. The kernel is launched with programmatic dependent
+// launch, and its first weight loads are issued before it waits for the previous kernel, so they overlap that
+// kernel's tail. Accumulation is fp32; a warp reduction
 // finishes each dot product, and lane 0 applies the epilogue with HF's rounding points:
 //   plain:   out = round(act(round(x.w + b)))     (the act is skipped for kActNone: out = round(x.w + b))
 //   SwiGLU:  out = round(round(silu(round(x.w_gate + b_gate))) * round(x.w_up + b_up))
@@ -18,17 +19,17 @@ namespace {
 
 constexpr int kWarps = 4;
 
+// One chunk of V weights, loaded raw (converted where it is used, so a chunk in flight costs 16 bytes of registers).
 template <typename T, int V>
-__device__ __forceinline__ void load_weights(float (&dst)[V], const T* src) {
+__device__ __forceinline__ Vec<T, V> load_weights(const T* src) {
+  Vec<T, V> v;
   if constexpr (V * sizeof(T) == 16) {
-    Vec<T, V> v;
     *reinterpret_cast<uint4*>(&v) = __ldcs(reinterpret_cast<const uint4*>(src));
-#pragma unroll
-    for (int i = 0; i < V; ++i) dst[i] = to_float(v.data[i]);
   } else {
 #pragma unroll
-    for (int i = 0; i < V; ++i) dst[i] = to_float(src[i]);
+    for (int i = 0; i < V; ++i) v.data[i] = src[i];
   }
+  return v;
 }
 
 template <typename T, int V>
@@ -38,6 +39,21 @@ __device__ __forceinline__ void load_x(float (&dst)[V], const T* src) {
   } else {
 #pragma unroll
     for (int i = 0; i < V; ++i) dst[i] = to_float(src[i]);
+  }
+}
+
+// The weights of one loop iteration: UNROLL chunks of every row, this lane's first one at k0 (chunks step 32 * V
+// apart). Chunks at or past k_end are not read (and not used).
+template <typename T, int V, int NW, int UNROLL>
+__device__ __forceinline__ void fetch_weights(Vec<T, V> (&w)[UNROLL][NW], const T* (&rows)[NW], int64_t k0,
+                                              int64_t k_end) {
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    const int64_t k = k0 + u * 32 * V;
+    if (k < k_end) {
+#pragma unroll
+      for (int r = 0; r < NW; ++r) w[u][r] = load_weights<T, V>(rows[r] + k);
+    }
   }
 }
 
@@ -66,56 +82,43 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvParams p) {
   const int64_t k_begin = part * slice < p.k ? part * slice : p.k;
   const int64_t k_end = part == KSPLIT - 1 ? p.k : (k_begin + slice < p.k ? k_begin + slice : p.k);
 
-  // (An L2 prefetch of the first weights before this wait made large matrices slower on the H100: 79 -> 105 us
-  // for Llama's gate/up, as every warp's prefetch raced its own loads through L2. So the wait comes first.)
-  griddep_wait();
-  griddep_launch_dependents();
-
   float acc[NW][BMAX];
 #pragma unroll
   for (int r = 0; r < NW; ++r)
 #pragma unroll
     for (int b = 0; b < BMAX; ++b) acc[r][b] = 0.f;
 
+  // The first iteration's weights are loaded before griddepcontrol.wait: weights are never written by an earlier
+  // kernel, so under programmatic dependent launch these loads overlap the previous kernel's tail, which is most
+  // of a small matrix's bytes. (An L2 prefetch of more weights here made large matrices slower on the H100,
+  // 79 -> 105 us for Llama's gate/up, as each warp's prefetch raced its own loads through L2; registers are read
+  // once.) Each iteration then uses its chunks and loads the next iteration's.
+  const int64_t step = 32 * V;  // elements one warp-wide load covers
+  int64_t k0 = k_begin + lane * V;
+  Vec<T, V> w[UNROLL][NW];
+  if (live) fetch_weights<T, V, NW, UNROLL>(w, rows, k0, k_end);
+  griddep_wait();
+  griddep_launch_dependents();
+
   if (live) {
-    const int64_t step = 32 * V;  // elements one warp-wide load covers
-    const int64_t full = k_begin + (k_end - k_begin) / (step * UNROLL) * (step * UNROLL);
-    for (int64_t k0 = k_begin + lane * V; k0 < full; k0 += step * UNROLL) {
-      float w[UNROLL][NW][V];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u)
-#pragma unroll
-        for (int r = 0; r < NW; ++r) load_weights<T, V>(w[u][r], rows[r] + k0 + u * step);
+    for (; k0 < k_end; k0 += step * UNROLL) {
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
+        const int64_t k = k0 + u * step;
+        if (k >= k_end) break;
 #pragma unroll
         for (int b = 0; b < BMAX; ++b) {
           if (b < p.batch) {
             float xv[V];
-            load_x<T, V>(xv, x + b * p.x_stride + k0 + u * step);
+            load_x<T, V>(xv, x + b * p.x_stride + k);
 #pragma unroll
             for (int r = 0; r < NW; ++r)
 #pragma unroll
-              for (int j = 0; j < V; ++j) acc[r][b] += w[u][r][j] * xv[j];
+              for (int j = 0; j < V; ++j) acc[r][b] += to_float(w[u][r].data[j]) * xv[j];
           }
         }
       }
-    }
-    for (int64_t k = full + lane * V; k < k_end; k += step) {  // the tail, one chunk at a time
-      float w[NW][V];
-#pragma unroll
-      for (int r = 0; r < NW; ++r) load_weights<T, V>(w[r], rows[r] + k);
-#pragma unroll
-      for (int b = 0; b < BMAX; ++b) {
-        if (b < p.batch) {
-          float xv[V];
-          load_x<T, V>(xv, x + b * p.x_stride + k);
-#pragma unroll
-          for (int r = 0; r < NW; ++r)
-#pragma unroll
-            for (int j = 0; j < V; ++j) acc[r][b] += w[r][j] * xv[j];
-        }
-      }
+      fetch_weights<T, V, NW, UNROLL>(w, rows, k0 + step * UNROLL, k_end);
     }
   }
 #pragma unroll
