@@ -94,11 +94,11 @@ def tiles(linear: Int4Linear, head_dim: int | None = None) -> int:
 
 
 def splits_for(batch: int, linear: Int4Linear, multiprocessors: int, head_dim: int | None = None) -> int:
-    """K slices for the decode-step kernels: about two blocks per SM (one wave: each block keeps streaming weights
-    instead of paying its start and its share of the partial sums again), at least 16 qweight rows per block, and
-    within the kernel's shared x stage."""
+    """K slices for the decode-step kernels: at most two blocks per SM, the residency the kernel's launch bounds
+    guarantee, so that every block runs in the first wave (a block left for a second wave pays its whole chain of
+    load, reduce and epilogue again); at least 16 qweight rows per block; within the kernel's shared x stage."""
     rows = linear.in_features // 8
-    splits = max(1, min(max(1, rows // 16), math.ceil(2 * multiprocessors / tiles(linear, head_dim))))
+    splits = max(1, min(max(1, rows // 16), 2 * multiprocessors // tiles(linear, head_dim)))
     while batch * math.ceil(rows / splits) * 8 > STAGE_FLOATS:
         splits += 1
     return min(splits, rows)
