@@ -324,6 +324,43 @@ def test_cuda_graph_capture_of_a_decode_step(name):
     assert torch.equal(out, eager)
 
 
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("name", TINY)
+def test_model_split_over_two_gpus(name):
+    """accelerate puts the embeddings and the first half of the layers on cuda:0, the rest with the final norm (and
+    an untied head) on cuda:1; patch_model patches every layer with its own device's kernels (the residual stream crosses
+    the boundary through accelerate's hook), generate falls back to HF with the reason, and unpatch restores."""
+    from accelerate import dispatch_model
+
+    from patcher.decode import generate_path
+    from patcher.registry import REGISTRY
+
+    model, ids, ref32, hf_low = _low_precision_case(name, torch.float16)
+    spec = REGISTRY[model.config.model_type].spec
+    base = getattr(model, spec.base_model)
+    n = len(getattr(base, spec.layers))
+    device_map = {f"{spec.base_model}.{spec.layers}.{i}": 0 if i < n // 2 else 1 for i in range(n)}
+    for child, _ in base.named_children():
+        if child != spec.layers:
+            device_map[f"{spec.base_model}.{child}"] = 1 if child == spec.final_norm else 0
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for child, _ in model.named_children():
+        if child != spec.base_model:
+            device_map[child] = 0 if tied else 1  # the head (a tied head stays with the embeddings)
+    model = dispatch_model(model, device_map=device_map)
+    split = logits(model, ids).to(hf_low.device)
+    assert torch.equal(split, hf_low)  # the placement alone changes nothing
+    report = patch_model(model)
+    assert report.devices == ["cuda:0", "cuda:1"] and report.layers_restructured == report.layers_total == n
+    got = logits(model, ids).to(hf_low.device)
+    assert_within_torch_error(got, hf_low, ref32, f"{name} split over two GPUs")
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    path = generate_path(model)
+    assert path["path"] == "hf" and "one CUDA device" in path["reason"], path
+    unpatch_model(model)
+    assert torch.equal(logits(model, ids).to(hf_low.device), hf_low)
+
+
 REAL_SIZE = pytest.mark.skipif(
     not HAS_CUDA or not __import__("os").environ.get("PATCHER_REAL_SIZE"),
     reason="real-size models: set PATCHER_REAL_SIZE=1 on a GPU with >= 40 GB",
