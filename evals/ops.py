@@ -118,12 +118,25 @@ def _copies(nbytes: int) -> int:
     return max(1, min(64, (256 << 20) // max(nbytes, 1) + 1))
 
 
+def _rope_cache_args(batch, arch, dtype, capacity=1024):
+    """cos, sin, slot, pad, k_cache, v_cache, heads of a decode step at position 500 (rope_qkv_cache's arguments
+    after qkv)."""
+    _, _, hq, hkv, D, rot, interleaved = ARCHS[arch]
+    kc, vc = _rand(batch, hkv, capacity, D, dtype=dtype), _rand(batch, hkv, capacity, D, dtype=dtype)
+    angles = torch.randn(capacity, rot // 2, device="cuda")
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    slot, pad = torch.tensor([500], device="cuda"), torch.zeros(batch, dtype=torch.long, device="cuda")
+    return cos, sin, slot, pad, kc, vc, hq, hkv, D, interleaved
+
+
 def case_gemv(batch, arch, dtype, ops, which):
-    """A decode-step linear: ours (activation fused) against F.linear (cuBLAS) and the separate activation."""
+    """A decode-step linear: ours (activation fused) against F.linear (cuBLAS) and the separate activation;
+    "qkv_rope": the QKV GEMV with RoPE and the KV-cache writes fused, against F.linear and rope_qkv_cache."""
     H, inter, hq, hkv, D, _, _ = ARCHS[arch]
     gated = arch != "pythia-2.8b"
     n, k, act = {
         "qkv": ((hq + 2 * hkv) * D, H, "none"),
+        "qkv_rope": ((hq + 2 * hkv) * D, H, "none"),
         "out": (H, hq * D, "none"),
         "mlp_in": (inter, H, "silu_mul" if gated else "gelu"),
         "mlp_out": (H, inter, "none"),
@@ -132,8 +145,12 @@ def case_gemv(batch, arch, dtype, ops, which):
     nbytes = (rows * k + batch * k + batch * n) * dtype.itemsize
     copies = _copies(rows * k * dtype.itemsize)
     weights = [_rand(rows, k, dtype=dtype) * k**-0.5 for _ in range(copies)]
-    bias = _rand(rows, dtype=dtype) if which == "qkv" and arch == "qwen2-1.5b" else None
+    bias = _rand(rows, dtype=dtype) if which.startswith("qkv") and arch == "qwen2-1.5b" else None
     x = _rand(batch, k, dtype=dtype)
+    if which == "qkv_rope":  # the dense attention prologue: RoPE and the cache writes in the GEMV's epilogue
+        rope = _rope_cache_args(batch, arch, dtype)
+        fused = [lambda w=w: ops.gemv_rope_cache(x, w, bias, *rope) for w in weights]
+        return fused, [lambda w=w: ops.rope_qkv_cache(F.linear(x, w, bias), *rope) for w in weights], nbytes
     fused = [lambda w=w: ops.gemv(x, w, bias, act) for w in weights]
 
     def unfused_call(w):
@@ -196,7 +213,7 @@ def case_int4(batch, arch, dtype, ops, which):
     against the same work as separate ops (add+norm kernel, int4 matrix-vector product, rope_qkv_cache)."""
     from patcher.ops import int4 as int4_ops
 
-    H, inter, hq, hkv, D, rot, interleaved = ARCHS[arch]
+    H, inter, hq, hkv, D, _, interleaved = ARCHS[arch]
     gated = arch != "pythia-2.8b"
     k, widths, act = {
         "norm_qkv": (H, [(hq + 2 * hkv) * D] if interleaved else [hq * D, hkv * D, hkv * D], "none"),
@@ -222,11 +239,6 @@ def case_int4(batch, arch, dtype, ops, which):
             return ops.silu_and_mul(y) if act == "silu_mul" else (F.gelu(y) if act == "gelu" else y)
 
         return fused, [lambda w=w: unfused_call(w) for w in linears], nbytes
-    capacity = 1024
-    kc, vc = _rand(batch, hkv, capacity, D, dtype=dtype), _rand(batch, hkv, capacity, D, dtype=dtype)
-    angles = torch.randn(capacity, rot // 2, device="cuda")
-    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
-    slot, pad = torch.tensor([500], device="cuda"), torch.zeros(batch, dtype=torch.long, device="cuda")
     d = _rand(batch, k, dtype=dtype)
     w1, b1 = _rand(k, dtype=dtype), _rand(k, dtype=dtype)
     if gated:
@@ -235,7 +247,7 @@ def case_int4(batch, arch, dtype, ops, which):
     else:  # Pythia: the whole parallel-residual junction, both LayerNorms (the second one is the MLP's input)
         pro = (d, d, w1, b1, w1, b1, 1e-5, False)
         separate_norm = lambda: ops.add_dual_layer_norm(x, d, d, w1, b1, w1, b1, 1e-5)[0]
-    rope = (cos, sin, slot, pad, kc, vc, hq, hkv, D, interleaved)
+    rope = _rope_cache_args(batch, arch, dtype)
     fused = [lambda w=w: ops.int4_qkv_rope_cache(x, *pro, *w.args(), *rope, splits, workspace) for w in linears]
 
     def unfused_call(w):
@@ -247,7 +259,11 @@ def case_int4(batch, arch, dtype, ops, which):
 
 
 DECODE_CASES = {  # op -> (builder, architectures, variants)
-    "gemv": (case_gemv, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], ["qkv", "out", "mlp_in", "mlp_out"]),
+    "gemv": (
+        case_gemv,
+        ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"],
+        ["qkv", "qkv_rope", "out", "mlp_in", "mlp_out"],
+    ),
     "decode_attention": (case_decode_attention, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [512, 4096]),
     "int4": (case_int4, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], ["norm_qkv", "out", "mlp_in", "mlp_out"]),
 }

@@ -12,7 +12,11 @@
 // finishes each dot product, and lane 0 applies the epilogue with HF's rounding points:
 //   plain:   out = round(act(round(x.w + b)))     (the act is skipped for kActNone: out = round(x.w + b))
 //   SwiGLU:  out = round(round(silu(round(x.w_gate + b_gate))) * round(x.w_up + b_up))
+//   RoPE:    the fused QKV projection of a decode step; a warp's two rows are a rotation pair (rope_pair_rows),
+//            so lane 0 rounds both (round(x.w + b)), rotates them and writes q or the K/V cache slot, which makes
+//            the separate rope_qkv_cache kernel unnecessary
 #include "common.cuh"
+#include "rope.cuh"
 
 namespace patcher {
 namespace {
@@ -57,10 +61,19 @@ __device__ __forceinline__ void fetch_weights(Vec<T, V> (&w)[UNROLL][NW], const 
   }
 }
 
+// What a warp's rows are and what its epilogue does.
+enum RowMode : int {
+  kPlainRows = 0,   // rows first, first + 1; act none / gelu / gelu_tanh
+  kPairedRows = 1,  // SwiGLU: gate rows first, first + 1 and their up rows n later
+  kRopeRows = 2,    // fused QKV: the pair of rope_pair_rows, rotated and stored into q and the KV cache
+};
+
 // Each block has kWarps warps; KSPLIT of them share one group of ROWS output rows, each taking 1/KSPLIT of K
 // (more warps in flight for matrices with few rows), and their partial sums meet in shared memory.
-template <typename T, int V, int BMAX, int ROWS, bool PAIRED, int UNROLL, int KSPLIT>
+template <typename T, int V, int BMAX, int ROWS, int MODE, int UNROLL, int KSPLIT>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvParams p) {
+  static_assert(MODE != kRopeRows || ROWS == 2, "a RoPE warp computes one rotation pair");
+  constexpr bool PAIRED = MODE == kPairedRows;
   constexpr int NW = PAIRED ? 2 * ROWS : ROWS;  // weight rows this warp streams
   constexpr int GROUPS = kWarps / KSPLIT;       // row groups per block
   __shared__ float s_partial[kWarps][NW][BMAX];
@@ -70,12 +83,17 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvParams p) {
   const bool live = first < p.n;
   if (KSPLIT == 1 && !live) return;  // whole warps leave together (no block barrier without a K split)
   const T* x = static_cast<const T*>(p.x);
+  int64_t row_of[ROWS];  // the output rows of this warp
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) row_of[r] = first + r < p.n ? first + r : p.n - 1;  // past the end: not stored
+  if constexpr (MODE == kRopeRows) {
+    if (live) rope_pair_rows(first / 2, static_cast<int>(p.rope.head_dim), static_cast<int>(p.rope.rotary_dim), row_of);
+  }
   const T* rows[NW];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    const int64_t o = first + r < p.n ? first + r : p.n - 1;  // rows past the end repeat the last; not stored
-    rows[r] = static_cast<const T*>(p.w) + o * p.w_stride;
-    if (PAIRED) rows[ROWS + r] = static_cast<const T*>(p.w) + (o + p.n) * p.w_stride;
+    rows[r] = static_cast<const T*>(p.w) + row_of[r] * p.w_stride;
+    if (PAIRED) rows[ROWS + r] = static_cast<const T*>(p.w) + (row_of[r] + p.n) * p.w_stride;
   }
   // This warp's slice of K, a multiple of V long (the last slice takes the rest).
   const int64_t slice = (p.k / KSPLIT + V - 1) / V * V;
@@ -148,23 +166,34 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvParams p) {
 
   const T* bias = static_cast<const T*>(p.bias);
   T* out = static_cast<T*>(p.out);
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    const int64_t o = first + r;
-    if (o >= p.n) break;
+  if constexpr (MODE == kRopeRows) {  // round as F.linear rounds its output, then rotate and store the pair
 #pragma unroll
     for (int b = 0; b < BMAX; ++b) {
       if (b >= p.batch) break;
-      float y;
-      if (PAIRED) {
-        const float gate = round_to<T>(acc[r][b] + (bias ? to_float(bias[o]) : 0.f));
-        const float up = round_to<T>(acc[ROWS + r][b] + (bias ? to_float(bias[o + p.n]) : 0.f));
-        y = round_to<T>(silu(gate)) * up;
-      } else {
-        y = acc[r][b] + (bias ? to_float(bias[o]) : 0.f);
-        if (p.act != kActNone) y = gelu(round_to<T>(y), p.act == kActGeluTanh);
+      float y[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) y[r] = round_to<T>(acc[r][b] + (bias ? to_float(bias[row_of[r]]) : 0.f));
+      rope_store_pair<T>(p.rope, b, row_of, y, out);
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t o = first + r;
+      if (o >= p.n) break;
+#pragma unroll
+      for (int b = 0; b < BMAX; ++b) {
+        if (b >= p.batch) break;
+        float y;
+        if (PAIRED) {
+          const float gate = round_to<T>(acc[r][b] + (bias ? to_float(bias[o]) : 0.f));
+          const float up = round_to<T>(acc[ROWS + r][b] + (bias ? to_float(bias[o + p.n]) : 0.f));
+          y = round_to<T>(silu(gate)) * up;
+        } else {
+          y = acc[r][b] + (bias ? to_float(bias[o]) : 0.f);
+          if (p.act != kActNone) y = gelu(round_to<T>(y), p.act == kActGeluTanh);
+        }
+        out[b * p.n + o] = from_float<T>(y);
       }
-      out[b * p.n + o] = from_float<T>(y);
     }
   }
 }
@@ -179,25 +208,26 @@ int multiprocessors() {
   return count;
 }
 
-template <typename T, int V, int BMAX, bool PAIRED, int UNROLL>
+template <typename T, int V, int BMAX, int MODE, int UNROLL>
 cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
   constexpr int ROWS = 2;
   const int64_t groups = (p.n + ROWS - 1) / ROWS;
   // Few rows: split K over the 4 warps of a block, so that enough warps stream weights to fill every SM
   // (without it a 1536-row matrix runs 768 warps, under 6 per SM, and the wave tail dominates).
   if (groups < 16 * multiprocessors() && p.k >= 1024) {
-    return launch_pdl(gemv_kernel<T, V, BMAX, ROWS, PAIRED, UNROLL, kWarps>, dim3(static_cast<unsigned>(groups)),
+    return launch_pdl(gemv_kernel<T, V, BMAX, ROWS, MODE, UNROLL, kWarps>, dim3(static_cast<unsigned>(groups)),
                       dim3(kWarps * 32), 0, stream, p);
   }
   const unsigned blocks = static_cast<unsigned>((groups + kWarps - 1) / kWarps);
-  return launch_pdl(gemv_kernel<T, V, BMAX, ROWS, PAIRED, UNROLL, 1>, dim3(blocks), dim3(kWarps * 32), 0, stream, p);
+  return launch_pdl(gemv_kernel<T, V, BMAX, ROWS, MODE, UNROLL, 1>, dim3(blocks), dim3(kWarps * 32), 0, stream, p);
 }
 
 template <typename T, int V, int BMAX>
 cudaError_t launch_act(const GemvParams& p, cudaStream_t stream) {
   // Fewer chunks in flight when a warp already holds many accumulators (register pressure).
-  if (p.act == kActSiluMul) return launch_rows<T, V, BMAX, true, (BMAX >= 4 ? 2 : 4)>(p, stream);
-  return launch_rows<T, V, BMAX, false, (BMAX >= 8 ? 2 : 4)>(p, stream);
+  if (p.act == kActSiluMul) return launch_rows<T, V, BMAX, kPairedRows, (BMAX >= 4 ? 2 : 4)>(p, stream);
+  if (p.act == kActRopeCache) return launch_rows<T, V, BMAX, kRopeRows, (BMAX >= 8 ? 2 : 4)>(p, stream);
+  return launch_rows<T, V, BMAX, kPlainRows, (BMAX >= 8 ? 2 : 4)>(p, stream);
 }
 
 template <typename T, int V>
@@ -219,6 +249,7 @@ bool can_vectorize(const GemvParams& p) {
 cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.n == 0) return cudaSuccess;
   if (p.batch > 8) return cudaErrorInvalidValue;
+  if (p.act == kActRopeCache && (p.n % 2 || p.rope.head_dim % 2 || p.rope.rotary_dim % 2)) return cudaErrorInvalidValue;
   PATCHER_DISPATCH_DTYPE(p.dtype, T, {
     if (can_vectorize<T>(p)) return launch_batch<T, 16 / sizeof(T)>(p, stream);
     return launch_batch<T, 1>(p, stream);

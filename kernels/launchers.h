@@ -76,26 +76,6 @@ cudaError_t launch_bias_gelu(const ActivationParams& p, bool tanh, cudaStream_t 
 
 namespace patcher {
 
-// Matrix-vector products for decode (1 to 8 rows of x), with fused epilogues.
-//   out[b, n] = act(x[b] . w[n] + bias[n])                                       act: none, gelu, gelu_tanh
-//   kSiluMul:  out[b, n] = silu(x[b] . w[n] + bias[n]) * (x[b] . w[N + n] + bias[N + n])   w is [gate; up]
-// Each intermediate is rounded to the dtype where HF's separate ops would round it.
-enum GemvAct : int32_t { kActNone = 0, kActGelu = 1, kActGeluTanh = 2, kActSiluMul = 3 };
-struct GemvParams {
-  DType dtype;
-  int64_t batch;  // rows of x, 1..8
-  int64_t n;      // output columns (w has n rows, or 2n for kActSiluMul)
-  int64_t k;
-  const void* x;  // [batch, k], row stride x_stride
-  int64_t x_stride;
-  const void* w;  // [rows, k], row stride w_stride
-  int64_t w_stride;
-  const void* bias;  // [rows] or nullptr
-  void* out;         // [batch, n] contiguous
-  int32_t act;
-};
-cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream);
-
 // The decode-step attention prologue: like rope_qkv for one token per row, but K and V go straight into the
 // static cache at index `slot`, at rope position slot - pad[b] (left-padded rows start later).
 struct RopeCacheParams {
@@ -116,6 +96,29 @@ struct RopeCacheParams {
   int64_t capacity;
 };
 cudaError_t launch_rope_qkv_cache(const RopeCacheParams& p, cudaStream_t stream);
+
+// Matrix-vector products for decode (1 to 8 rows of x), with fused epilogues.
+//   out[b, n] = act(x[b] . w[n] + bias[n])                                       act: none, gelu, gelu_tanh
+//   kSiluMul:  out[b, n] = silu(x[b] . w[n] + bias[n]) * (x[b] . w[N + n] + bias[N + n])   w is [gate; up]
+// Each intermediate is rounded to the dtype where HF's separate ops would round it.
+//   kRopeCache: w is one token's fused q|k|v projection; RoPE and the cache writes of rope_qkv_cache follow:
+//              q [batch, Hq, D] goes to `out`, K and V into rope.k_cache/v_cache at *rope.slot (bias as for none)
+enum GemvAct : int32_t { kActNone = 0, kActGelu = 1, kActGeluTanh = 2, kActSiluMul = 3, kActRopeCache = 4 };
+struct GemvParams {
+  DType dtype;
+  int64_t batch;  // rows of x, 1..8
+  int64_t n;      // output columns (w has n rows, or 2n for kActSiluMul)
+  int64_t k;
+  const void* x;  // [batch, k], row stride x_stride
+  int64_t x_stride;
+  const void* w;  // [rows, k], row stride w_stride
+  int64_t w_stride;
+  const void* bias;  // [rows] or nullptr
+  void* out;         // [batch, n] contiguous
+  int32_t act;
+  RopeCacheParams rope;  // kActRopeCache: the tables, heads and caches (its qkv and q fields are not used)
+};
+cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream);
 
 // Decode attention over the filled part of a static cache (flash-decoding): q [B, Hq, D] against keys
 // pad[b] .. slot of k_cache/v_cache [B, Hkv, capacity, D]. The keys are split over `splits` blocks per

@@ -1,4 +1,5 @@
-// RoPE on one token's fused QKV projection output, shared by rope.cu and the int4 QKV epilogue (int4.cu).
+// RoPE on one token's fused QKV projection output, shared by rope.cu, the int4 QKV epilogue (int4_gemv.cuh) and
+// the dense QKV GEMV's epilogue (gemv.cu).
 #pragma once
 
 #include "common.cuh"
@@ -35,6 +36,46 @@ __device__ __forceinline__ float rotate(const S* src, int e, const Slot& s, int 
   // __fmul_rn/__fadd_rn keep fp32 from contracting into an FMA: torch rounds each product separately.
   return round_to<T>(
       __fadd_rn(round_to<T>(__fmul_rn(x, to_float(cos[s.d]))), round_to<T>(__fmul_rn(rotated, to_float(sin[s.d])))));
+}
+
+// The dense QKV GEMV computes two output rows per warp, paired so that its epilogue can rotate them: within each
+// head-sized block of D rows, pair j < R/2 is the rotation pair (j, j + R/2), and the pairs after it take the
+// unrotated dims two by two (D and R are even).
+__device__ __forceinline__ void rope_pair_rows(int64_t pair, int D, int R, int64_t (&rows)[2]) {
+  const int64_t base = pair / (D / 2) * D;
+  const int j = static_cast<int>(pair % (D / 2)), half = R / 2;
+  rows[0] = base + (j < half ? j : R + 2 * (j - half));
+  rows[1] = base + (j < half ? j + half : R + 2 * (j - half) + 1);
+}
+
+// Rotates one pair of rope_pair_rows (the projection outputs y, already rounded to T) for row b of the batch and
+// stores it: q into `q` [batch, Hq, D], K and V into the cache at *p.slot, as rope_qkv_cache does.
+template <typename T>
+__device__ __forceinline__ void rope_store_pair(const RopeCacheParams& p, int64_t b, const int64_t (&rows)[2],
+                                                const float (&y)[2], T* q) {
+  const int D = static_cast<int>(p.head_dim), hq = static_cast<int>(p.num_q_heads);
+  const int hkv = static_cast<int>(p.num_kv_heads), R = static_cast<int>(p.rotary_dim);
+  const int64_t slot = *p.slot;
+  int64_t pos = slot - p.pad[b];
+  pos = pos < 0 ? 0 : (pos >= p.table_len ? p.table_len - 1 : pos);
+  const T* cos = static_cast<const T*>(p.cos) + pos * p.rotary_dim;
+  const T* sin = static_cast<const T*>(p.sin) + pos * p.rotary_dim;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const Slot s = locate(static_cast<int>(rows[i]), D, hq, hkv, p.interleaved);
+    float out = y[i];
+    if (s.part != 2 && s.d < R) {  // the pair is (d, d + R/2): the partner of row 0 is y[1], and the other way
+      const float rotated = i == 0 ? -y[1] : y[0];
+      out = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(y[i], to_float(cos[s.d]))),
+                                  round_to<T>(__fmul_rn(rotated, to_float(sin[s.d])))));
+    }
+    if (s.part == 0) {
+      q[(b * hq + s.head) * D + s.d] = from_float<T>(out);
+    } else {
+      T* cache = static_cast<T*>(s.part == 1 ? p.k_cache : p.v_cache);
+      cache[((b * hkv + s.head) * p.capacity + slot) * D + s.d] = from_float<T>(out);
+    }
+  }
 }
 
 }  // namespace patcher

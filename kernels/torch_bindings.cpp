@@ -242,31 +242,23 @@ Tensor gemv(const Tensor& x, const Tensor& weight, const OptTensor& bias, c10::s
   return out;
 }
 
-Tensor rope_qkv_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
-                      Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                      bool interleaved) {
-  TORCH_CHECK(qkv.is_cuda(), "patcher: qkv must be a CUDA tensor, got ", qkv.device());
-  const c10::cuda::CUDAGuard guard(qkv.device());
-  TORCH_CHECK(qkv.dim() == 2, "patcher: qkv must be [batch, width] (one token per row), got ", dims(qkv.sizes()));
+// The RoPE + KV-cache target of rope_qkv_cache and gemv_rope_cache, checked; `like` is the tensor whose dtype and
+// device the rest must share, `width` the projection width it produces. Returns q [B, Hq, D] (allocated).
+Tensor rope_cache_target(patcher::RopeCacheParams& p, const Tensor& like, int64_t B, int64_t width, const Tensor& cos,
+                         const Tensor& sin, const Tensor& slot, const Tensor& pad, Tensor& k_cache, Tensor& v_cache,
+                         int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, bool interleaved) {
   TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && head_dim > 0,
               "patcher: bad head counts q ", std::to_string(num_q_heads), ", kv ", std::to_string(num_kv_heads));
   TORCH_CHECK(!interleaved || num_q_heads == num_kv_heads,
               "patcher: interleaved qkv needs as many kv heads as q heads");
-  const int64_t B = qkv.size(0);
-  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * head_dim, "patcher: qkv width ",
-              std::to_string(qkv.size(1)), " != (", std::to_string(num_q_heads), " + 2 x ",
-              std::to_string(num_kv_heads), ") x ", std::to_string(head_dim));
-  TORCH_CHECK(qkv.size(1) <= 1 || qkv.stride(1) == 1, "patcher: the last dimension of qkv must be contiguous");
-  const int64_t rotary = check_rope_cache_args(qkv, cos, sin, slot, pad, k_cache, v_cache, B, num_kv_heads, head_dim);
-
-  patcher::RopeCacheParams p{};
-  p.dtype = dtype_of(qkv);
+  TORCH_CHECK(width == (num_q_heads + 2 * num_kv_heads) * head_dim, "patcher: qkv width ", std::to_string(width),
+              " != (", std::to_string(num_q_heads), " + 2 x ", std::to_string(num_kv_heads), ") x ",
+              std::to_string(head_dim));
+  p.rotary_dim = check_rope_cache_args(like, cos, sin, slot, pad, k_cache, v_cache, B, num_kv_heads, head_dim);
+  p.dtype = dtype_of(like);
   p.batch = B;
-  p.qkv = qkv.data_ptr();
-  p.qkv_stride = qkv.stride(0);
   p.cos = cos.data_ptr();
   p.sin = sin.data_ptr();
-  p.rotary_dim = rotary;
   p.table_len = cos.size(0);
   p.slot = slot.data_ptr<int64_t>();
   p.pad = pad.data_ptr<int64_t>();
@@ -274,12 +266,58 @@ Tensor rope_qkv_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, c
   p.num_kv_heads = num_kv_heads;
   p.head_dim = head_dim;
   p.interleaved = interleaved;
-  Tensor q = at::empty({B, num_q_heads, head_dim}, qkv.options());
-  p.q = q.data_ptr();
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
   p.capacity = k_cache.size(2);
+  Tensor q = at::empty({B, num_q_heads, head_dim}, like.options());
+  p.q = q.data_ptr();
+  return q;
+}
+
+Tensor rope_qkv_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
+                      Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                      bool interleaved) {
+  TORCH_CHECK(qkv.is_cuda(), "patcher: qkv must be a CUDA tensor, got ", qkv.device());
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  TORCH_CHECK(qkv.dim() == 2, "patcher: qkv must be [batch, width] (one token per row), got ", dims(qkv.sizes()));
+  TORCH_CHECK(qkv.size(1) <= 1 || qkv.stride(1) == 1, "patcher: the last dimension of qkv must be contiguous");
+  patcher::RopeCacheParams p{};
+  Tensor q = rope_cache_target(p, qkv, qkv.size(0), qkv.size(1), cos, sin, slot, pad, k_cache, v_cache, num_q_heads,
+                               num_kv_heads, head_dim, interleaved);
+  p.qkv = qkv.data_ptr();
+  p.qkv_stride = qkv.stride(0);
   check_launch(patcher::launch_rope_qkv_cache(p, c10::cuda::getCurrentCUDAStream()), "rope_qkv_cache");
+  return q;
+}
+
+// The dense decode-step attention prologue in one kernel: x @ W_qkv^T (+ bias), RoPE, K/V into the cache.
+Tensor gemv_rope_cache(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& cos,
+                       const Tensor& sin, const Tensor& slot, const Tensor& pad, Tensor& k_cache, Tensor& v_cache,
+                       int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, bool interleaved) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_like(weight, x, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) && x.size(1) > 0, "patcher: x ",
+              dims(x.sizes()), " and weight ", dims(weight.sizes()),
+              " must be [batch, in_features] and [out_features, in_features]");
+  TORCH_CHECK(x.size(0) <= 8, "patcher: gemv_rope_cache takes at most 8 rows of x (decode); got ",
+              std::to_string(x.size(0)));
+  TORCH_CHECK(head_dim % 2 == 0, "patcher: gemv_rope_cache needs an even head_dim");
+  patcher::GemvParams p{};
+  Tensor q = rope_cache_target(p.rope, x, x.size(0), weight.size(0), cos, sin, slot, pad, k_cache, v_cache, num_q_heads,
+                               num_kv_heads, head_dim, interleaved);
+  p.dtype = dtype_of(x);
+  p.act = patcher::kActRopeCache;
+  p.batch = x.size(0);
+  p.n = weight.size(0);
+  p.k = x.size(1);
+  p.x = x.data_ptr();
+  p.x_stride = row_stride(x, "x");
+  p.w = weight.data_ptr();
+  p.w_stride = row_stride(weight, "weight");
+  p.bias = optional_vector_arg(bias, x, p.n, "bias");
+  p.out = q.data_ptr();
+  check_launch(patcher::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv_rope_cache");
   return q;
 }
 
@@ -344,5 +382,6 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("bias_gelu", &bias_gelu);
   m.impl("gemv", &gemv);
   m.impl("rope_qkv_cache", &rope_qkv_cache);
+  m.impl("gemv_rope_cache", &gemv_rope_cache);
   m.impl("decode_attention", &decode_attention);
 }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check_op, requires_cuda
+from conftest import assert_within_torch_error, check_op, requires_cuda
 
 pytestmark = requires_cuda
 
@@ -132,6 +132,21 @@ def test_opcheck_on_cuda():
         "silu_and_mul": (make((5, 512), f16),),
         "bias_gelu": (x, b, True),
         "gemv": (make((2, 256), f16), make((96, 256), f16), None, "silu_mul"),
+        "gemv_rope_cache": (
+            make((2, 256), f16),
+            make((8 * 64, 256), f16),
+            None,
+            make((16, 32), f16),
+            make((16, 32), f16),
+            torch.tensor([3], device="cuda"),
+            torch.zeros(2, dtype=torch.long, device="cuda"),
+            make((2, 2, 16, 64), f16),
+            make((2, 2, 16, 64), f16),
+            4,
+            2,
+            64,
+            False,
+        ),
     }
     for op, args in samples.items():
         torch.library.opcheck(getattr(torch.ops.patcher, op).default, args)
@@ -163,6 +178,25 @@ BAD_INPUTS = {  # name -> (op, args builder, message the error must contain)
         "at most 8",
     ),
     "gemv activation": ("gemv", lambda x, w: (x, make((32, 64), torch.float16), None, "relu"), "activation"),
+    "gemv_rope_cache width": (
+        "gemv_rope_cache",
+        lambda x, w: (
+            make((1, 64), torch.float16),
+            make((100, 64), torch.float16),
+            None,
+            make((8, 16), torch.float16),
+            make((8, 16), torch.float16),
+            torch.tensor([1], device="cuda"),
+            torch.zeros(1, dtype=torch.long, device="cuda"),
+            make((1, 2, 8, 16), torch.float16),
+            make((1, 2, 8, 16), torch.float16),
+            2,
+            2,
+            16,
+            False,
+        ),
+        "width",
+    ),
 }
 
 
@@ -220,6 +254,39 @@ def test_rope_qkv_cache(batch, arch, dtype):
     q_ref = reference.rope_qkv_cache(qkv, cos, sin, slot, pad, *expected_caches, hq, hkv, d, interleaved)
     assert torch.equal(q, q_ref)
     assert torch.equal(caches[0], expected_caches[0]) and torch.equal(caches[1], expected_caches[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", list(ROPE_ARCHS))
+@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+def test_gemv_rope_cache(batch, arch, dtype):
+    """The QKV GEMV with RoPE and the cache writes in its epilogue, against F.linear + rope_qkv_cache: q and the
+    written cache slot by the 2x rule, the rest of each cache untouched."""
+    from patcher.ops import KERNELS, reference
+
+    hq, hkv, d, rot, interleaved = ROPE_ARCHS[arch]
+    capacity, k = 64, 576 if arch == "smollm2" else 1536
+    n = (hq + 2 * hkv) * d
+    x, w = make((batch, k), dtype), make((n, k), dtype, scale=k**-0.5)
+    bias = make((n,), dtype) if arch == "qwen2-1.5b" else None
+    angles = torch.randn(capacity, rot // 2, device="cuda") * 3
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    slot, pad = torch.tensor([37], device="cuda"), torch.arange(batch, device="cuda") * 5
+    caches = [make((batch, hkv, capacity, d), dtype) for _ in range(2)]
+    low, ref = [c.clone() for c in caches], [c.double() for c in caches]
+    before = [c.clone() for c in caches]
+    rope = (cos, sin, slot, pad)
+    heads = (hq, hkv, d, interleaved)
+    q = KERNELS.gemv_rope_cache(x, w, bias, *rope, *caches, *heads)
+    q_low = reference.gemv_rope_cache(x, w, bias, *rope, *low, *heads)
+    as64 = [t.double() if t is not None else None for t in (x, w, bias, cos, sin)]
+    q64 = reference.gemv_rope_cache(*as64[:3], *as64[3:], slot, pad, *ref, *heads)
+    assert_within_torch_error(q, q_low, q64, f"gemv_rope_cache q {arch}")
+    for got, lo, r, old in zip(caches, low, ref, before):
+        assert_within_torch_error(got[:, :, 37], lo[:, :, 37], r[:, :, 37], f"gemv_rope_cache cache {arch}")
+        keep = torch.arange(capacity, device="cuda") != 37
+        assert torch.equal(got[:, :, keep], old[:, :, keep])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

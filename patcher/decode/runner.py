@@ -2,7 +2,7 @@
 
     prefill      the patched model's own forward (fused kernels, HF's SDPA/flash) on the prompt; its K/V are copied
                  into the static cache, and the first token is chosen from its last logits
-    decode step  embedding -> per layer: add+norm, QKV gemv, rope_qkv_cache (RoPE, K/V written into the cache),
+    decode step  embedding -> per layer: add+norm, QKV gemv with RoPE in its epilogue (K/V written into the cache),
                  decode_attention (only the filled part of the cache), output gemv, add+norm, MLP gemvs with the
                  activation fused -> final add+norm -> lm_head gemv -> argmax or sampling -> the token is written
                  after the current one and the position counter advances
@@ -201,21 +201,14 @@ class DecodeRunner:
         )  # fmt: skip
 
     def _rope_from_dense_qkv(self, layer: LayerStep, h, k_cache, v_cache, st: StepState):
+        """q of the step, with K/V written into the cache: one GEMV whose epilogue applies RoPE (1-3 rows), or
+        cuBLAS and then rope_qkv_cache (4-8 rows)."""
         a, ops = layer.attention, self.ops
+        rope = (st.cos, st.sin, st.slot, st.pad, k_cache, v_cache, a.num_heads, a.num_kv_heads, a.head_dim)
+        if not st.cublas:
+            return ops.gemv_rope_cache(h, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)
         qkv = self._linear(h, a.qkv_weight, a.qkv_bias, "none", st)
-        return ops.rope_qkv_cache(
-            qkv,
-            st.cos,
-            st.sin,
-            st.slot,
-            st.pad,
-            k_cache,
-            v_cache,
-            a.num_heads,
-            a.num_kv_heads,
-            a.head_dim,
-            a.interleaved,
-        )
+        return ops.rope_qkv_cache(qkv, *rope, a.interleaved)
 
     def _mlp(self, layer: LayerStep, h, st: StepState):
         m = layer.mlp

@@ -28,6 +28,7 @@ OP_NAMES = (
     "bias_gelu",
     "gemv",
     "rope_qkv_cache",
+    "gemv_rope_cache",
     "decode_attention",
     "int4_linear",
     "int4_gemv",

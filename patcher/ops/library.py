@@ -111,6 +111,13 @@ _define(
     lambda qkv, cos, sin, slot, pad, kc, vc, hq, hkv, d, inter: qkv.new_empty((qkv.shape[0], hq, d)),
 )
 _define(
+    "gemv_rope_cache(Tensor x, Tensor weight, Tensor? bias, Tensor cos, Tensor sin, Tensor slot, Tensor pad,"
+    " Tensor(a!) k_cache, Tensor(b!) v_cache, int num_q_heads, int num_kv_heads, int head_dim, bool interleaved)"
+    " -> Tensor",
+    ref.gemv_rope_cache,
+    lambda x, w, b, cos, sin, slot, pad, kc, vc, hq, hkv, d, inter: x.new_empty((x.shape[0], hq, d)),
+)
+_define(
     "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot, Tensor pad, float scale, int splits,"
     " Tensor(a!) workspace) -> Tensor",
     ref.decode_attention,

@@ -155,6 +155,26 @@ def rope_qkv_cache(
     return q[:, :, 0].contiguous()
 
 
+def gemv_rope_cache(
+    x,
+    weight,
+    bias,
+    cos,
+    sin,
+    slot,
+    pad,
+    k_cache,
+    v_cache,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    interleaved: bool,
+) -> torch.Tensor:
+    """The dense decode-step attention prologue: rope_qkv_cache of the fused QKV projection F.linear(x, W, b)."""
+    qkv = F.linear(x, weight, bias)
+    return rope_qkv_cache(qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, interleaved)
+
+
 def decode_attention(q, k_cache, v_cache, slot, pad, scale: float, splits: int, workspace) -> torch.Tensor:
     """Softmax attention of q [B, Hq, D] over keys pad[b] .. slot of the static cache; returns [B, Hq * D].
 
