@@ -252,7 +252,8 @@ cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream) {
   if (p.act == kActRopeCache && (p.n % 2 || p.rope.head_dim % 2 || p.rope.rotary_dim % 2)) return cudaErrorInvalidValue;
   PATCHER_DISPATCH_DTYPE(p.dtype, T, {
     if (can_vectorize<T>(p)) return launch_batch<T, 16 / sizeof(T)>(p, stream);
-    return launch_batch<T, 1>(p, stream);
+    // Element-wise loads (a misaligned or odd-sized input, rare in models): one kernel for 1-8 rows, a shorter build.
+    return launch_act<T, 1, 8>(p, stream);
   });
   return cudaSuccess;
 }

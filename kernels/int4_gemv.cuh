@@ -447,9 +447,11 @@ cudaError_t launch_batch(const Int4Params& p, cudaStream_t stream) {
   }
 #define PATCHER_INT4_LAUNCH(NORM, ACT) \
   return launch_pdl(int4_gemv_kernel<T, BMAX, NORM, ACT>, grid, block, smem, stream, p, tile_width)
-  if (norm && p.act_order) PATCHER_INT4_LAUNCH(true, true);
+  if constexpr (BMAX == 1 || BMAX == 8) {  // act-order: batch 1, or 2-8 rows as 8 (launch_int4_gemv_typed)
+    if (norm && p.act_order) PATCHER_INT4_LAUNCH(true, true);
+    if (p.act_order) PATCHER_INT4_LAUNCH(false, true);
+  }
   if (norm) PATCHER_INT4_LAUNCH(true, false);
-  if (p.act_order) PATCHER_INT4_LAUNCH(false, true);
   PATCHER_INT4_LAUNCH(false, false);
 #undef PATCHER_INT4_LAUNCH
 }
@@ -457,6 +459,8 @@ cudaError_t launch_batch(const Int4Params& p, cudaStream_t stream) {
 // Batch-size dispatch for one dtype; int4_<dtype>.cu instantiate it.
 template <typename T>
 cudaError_t launch_int4_gemv_typed(const Int4Params& p, cudaStream_t stream) {
+  // The act-order kernels (the slow per-k path) exist for 1 and 8 rows only: a shorter build.
+  if (p.act_order && p.batch > 1) return launch_batch<T, 8>(p, stream);
   if (p.batch <= 1) return launch_batch<T, 1>(p, stream);
   if (p.batch <= 2) return launch_batch<T, 2>(p, stream);
   if (p.batch <= 4) return launch_batch<T, 4>(p, stream);
