@@ -5,9 +5,10 @@
 #   tools/gpu_run.sh verify      + the real-size logit tests, bad inputs, compute-sanitizer, SmolLM2 on the GPU
 #                                (needs the SmolLM2 GGUF at $PATCHER_SMOLLM2_GGUF), the patched+compiled mode
 #   tools/gpu_run.sh quick-tpot  the default generate path on every real-size shape, and the decode ops
-#   tools/gpu_run.sh measure     the full TPOT matrix, perplexity in fp32/bf16, the per-op benchmark
+#   tools/gpu_run.sh measure     the README's TPOT table, Pythia at batch 4/8, context 2048 and bf16, the per-op benchmark
 #   tools/gpu_run.sh int4        GPTQ int4 kernel tests, per-op benchmark, whole-model int4 TPOT against fp16
 #   tools/gpu_run.sh smollm2     SmolLM2 GPU tests, int4 g128 perplexity, fp32/bf16 perplexity
+#   tools/gpu_run.sh multi-gpu   a model split over two GPUs (accelerate device_map), patched
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/patcher-out}
@@ -30,8 +31,8 @@ case "${1:-}" in
     step "real-size logits (fp16, bf16)"
     PATCHER_REAL_SIZE=1 timeout 300 python3 -m pytest -q -rf -s tests/test_models.py -k real_size 2>&1 | tail -12
     step "SmolLM2 on the GPU"
-    timeout 300 python3 -m pytest -q -rf -s tests/test_smollm2.py tests/test_decode.py -k "smollm2 or cuda_logits" \
-      2>&1 | grep -v "it/s" | tail -8
+    timeout 480 python3 -m pytest -q -rf -s tests/test_smollm2.py tests/test_decode.py -k "smollm2 or cuda_logits" \
+      2>&1 | grep -E "SmolLM2 fp16|passed|failed|FAILED|^E " | head -12
     step compute-sanitizer memcheck
     timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q tests/test_kernels.py \
       -k "(test_norms and shape1 and dtype0) or (test_gemv and shape3) or (test_decode_attention and 129 and heads3)" \
@@ -52,26 +53,27 @@ case "${1:-}" in
     timeout 100 python3 -m evals.ops --ops gemv,decode_attention --dtypes fp16 --decode-batches 1 \
       --json "$OUT/ops_decode.json" 2>&1 | grep -v "it/s" | tail -25
     ;;
-  measure)
+  measure)  # the README's TPOT table (patched-static-compiled compiles for minutes: see verify) and Pythia's variants
     mkdir -p "$OUT/r"
-    for m in pythia-2.8b qwen2-1.5b llama-3.1-8b; do
+    for m in pythia-2.8b qwen2-1.5b llama-3.1-8b smollm2-135m; do
       step "TPOT $m, every mode"
-      timeout 400 python3 -m evals.tpot --random-config $m --repeats 3 --json "$OUT/r/tpot_$m.json" 2>&1 \
-        | grep -v "it/s" | tail -9
+      timeout 190 python3 -m evals.tpot --random-config $m --modes hf-eager,hf-static-compiled,patched-eager,patched \
+        --repeats 2 --json "$OUT/r/tpot_$m.json" 2>&1 | grep -v "it/s" | tail -7
     done
     step "TPOT pythia-2.8b: batch 4 and 8, context 2048, bf16"
     for args in "--batch 4" "--batch 8" "--prompt-len 2048" "--dtype bf16"; do
-      timeout 200 python3 -m evals.tpot --random-config pythia-2.8b --modes hf-eager,patched $args --new-tokens 64 \
+      timeout 130 python3 -m evals.tpot --random-config pythia-2.8b --modes hf-static-compiled,patched $args \
         --repeats 2 --json "$OUT/r/tpot_pythia-2.8b_$(echo $args | tr -d ' -').json" 2>&1 | grep -v "it/s" | tail -4
-    done
-    for dt in fp32 bf16; do
-      step "perplexity SmolLM2 $dt"
-      timeout 300 python3 -m evals.perplexity --gguf-file "$PATCHER_SMOLLM2_GGUF" --text-file "$PATCHER_WIKITEXT" \
-        --dtype $dt --json "$OUT/r/perplexity_smollm2_$dt.json" 2>&1 | grep -v "it/s\|Converting\|Loading" | tail -5
     done
     step per-op benchmark
     timeout 300 python3 -m evals.ops --json "$OUT/r/ops.json" 2>&1 | grep -v "it/s" | tail -40
     tar -C "$OUT" -czf "$OUT/results.tar.gz" r && rm -rf "$OUT/r"
+    ;;
+  multi-gpu)  # on a machine with two or more GPUs
+    step build
+    python3 -c "from patcher.ops import extension; extension.load()" 2>&1 | tail -1
+    step "a model split over two GPUs"
+    timeout 150 python3 -m pytest -q -rf tests/test_models.py -k two_gpus 2>&1 | tail -4
     ;;
   int4)  # GPTQ int4: kernel tests, the per-op benchmark, whole-model TPOT against fp16 patched
     step build
@@ -104,7 +106,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: tools/gpu_run.sh tests|verify|quick-tpot|measure|int4|smollm2" >&2
+    echo "usage: tools/gpu_run.sh tests|verify|quick-tpot|measure|int4|smollm2|multi-gpu" >&2
     exit 2
     ;;
 esac
