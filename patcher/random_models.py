@@ -47,6 +47,21 @@ def _llama(hidden, layers, heads, kv_heads, intermediate, vocab, rope, **kw):
     )
 
 
+def _tiny_llama(tied: bool):
+    return _llama(
+        256,
+        3,
+        4,
+        2,
+        384,
+        512,
+        {"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+        initializer_range=0.1,
+    )
+
+
 def _qwen2(hidden, layers, heads, kv_heads, intermediate, vocab, theta, **kw):
     return Qwen2Config(
         vocab_size=vocab,
@@ -103,30 +118,8 @@ CONFIGS = {
     # so that values are O(1)
     "tiny-pythia": lambda: _pythia(320, 3, 4, 640, 512, initializer_range=0.1),
     "tiny-neox-sequential": lambda: _pythia(320, 3, 4, 640, 512, parallel=False, initializer_range=0.1),
-    "tiny-llama": lambda: _llama(
-        256,
-        3,
-        4,
-        2,
-        384,
-        512,
-        {"rope_type": "default", "rope_theta": 10000.0},
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        initializer_range=0.1,
-    ),
-    "tiny-llama-tied": lambda: _llama(
-        256,
-        3,
-        4,
-        2,
-        384,
-        512,
-        {"rope_type": "default", "rope_theta": 10000.0},
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        initializer_range=0.1,
-    ),
+    "tiny-llama": lambda: _tiny_llama(tied=False),
+    "tiny-llama-tied": lambda: _tiny_llama(tied=True),
     "tiny-qwen2": lambda: _qwen2(
         256, 3, 4, 2, 384, 512, 10000.0, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.1
     ),
