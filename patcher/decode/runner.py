@@ -48,7 +48,7 @@ class LayerStep:
     attention: object  # AttentionPlan
     mlp: object  # MlpPlan
     scale: float
-    gelu: str  # activation of a plain MLP: "gelu" or "gelu_tanh"
+    mlp_act: str  # the activation fused into the MLP's first linear: "silu_mul", "gelu" or "gelu_tanh"
     norms: tuple  # ((weight, bias, eps) of the input norm, (weight, bias, eps) of the post-attention norm)
 
 
@@ -106,13 +106,16 @@ class DecodeRunner:
         self.layers = []
         for layer in getattr(base, spec.layers):
             attention, mlp = getattr(layer, spec.attention), getattr(layer, spec.mlp)
-            gelu = "gelu_tanh" if getattr(mlp._patcher, "tanh", False) else "gelu"
+            if spec.mlp_gated:
+                mlp_act = "silu_mul"
+            else:
+                mlp_act = "gelu_tanh" if getattr(mlp._patcher, "tanh", False) else "gelu"
             norms = tuple(
                 (n.weight, getattr(n, "bias", None), float(getattr(n, spec.eps_attr)))
                 for n in (getattr(layer, spec.input_norm), getattr(layer, spec.post_norm))
             )
             self.layers.append(
-                LayerStep(layer._patcher, attention._patcher, mlp._patcher, float(attention.scaling), gelu, norms)
+                LayerStep(layer._patcher, attention._patcher, mlp._patcher, float(attention.scaling), mlp_act, norms)
             )
         self.ops = self.layers[0].attention.ops
         self.num_layers = len(self.layers)
@@ -212,8 +215,7 @@ class DecodeRunner:
 
     def _mlp(self, layer: LayerStep, h, st: StepState):
         m = layer.mlp
-        act = "silu_mul" if self.spec.mlp_gated else layer.gelu
-        inner = self._linear(h, m.in_weight, m.in_bias, act, st, m.in_int4)
+        inner = self._linear(h, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4)
         return self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4)
 
     def logits(self, st: StepState) -> torch.Tensor:
@@ -251,12 +253,12 @@ class DecodeRunner:
         if self.parallel:  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)); h2 = ln2(x) came with q
             return residual, attn, self._mlp(layer, h2, st)
         m = layer.mlp
-        act = "silu_mul" if self.spec.mlp_gated else layer.gelu
         if m.in_int4 is None:  # a dense MLP behind int4 attention: the separate add + norm
             h, residual = layer.plan.post_add_norm(residual, attn, None)
             return residual, self._mlp(layer, h, st), None
         w, b, eps = layer.norms[1]
-        inner, residual, _ = self._int4(m.in_int4, residual, act, st, (attn, None, w, b, None, None, eps, self.rms))
+        prologue = (attn, None, w, b, None, None, eps, self.rms)
+        inner, residual, _ = self._int4(m.in_int4, residual, layer.mlp_act, st, prologue)
         return residual, self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4), None
 
     def choose(self, logits: torch.Tensor, st: StepState, sampling: Sampling, has_eos: bool) -> torch.Tensor:
