@@ -2,7 +2,7 @@
 
 TPOT (time per output token) excludes prefill: (time(generate N+1) - time(generate 1)) / N, after warm-up, with
 the GPU synchronized, median over repeats. Each mode also reports TTFT (generate 1), tokens/s, kernels per decode
-step (torch.profiler), achieved bandwidth and TPOT over the roofline (bytes read per step / HBM read bandwidth
+step and their GPU time (torch.profiler; `--kernel-table` prints the costliest), achieved bandwidth and TPOT over the roofline (bytes read per step / HBM read bandwidth
 measured in the same run), and peak GPU memory.
 
 Modes:
@@ -62,14 +62,51 @@ def kv_bytes(model, batch: int, context: float) -> float:
 MAX_TIMING_TRIES = 5  # per repeat, for a (1 token, N + 1 tokens) pair whose difference is not positive
 
 
-def count_kernels(fn) -> int:
-    """GPU kernels executed while fn() runs (torch.profiler / CUPTI; kernels inside CUDA graphs count too)."""
+def profile_kernels(fn) -> dict[str, list]:
+    """GPU kernels executed while fn() runs, by name: [launches, total GPU us] (torch.profiler / CUPTI; kernels
+    inside CUDA graphs are recorded one by one too)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")))
+    kernels: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")):
+            entry = kernels.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.time_range.elapsed_us()
+    return kernels
+
+
+def short_kernel_name(name: str, limit: int = 100) -> str:
+    """A kernel's name without "void", namespaces of ours and the parameter list; template arguments kept (they
+    tell our launches apart)."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "").replace("patcher::", "")
+    depth = 0
+    for i, c in enumerate(name):  # the parameter list starts at the first "(" outside template brackets
+        depth += (c == "<") - (c == ">")
+        if c == "(" and depth == 0:
+            name = name[:i]
+            break
+    return name if len(name) <= limit else name[: limit - 3] + "..."
+
+
+def step_profile(generate, steps: int = 8, top: int = 12) -> dict:
+    """Kernels per decode step and where the step's GPU time goes: profile (1 token) and (steps + 1 tokens) and
+    take the difference per step."""
+    one, many = profile_kernels(lambda: generate(1)), profile_kernels(lambda: generate(steps + 1))
+    per_step = {}
+    for name, (count, us) in many.items():
+        c0, us0 = one.get(name, (0, 0.0))
+        if count > c0:
+            per_step[short_kernel_name(name)] = [(count - c0) / steps, (us - us0) / steps]
+    ranked = sorted(per_step.items(), key=lambda kv: -kv[1][1])
+    return {
+        "kernels_per_step": sum(c for c, _ in per_step.values()),
+        "kernel_us_per_step": sum(us for _, us in per_step.values()),
+        "top_kernels": [{"kernel": k, "launches": c, "us": us} for k, (c, us) in ranked[:top]],
+    }
 
 
 @contextlib.contextmanager
@@ -135,10 +172,8 @@ def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True)
         if device.type == "cuda":
             row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
             if profile:
-                steps = 8
-                k1 = count_kernels(lambda: generate(1))
-                kn = count_kernels(lambda: generate(steps + 1))
-                row["kernels_per_step"] = (kn - k1) / steps
+                row.update(step_profile(generate))
+                row["gpu_busy"] = row["kernel_us_per_step"] / 1e3 / row["tpot_ms"]
     return row
 
 
@@ -197,8 +232,12 @@ COLUMNS = [
     ("achieved_gbs", "GB/s", ".0f"),
     ("tpot_over_roofline", "x roofline", ".2f"),
     ("kernels_per_step", "kernels/step", ".0f"),
+    ("gpu_busy", "GPU busy", ".0%"),
     ("peak_memory_gb", "peak GB", ".1f"),
 ]
+
+
+KERNEL_COLUMNS = [("kernel", "kernel", ""), ("launches", "launches/step", ".1f"), ("us", "us/step", ".1f")]
 
 
 def main(argv=None) -> int:
@@ -213,7 +252,10 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default=None, help=f"comma-separated subset of {','.join(ALL_MODES)}")
     parser.add_argument("--sweep-context", default=None, help="prompt lengths, e.g. 128,512,1024,2048,4096")
     parser.add_argument("--plot", default=None, help="PNG path for the sweep plot (default: beside --json)")
-    parser.add_argument("--no-profile", action="store_true", help="skip the kernel count (torch.profiler)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the kernel profile (torch.profiler)")
+    parser.add_argument(
+        "--kernel-table", action="store_true", help="print each mode's costliest kernels per decode step"
+    )
     parser.add_argument("--json", default=None, help="write every figure and the run's settings here")
     args = parser.parse_args(argv)
 
@@ -246,6 +288,14 @@ def main(argv=None) -> int:
             rows += run(model, args, device, context, bandwidth, modes, progress)
 
     print(common.table(rows, COLUMNS))
+    if args.kernel_table:
+        for row in rows:
+            if row.get("top_kernels"):
+                print(
+                    f"\n{row['mode']}, context {row['context']}: GPU busy {row['kernel_us_per_step']:.0f} us of "
+                    f"{row['tpot_ms'] * 1e3:.0f} us per step ({100 * row['gpu_busy']:.0f}%)"
+                )
+                print(common.table(row["top_kernels"], KERNEL_COLUMNS))
     if bandwidth:
         roof = rows[0]["roofline_ms"]
         print(

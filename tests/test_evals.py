@@ -124,3 +124,25 @@ def test_perplexity_smollm2_on_a_wikitext_slice(tmp_path):
     assert 5 < base["perplexity"] < 100  # a trained model on WikiText
     assert abs(patched["delta_ppl_relative"]) < 1e-5
     assert result["text_tokens"] == 304986  # the WikiText-2 test split as HF's recipe tokenizes it
+
+
+@pytest.mark.parametrize(
+    "raw, short",
+    [
+        (
+            "void patcher::(anonymous namespace)::gemv_kernel<__half, 8, 1, 2, 0, 4, 1>(patcher::GemvParams)",
+            "gemv_kernel<__half, 8, 1, 2, 0, 4, 1>",
+        ),
+        (
+            "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float> >(at::native::ReduceOp<float>)",
+            "at::native::reduce_kernel<512, 1, at::native::ReduceOp<float> >",
+        ),
+        (
+            "ampere_fp16_s16816gemm_fp16_128x64_ldg8_f2f_stages_64x4_tn",
+            "ampere_fp16_s16816gemm_fp16_128x64_ldg8_f2f_stages_64x4_tn",
+        ),
+    ],
+)
+def test_kernel_names_in_the_step_profile(raw, short):
+    assert tpot.short_kernel_name(raw) == short
+    assert len(tpot.short_kernel_name("k" * 300)) == 100
