@@ -21,6 +21,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxSplits = 16;  // the last block merges this many partials with all loads in flight at once
+constexpr float kLog2e = 1.4426950408889634f;  // scores are kept in log2 units, so exp2 (one MUFU op) serves
 
 template <typename T, int D, int GMAX>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const DecodeAttentionParams p) {
@@ -31,14 +32,17 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   constexpr int kStep = kGroups * kUnroll;         // keys per block step
   __shared__ float s_m[kWarps][GMAX], s_l[kWarps][GMAX];
   __shared__ float s_acc[kWarps][GMAX][D];
+  __shared__ float s_block_max[GMAX], s_block_sum[GMAX];
   __shared__ float s_factor[GMAX][kMaxSplits], s_share_sum[GMAX][kMaxSplits], s_denominator[GMAX];
   __shared__ bool s_last;
 
-  griddep_wait();
-  griddep_launch_dependents();
+  // slot and pad are read before the wait: the decode step writes them only between steps (slot) and before the
+  // first (pad), never in the kernel just before this one, which is the only one that may still be running.
   const int b = blockIdx.z, kvh = blockIdx.y, split = blockIdx.x;
   const int G = static_cast<int>(p.num_q_heads / p.num_kv_heads);
   const int64_t last_key = *p.slot, start = p.pad[b];
+  griddep_wait();
+  griddep_launch_dependents();
   const int64_t count = last_key + 1 - start;
   const int64_t wanted = (count + kStep - 1) / kStep;  // at least one block step of keys per share
   const int shares = static_cast<int>(wanted < p.splits ? (wanted > 1 ? wanted : 1) : p.splits);
@@ -61,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
     if (g < G && active) {
       load_vec<T, 8>(q[g], static_cast<const T*>(p.q) + ((b * p.num_q_heads + kvh * G + g) * D + d0));
 #pragma unroll
-      for (int j = 0; j < 8; ++j) q[g][j] *= p.scale;
+      for (int j = 0; j < 8; ++j) q[g][j] *= p.scale * kLog2e;  // scores in log2 units: exp2 below
     }
   }
   float m[GMAX], l[GMAX], acc[GMAX][8];
@@ -108,14 +112,14 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
       float mx = m[g];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) mx = fmaxf(mx, s[u]);
-      if (mx == -INFINITY) continue;        // no key for this group in this step
-      const float alpha = expf(m[g] - mx);  // 0 while m is still -inf
+      if (mx == -INFINITY) continue;         // no key for this group in this step
+      const float alpha = exp2f(m[g] - mx);  // 0 while m is still -inf
       l[g] *= alpha;
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[g][j] *= alpha;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const float prob = expf(s[u] - mx);  // 0 for an invalid key
+        const float prob = exp2f(s[u] - mx);  // 0 for an invalid key
         l[g] += prob;
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[g][j] += prob * vv[u][j];
@@ -129,11 +133,12 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   for (int offset = kLanes; offset < 32; offset <<= 1) {
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {
+      if (g >= G) break;
       const float other_m = __shfl_xor_sync(0xffffffffu, m[g], offset);
       const float other_l = __shfl_xor_sync(0xffffffffu, l[g], offset);
       const float mx = fmaxf(m[g], other_m);
-      const float mine = m[g] == -INFINITY ? 0.f : expf(m[g] - mx);
-      const float theirs = other_m == -INFINITY ? 0.f : expf(other_m - mx);
+      const float mine = m[g] == -INFINITY ? 0.f : exp2f(m[g] - mx);
+      const float theirs = other_m == -INFINITY ? 0.f : exp2f(other_m - mx);
       l[g] = l[g] * mine + other_l * theirs;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -147,6 +152,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   if (lane < kLanes) {
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {
+      if (g >= G) break;
       if (sub == 0) {
         s_m[warp][g] = m[g];
         s_l[warp][g] = l[g];
@@ -158,31 +164,40 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
     }
   }
   __syncthreads();
+  // Each warp's weight in the block's softmax, once per (head, warp): exp2(m_warp - m_block), and the block's sum.
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < kWarps; ++r) mx = fmaxf(mx, s_m[r][g]);
+    float sum = 0.f;
+#pragma unroll
+    for (int r = 0; r < kWarps; ++r) {
+      const float f = s_l[r][g] > 0.f ? exp2f(s_m[r][g] - mx) : 0.f;
+      s_l[r][g] *= f;  // the warp's sum, rescaled
+      s_m[r][g] = f;   // now the warp's factor
+      sum += s_l[r][g];
+    }
+    s_block_max[g] = mx;
+    s_block_sum[g] = sum;
+  }
+  __syncthreads();
   const int head0 = kvh * G;
   T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + head0) * D;
   float* partials = p.partials + ((static_cast<int64_t>(b) * p.num_q_heads + head0) * p.splits) * (D + 2);
   for (int i = threadIdx.x; i < G * D; i += kThreads) {
     const int g = i / D, d = i % D;
-    float mx = -INFINITY;
+    float weighted = 0.f;
 #pragma unroll
-    for (int r = 0; r < kWarps; ++r) mx = fmaxf(mx, s_m[r][g]);
-    float sum = 0.f, weighted = 0.f;
-    if (mx > -INFINITY) {
-#pragma unroll
-      for (int r = 0; r < kWarps; ++r) {
-        const float f = s_l[r][g] > 0.f ? expf(s_m[r][g] - mx) : 0.f;
-        sum += s_l[r][g] * f;
-        weighted += s_acc[r][g][d] * f;
-      }
-    }
+    for (int r = 0; r < kWarps; ++r) weighted += s_acc[r][g][d] * s_m[r][g];
     if (shares == 1) {
-      out[i] = from_float<T>(weighted / sum);
+      out[i] = from_float<T>(weighted / s_block_sum[g]);
     } else {
       float* part = partials + (static_cast<int64_t>(g) * p.splits + split) * (D + 2);
       part[d] = weighted;
       if (d == 0) {
-        part[D] = mx;
-        part[D + 1] = sum;
+        part[D] = s_block_max[g];
+        part[D + 1] = s_block_sum[g];
       }
     }
   }
@@ -211,7 +226,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
     for (int s = 0; s < shares; ++s) mx = fmaxf(mx, s_factor[g][s]);
     float denominator = 0.f;
     for (int s = 0; s < shares; ++s) {
-      const float f = s_share_sum[g][s] > 0.f ? expf(s_factor[g][s] - mx) : 0.f;
+      const float f = s_share_sum[g][s] > 0.f ? exp2f(s_factor[g][s] - mx) : 0.f;
       s_factor[g][s] = f;
       denominator += s_share_sum[g][s] * f;
     }
