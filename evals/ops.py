@@ -68,6 +68,47 @@ def case_add_layer_norm(tokens, arch, dtype, ops):
     return fused, unfused, (4 * tokens * H + 2 * H) * dtype.itemsize
 
 
+def case_rms_norm(tokens, arch, dtype, ops):
+    """The first layer's input norm (no residual add yet)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    H = ARCHS[arch][0]
+    x = _rand(tokens, H, dtype=dtype)
+    norm = LlamaRMSNorm(H, eps=1e-5).to("cuda", dtype)
+    return lambda: ops.rms_norm(x, norm.weight, 1e-5), lambda: norm(x), (2 * tokens * H + H) * dtype.itemsize
+
+
+def case_layer_norm(tokens, arch, dtype, ops):
+    H = ARCHS[arch][0]
+    x = _rand(tokens, H, dtype=dtype)
+    ln = torch.nn.LayerNorm(H, eps=1e-5).to("cuda", dtype)
+    fused = lambda: ops.layer_norm(x, ln.weight, ln.bias, 1e-5)
+    return fused, lambda: ln(x), (2 * tokens * H + 2 * H) * dtype.itemsize
+
+
+def case_dual_layer_norm(tokens, arch, dtype, ops):
+    """GPT-NeoX's first layer (parallel residual): both LayerNorms of the embedding output in one pass."""
+    H = ARCHS[arch][0]
+    x = _rand(tokens, H, dtype=dtype)
+    ln1, ln2 = (torch.nn.LayerNorm(H, eps=1e-5).to("cuda", dtype) for _ in range(2))
+    fused = lambda: ops.dual_layer_norm(x, ln1.weight, ln1.bias, ln2.weight, ln2.bias, 1e-5)
+    return fused, lambda: (ln1(x), ln2(x)), (3 * tokens * H + 4 * H) * dtype.itemsize
+
+
+def case_int4_linear(tokens, arch, dtype, ops):
+    """A GPTQ int4 g128 linear (the MLP's first projection) on `tokens` rows: ours (more than 8 rows: the weight
+    dequantized by our kernel, then cuBLAS; up to 8: the int4 GEMV) against the pure-torch dequantize-then-matmul."""
+    from patcher.ops import reference
+
+    H, inter = ARCHS[arch][:2]
+    linear = _random_int4(H, [inter])
+    x = _rand(tokens, H, dtype=dtype)
+    weight_bytes = H * inter // 2 + (H // 128) * inter * (2 + 4 / 8)
+    fused = lambda: ops.int4_linear(x, *linear.args())
+    unfused = lambda: reference.int4_linear(x, *linear.args())
+    return fused, unfused, int(weight_bytes + (tokens * H + tokens * inter) * dtype.itemsize)
+
+
 def case_rope_qkv(tokens, arch, dtype, ops):
     from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox_rope
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
@@ -129,14 +170,59 @@ def _rope_cache_args(batch, arch, dtype, capacity=1024):
     return cos, sin, slot, pad, kc, vc, hq, hkv, D, interleaved
 
 
+def case_rope_qkv_cache(batch, arch, dtype, ops, _variant):
+    """The attention prologue of a decode step on its own (after a cuBLAS QKV projection, batch 4-8): RoPE on q
+    and k, K and V written into the static cache slot; against HF's apply_rotary_pos_emb and StaticCache's
+    index_copy_ of the new key and value."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    _, _, hq, hkv, D, R, _ = ARCHS[arch]
+    W = (hq + 2 * hkv) * D
+    rope = _rope_cache_args(batch, arch, dtype)
+    cos, sin, slot, _, kc, vc = rope[:6]
+    qkv = _rand(batch, W, dtype=dtype)
+    fused = lambda: ops.rope_qkv_cache(qkv, *rope)
+
+    def unfused():  # the non-interleaved layout for every shape: the HF-side cost is the same
+        q, k, v = qkv.view(batch, 1, -1, D).transpose(1, 2).split([hq, hkv, hkv], dim=1)
+        c, s_ = cos[slot][None], sin[slot][None]
+        if R < D:  # partial rotary, as GPT-NeoX applies it
+            q_rot, k_rot = apply_rotary_pos_emb(q[..., :R], k[..., :R], c, s_)
+            q, k = torch.cat([q_rot, q[..., R:]], -1), torch.cat([k_rot, k[..., R:]], -1)
+        else:
+            q, k = apply_rotary_pos_emb(q, k, c, s_)
+        kc.index_copy_(2, slot, k)
+        vc.index_copy_(2, slot, v)
+        return q
+
+    return [fused], [unfused], (2 * batch * W + 2 * R) * dtype.itemsize
+
+
+def _norm_prologue(batch, k, arch, dtype, ops, x):
+    """The decode step's add + norm in front of a projection: the prologue arguments, and the same work as our
+    separate kernel (LLaMA/Qwen2: x + delta, RMSNorm; Pythia: x + attn + mlp, both LayerNorms)."""
+    d = _rand(batch, k, dtype=dtype)
+    w1, b1 = _rand(k, dtype=dtype), _rand(k, dtype=dtype)
+    if arch != "pythia-2.8b":
+        return (d, None, w1, None, None, None, 1e-5, True), lambda: ops.add_rms_norm(x, d, w1, 1e-5)[0]
+    pro = (d, d, w1, b1, w1, b1, 1e-5, False)
+    return pro, lambda: ops.add_dual_layer_norm(x, d, d, w1, b1, w1, b1, 1e-5)[0]
+
+
 def case_gemv(batch, arch, dtype, ops, which):
     """A decode-step linear: ours (activation fused) against F.linear (cuBLAS) and the separate activation;
-    "qkv_rope": the QKV GEMV with RoPE and the KV-cache writes fused, against F.linear and rope_qkv_cache."""
+    "qkv_rope": the QKV GEMV with RoPE and the KV-cache writes fused, against F.linear and rope_qkv_cache;
+    "norm_qkv_rope" / "norm_mlp_in": also the residual add + norm in the prologue, against the same with our
+    separate add + norm kernel in front (what the step runs at 4-8 rows)."""
     H, inter, hq, hkv, D, _, _ = ARCHS[arch]
     gated = arch != "pythia-2.8b"
+    if which == "norm_mlp_in" and not gated:
+        return None  # GPT-NeoX's MLP reads the second LayerNorm that the QKV op's prologue wrote
     n, k, act = {
         "qkv": ((hq + 2 * hkv) * D, H, "none"),
         "qkv_rope": ((hq + 2 * hkv) * D, H, "none"),
+        "norm_qkv_rope": ((hq + 2 * hkv) * D, H, "none"),
+        "norm_mlp_in": (inter, H, "silu_mul"),
         "out": (H, hq * D, "none"),
         "mlp_in": (inter, H, "silu_mul" if gated else "gelu"),
         "mlp_out": (H, inter, "none"),
@@ -147,10 +233,21 @@ def case_gemv(batch, arch, dtype, ops, which):
     weights = [_rand(rows, k, dtype=dtype) * k**-0.5 for _ in range(copies)]
     bias = _rand(rows, dtype=dtype) if which.startswith("qkv") and arch == "qwen2-1.5b" else None
     x = _rand(batch, k, dtype=dtype)
-    if which == "qkv_rope":  # the dense attention prologue: RoPE and the cache writes in the GEMV's epilogue
+    if which in ("qkv_rope", "norm_qkv_rope"):  # the dense attention prologue in one kernel
         rope = _rope_cache_args(batch, arch, dtype)
-        fused = [lambda w=w: ops.gemv_rope_cache(x, w, bias, *rope) for w in weights]
-        return fused, [lambda w=w: ops.rope_qkv_cache(F.linear(x, w, bias), *rope) for w in weights], nbytes
+        if which == "qkv_rope":  # RoPE and the cache writes in the GEMV's epilogue
+            fused = [lambda w=w: ops.norm_gemv_rope_cache(x, *(None,) * 6, 0.0, False, w, bias, *rope) for w in weights]
+            return fused, [lambda w=w: ops.rope_qkv_cache(F.linear(x, w, bias), *rope) for w in weights], nbytes
+        # and the add + norm of the residual stream in its prologue (the decode step at 1-3 rows)
+        pro, separate_norm = _norm_prologue(batch, k, arch, dtype, ops, x)
+        fused = [lambda w=w: ops.norm_gemv_rope_cache(x, *pro, w, bias, *rope) for w in weights]
+        unfused = [lambda w=w: ops.rope_qkv_cache(F.linear(separate_norm(), w, bias), *rope) for w in weights]
+        return fused, unfused, nbytes + (2 if gated else 4) * batch * k * dtype.itemsize
+    if which == "norm_mlp_in":  # the add + norm before the MLP (LLaMA/Qwen2) fused into the gate/up GEMV
+        pro, separate_norm = _norm_prologue(batch, k, arch, dtype, ops, x)
+        fused = [lambda w=w: ops.norm_gemv(x, *pro, w, bias, act) for w in weights]
+        unfused = [lambda w=w: ops.gemv(separate_norm(), w, bias, act) for w in weights]
+        return fused, unfused, nbytes + 2 * batch * k * dtype.itemsize
     fused = [lambda w=w: ops.gemv(x, w, bias, act) for w in weights]
 
     def unfused_call(w):
@@ -262,9 +359,10 @@ DECODE_CASES = {  # op -> (builder, architectures, variants)
     "gemv": (
         case_gemv,
         ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"],
-        ["qkv", "qkv_rope", "out", "mlp_in", "mlp_out"],
+        ["qkv", "qkv_rope", "norm_qkv_rope", "out", "mlp_in", "norm_mlp_in", "mlp_out"],
     ),
-    "decode_attention": (case_decode_attention, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [512, 4096]),
+    "decode_attention": (case_decode_attention, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [256, 512, 4096]),
+    "rope_qkv_cache": (case_rope_qkv_cache, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [""]),
     "int4": (case_int4, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], ["norm_qkv", "out", "mlp_in", "mlp_out"]),
 }
 
@@ -286,12 +384,16 @@ def graph_time_us(calls: list, reps: int = 20) -> float:
 
 
 CASES = {  # op -> (case builder, architectures it applies to)
+    "rms_norm": (case_rms_norm, ["llama-3.1-8b", "qwen2-1.5b", "hidden-4096"]),
     "add_rms_norm": (case_add_rms_norm, ["llama-3.1-8b", "qwen2-1.5b", "hidden-4096"]),
+    "layer_norm": (case_layer_norm, ["pythia-2.8b", "hidden-4096"]),
+    "dual_layer_norm": (case_dual_layer_norm, ["pythia-2.8b", "hidden-4096"]),
     "add_dual_layer_norm": (case_add_dual_layer_norm, ["pythia-2.8b", "hidden-4096"]),
     "add_layer_norm": (case_add_layer_norm, ["pythia-2.8b", "hidden-4096"]),
     "rope_qkv": (case_rope_qkv, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b", "hidden-4096"]),
     "silu_and_mul": (case_silu_and_mul, ["llama-3.1-8b", "qwen2-1.5b", "hidden-4096"]),
     "bias_gelu": (case_bias_gelu, ["pythia-2.8b", "hidden-4096"]),
+    "int4_linear": (case_int4_linear, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b", "hidden-4096"]),
 }
 
 
@@ -337,7 +439,7 @@ def main(argv=None) -> int:
     ]
     rows = []
     for op, arch, dtype, tokens, variant in tqdm(jobs, desc="ops", file=sys.stderr):
-        if variant is None:
+        if op in CASES:
             fused, unfused, nbytes = CASES[op][0](tokens, arch, dtype, ops)
             if tokens > 1:
                 fused_us = common.gpu_time_ms(fused, reps=args.reps, flush=True) * 1e3
@@ -345,12 +447,15 @@ def main(argv=None) -> int:
             else:
                 fused_us, unfused_us = graph_time_us([fused]), graph_time_us([unfused])
         else:
-            fused, unfused, nbytes = DECODE_CASES[op][0](tokens, arch, dtype, ops, variant)
+            case = DECODE_CASES[op][0](tokens, arch, dtype, ops, variant)
+            if case is None:  # the variant does not apply to this architecture
+                continue
+            fused, unfused, nbytes = case
             fused_us, unfused_us = graph_time_us(fused), graph_time_us(unfused)
         gbs = nbytes / (fused_us * 1e-6) / 1e9
         rows.append(
             {
-                "op": op if variant is None else f"{op}[{variant}]",
+                "op": f"{op}[{variant}]" if variant else op,
                 "arch": arch,
                 "tokens": tokens,
                 "dtype": str(dtype).replace("torch.", ""),

@@ -61,6 +61,16 @@ __device__ __forceinline__ void store_vec(T* dst, const float (&src)[N]) {
   *reinterpret_cast<Vec<T, N>*>(dst) = v;
 }
 
+// N elements of an optional parameter vector (a norm's bias) at offset i, zeros when it is absent.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> vec_or_zero(const T* src, int64_t i) {
+  if (src) return *reinterpret_cast<const Vec<T, N>*>(src + i);
+  Vec<T, N> v;
+#pragma unroll
+  for (int k = 0; k < N; ++k) v.data[k] = from_float<T>(0.f);
+  return v;
+}
+
 // The residual sum of one vector of the stream, in place: s = x + delta, or (delta2 + delta) + x (GPT-NeoX's
 // parallel residual), each add rounded to T as HF's adds round. delta2 may be nullptr. Shared by launch_norm and
 // the int4 norm prologue.
@@ -77,6 +87,15 @@ __device__ __forceinline__ void add_residual(float (&s)[N], const T* delta, cons
 #pragma unroll
     for (int e = 0; e < N; ++e) s[e] = round_to<T>(s[e] + d[e]);
   }
+}
+
+// One element of a norm's output before its final rounding to T, as HF computes it (shared by launch_norm and the
+// GEMV prologues): RMSNorm  weight * round(s * rstd)  (LlamaRMSNorm casts the normalized value, then scales);
+// LayerNorm  (s - mean) * rstd * weight + bias  in fp32 (nn.LayerNorm).
+template <typename T>
+__device__ __forceinline__ float norm_value(float s, float mean, float rstd, T weight, T bias, bool rms) {
+  if (rms) return to_float(weight) * round_to<T>(s * rstd);
+  return (s - mean) * rstd * to_float(weight) + to_float(bias);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <optional>
 #include <string>
@@ -122,6 +123,87 @@ inline int64_t check_rope_cache_args(const Tensor& like, const Tensor& cos, cons
   check_cache(v_cache, like, batch, kv_heads, head_dim, "v_cache");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "patcher: k_cache and v_cache differ in shape");
   return rotary;
+}
+
+// The optional norm prologue of the decode GEMVs (norm_gemv, norm_gemv_rope_cache, int4_gemv, int4_qkv_rope_cache):
+// x is then the residual stream, and the op computes sum = x + delta (+ delta2) and normalizes it. Returns the
+// op's extra outputs: sum (when delta is given) and h2 (when norm_weight2 is), else empty tensors.
+struct Prologue {
+  Tensor sum, h2;
+};
+
+inline Prologue fill_prologue(patcher::NormPrologue& p, const Tensor& x, int64_t K, const OptTensor& delta,
+                              const OptTensor& delta2, const OptTensor& norm_weight, const OptTensor& norm_bias,
+                              const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps, bool rms) {
+  Prologue r;
+  r.sum = at::empty({0}, x.options());
+  r.h2 = at::empty({0}, x.options());
+  TORCH_CHECK(norm_weight.has_value() || (!delta.has_value() && !norm_weight2.has_value()),
+              "patcher: delta and norm_weight2 need norm_weight (the norm prologue)");
+  if (!norm_weight.has_value()) return r;
+  TORCH_CHECK(!delta2.has_value() || delta.has_value(), "patcher: delta2 needs delta");
+  TORCH_CHECK(!rms || (!norm_weight2.has_value() && !norm_bias.has_value()),
+              "patcher: RMSNorm takes no bias and no second weight");
+  const auto sizes = x.sizes();
+  if (delta.has_value()) {
+    check_like(*delta, x, "delta");
+    TORCH_CHECK(delta->sizes() == sizes, "patcher: delta ", dims(delta->sizes()), " must match x ", dims(sizes));
+    p.delta = delta->data_ptr();
+    p.delta_stride = row_stride(*delta, "delta");
+    if (delta2.has_value()) {
+      check_like(*delta2, x, "delta2");
+      TORCH_CHECK(delta2->sizes() == sizes, "patcher: delta2 ", dims(delta2->sizes()), " must match x ", dims(sizes));
+      p.delta2 = delta2->data_ptr();
+      p.delta2_stride = row_stride(*delta2, "delta2");
+    }
+    r.sum = at::empty(sizes, x.options());
+    p.sum = r.sum.data_ptr();
+  }
+  p.weight = vector_arg(*norm_weight, x, K, "norm_weight");
+  p.bias = optional_vector_arg(norm_bias, x, K, "norm_bias");
+  if (norm_weight2.has_value()) {
+    p.weight2 = vector_arg(*norm_weight2, x, K, "norm_weight2");
+    p.bias2 = optional_vector_arg(norm_bias2, x, K, "norm_bias2");
+    r.h2 = at::empty(sizes, x.options());
+    p.h2 = r.h2.data_ptr();
+  }
+  p.eps = static_cast<float>(eps);
+  p.rms = rms;
+  return r;
+}
+
+// The RoPE + KV-cache target of the decode-step attention prologues (rope_qkv_cache, norm_gemv_rope_cache,
+// int4_qkv_rope_cache), checked; `like` is the tensor whose dtype and
+// device the rest must share, `width` the projection width it produces. Returns q [B, Hq, D] (allocated).
+inline Tensor rope_cache_target(patcher::RopeCacheParams& p, const Tensor& like, int64_t B, int64_t width,
+                                const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
+                                Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads, int64_t num_kv_heads,
+                                int64_t head_dim, bool interleaved) {
+  TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && head_dim > 0,
+              "patcher: bad head counts q ", std::to_string(num_q_heads), ", kv ", std::to_string(num_kv_heads));
+  TORCH_CHECK(!interleaved || num_q_heads == num_kv_heads,
+              "patcher: interleaved qkv needs as many kv heads as q heads");
+  TORCH_CHECK(width == (num_q_heads + 2 * num_kv_heads) * head_dim, "patcher: qkv width ", std::to_string(width),
+              " != (", std::to_string(num_q_heads), " + 2 x ", std::to_string(num_kv_heads), ") x ",
+              std::to_string(head_dim));
+  p.rotary_dim = check_rope_cache_args(like, cos, sin, slot, pad, k_cache, v_cache, B, num_kv_heads, head_dim);
+  p.dtype = dtype_of(like);
+  p.batch = B;
+  p.cos = cos.data_ptr();
+  p.sin = sin.data_ptr();
+  p.table_len = cos.size(0);
+  p.slot = slot.data_ptr<int64_t>();
+  p.pad = pad.data_ptr<int64_t>();
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.interleaved = interleaved;
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.capacity = k_cache.size(2);
+  Tensor q = at::empty({B, num_q_heads, head_dim}, like.options());
+  p.q = q.data_ptr();
+  return q;
 }
 
 }  // namespace patcher_glue

@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(256) int4_dequantize_kernel(const Int4DequantP
 
 }  // namespace
 
-int64_t int4_tile_width(const Int4Params& p) { return p.epilogue == kInt4RopeCache ? p.head_dim : 128; }
+int64_t int4_tile_width(const Int4Params& p) { return p.epilogue == kInt4RopeCache ? p.rope.head_dim : 128; }
 
 int64_t int4_tiles(const Int4Params& p) {
   const int64_t width = int4_tile_width(p);

@@ -117,52 +117,6 @@ void check_int4_launch(cudaError_t err, const char* op) {
   check_launch(err, op);
 }
 
-// Optional norm prologue: x is the residual stream, the op computes sum = x + delta (+ delta2) and normalizes it.
-struct Prologue {
-  Tensor sum, h2;
-};
-
-Prologue fill_prologue(patcher::Int4Params& p, const Tensor& x, const OptTensor& delta, const OptTensor& delta2,
-                       const OptTensor& norm_weight, const OptTensor& norm_bias, const OptTensor& norm_weight2,
-                       const OptTensor& norm_bias2, double eps, bool rms) {
-  Prologue r;
-  r.sum = at::empty({0}, x.options());
-  r.h2 = at::empty({0}, x.options());
-  TORCH_CHECK(norm_weight.has_value() || (!delta.has_value() && !norm_weight2.has_value()),
-              "patcher: delta and norm_weight2 need norm_weight (the norm prologue)");
-  if (!norm_weight.has_value()) return r;
-  TORCH_CHECK(!delta2.has_value() || delta.has_value(), "patcher: delta2 needs delta");
-  TORCH_CHECK(!rms || (!norm_weight2.has_value() && !norm_bias.has_value()),
-              "patcher: RMSNorm takes no bias and no second weight");
-  const int64_t K = p.k;
-  const auto sizes = x.sizes();
-  if (delta.has_value()) {
-    check_like(*delta, x, "delta");
-    TORCH_CHECK(delta->sizes() == sizes, "patcher: delta ", dims(delta->sizes()), " must match x ", dims(sizes));
-    p.delta = delta->data_ptr();
-    p.delta_stride = row_stride(*delta, "delta");
-    if (delta2.has_value()) {
-      check_like(*delta2, x, "delta2");
-      TORCH_CHECK(delta2->sizes() == sizes, "patcher: delta2 ", dims(delta2->sizes()), " must match x ", dims(sizes));
-      p.delta2 = delta2->data_ptr();
-      p.delta2_stride = row_stride(*delta2, "delta2");
-    }
-    r.sum = at::empty(sizes, x.options());
-    p.sum = r.sum.data_ptr();
-  }
-  p.norm_weight = vector_arg(*norm_weight, x, K, "norm_weight");
-  p.norm_bias = optional_vector_arg(norm_bias, x, K, "norm_bias");
-  if (norm_weight2.has_value()) {
-    p.norm_weight2 = vector_arg(*norm_weight2, x, K, "norm_weight2");
-    p.norm_bias2 = optional_vector_arg(norm_bias2, x, K, "norm_bias2");
-    r.h2 = at::empty(sizes, x.options());
-    p.h2 = r.h2.data_ptr();
-  }
-  p.eps = static_cast<float>(eps);
-  p.rms = rms;
-  return r;
-}
-
 patcher::Int4Params base_params(const Tensor& x, TensorList qweight, TensorList qzeros, TensorList scales,
                                 TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order,
                                 int64_t zero_offset) {
@@ -209,7 +163,8 @@ std::tuple<Tensor, Tensor, Tensor> int4_gemv(const Tensor& x, const OptTensor& d
   const c10::cuda::CUDAGuard guard(x.device());
   patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
   matrix_vector_input(p, x);
-  const Prologue pro = fill_prologue(p, x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
+  const Prologue pro =
+      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
   const int32_t act = activation_code(activation, p.num_segments);
   p.epilogue = act == patcher::kActSiluMul ? patcher::kInt4SiluMul : patcher::kInt4Store;
   p.act = act == patcher::kActSiluMul ? patcher::kActNone : act;
@@ -242,39 +197,20 @@ std::tuple<Tensor, Tensor, Tensor> int4_qkv_rope_cache(
   patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
   matrix_vector_input(p, x);
   TORCH_CHECK(x.dim() == 2, "patcher: x must be [batch, hidden] (one token per row), got ", dims(x.sizes()));
-  const Prologue pro = fill_prologue(p, x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
-  TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && head_dim > 0 &&
-                  head_dim % 4 == 0 && head_dim <= 256,
-              "patcher: bad heads: q ", std::to_string(num_q_heads), ", kv ", std::to_string(num_kv_heads),
-              ", head_dim ", std::to_string(head_dim), " (a multiple of 4, at most 256)");
-  TORCH_CHECK(!interleaved || num_q_heads == num_kv_heads,
-              "patcher: interleaved qkv needs as many kv heads as q heads");
+  const Prologue pro =
+      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
+  TORCH_CHECK(head_dim > 0 && head_dim % 4 == 0 && head_dim <= 256,
+              "patcher: int4_qkv_rope_cache needs head_dim a positive multiple of 4, ", "at most 256; got ",
+              std::to_string(head_dim));
   int64_t width = 0;
   for (int s = 0; s < p.num_segments; ++s) {
     TORCH_CHECK(p.seg[s].n % head_dim == 0, "patcher: every segment must be whole heads of ", std::to_string(head_dim));
     width += p.seg[s].n;
   }
-  TORCH_CHECK(width == (num_q_heads + 2 * num_kv_heads) * head_dim, "patcher: qkv width ", std::to_string(width),
-              " != (", std::to_string(num_q_heads), " + 2 x ", std::to_string(num_kv_heads), ") x ",
-              std::to_string(head_dim));
-  const int64_t B = p.batch;
-  const int64_t rotary = check_rope_cache_args(x, cos, sin, slot, pad, k_cache, v_cache, B, num_kv_heads, head_dim);
+  Tensor q = rope_cache_target(p.rope, x, p.batch, width, cos, sin, slot, pad, k_cache, v_cache, num_q_heads,
+                               num_kv_heads, head_dim, interleaved);
   p.epilogue = patcher::kInt4RopeCache;
   p.act = patcher::kActNone;
-  p.cos = cos.data_ptr();
-  p.sin = sin.data_ptr();
-  p.rotary_dim = rotary;
-  p.table_len = cos.size(0);
-  p.slot = slot.data_ptr<int64_t>();
-  p.pad = pad.data_ptr<int64_t>();
-  p.num_q_heads = num_q_heads;
-  p.num_kv_heads = num_kv_heads;
-  p.head_dim = head_dim;
-  p.interleaved = interleaved;
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.capacity = k_cache.size(2);
-  Tensor q = at::empty({B, num_q_heads, head_dim}, x.options());
   p.out = q.data_ptr();
   p.splits = static_cast<int32_t>(splits);
   check_splits(p);

@@ -110,17 +110,6 @@ __device__ __forceinline__ void group_halves(const GroupParams& g, int zero_offs
   }
 }
 
-// The residual sum of element i of row b (rounded as launch_norm rounds it).
-template <typename T>
-__device__ __forceinline__ float residual(const Int4Params& p, int b, int64_t i) {
-  const float x = to_float(static_cast<const T*>(p.x)[b * p.x_stride + i]);
-  if (!p.delta) return x;
-  const float d = to_float(static_cast<const T*>(p.delta)[b * p.delta_stride + i]);
-  if (!p.delta2) return round_to<T>(x + d);
-  const float d2 = to_float(static_cast<const T*>(p.delta2)[b * p.delta2_stride + i]);
-  return round_to<T>(round_to<T>(d2 + d) + x);
-}
-
 // Stages x[b, k0 : k0 + len] in shared memory; with the norm prologue, the normalized residual sum (each block
 // computes the row statistics over all of K, from L2, and keeps its own slice). Blocks of tile 0 write `sum` and
 // `h2` for their slice, so every element is written once. Each thread holds its share of a row in registers
@@ -146,14 +135,14 @@ __device__ void stage_x(const Int4Params& p, float* xs, int64_t k0, int64_t len,
     };
     const float inv_n = 1.f / static_cast<float>(p.k);
     const int64_t nvec = p.k / V;
-    const T* w = static_cast<const T*>(p.norm_weight);
-    const T* bias = static_cast<const T*>(p.norm_bias);
-    const T* w2 = static_cast<const T*>(p.norm_weight2);
-    const T* b2 = static_cast<const T*>(p.norm_bias2);
+    const T* w = static_cast<const T*>(p.norm.weight);
+    const T* bias = static_cast<const T*>(p.norm.bias);
+    const T* w2 = static_cast<const T*>(p.norm.weight2);
+    const T* b2 = static_cast<const T*>(p.norm.bias2);
     for (int b = 0; b < p.batch; ++b) {
       const T* x = static_cast<const T*>(p.x) + b * p.x_stride;
-      const T* d = p.delta ? static_cast<const T*>(p.delta) + b * p.delta_stride : nullptr;
-      const T* d2 = p.delta2 ? static_cast<const T*>(p.delta2) + b * p.delta2_stride : nullptr;
+      const T* d = p.norm.delta ? static_cast<const T*>(p.norm.delta) + b * p.norm.delta_stride : nullptr;
+      const T* d2 = p.norm.delta2 ? static_cast<const T*>(p.norm.delta2) + b * p.norm.delta2_stride : nullptr;
       float s[PER][V];
       float acc = 0.f;
 #pragma unroll
@@ -163,12 +152,12 @@ __device__ void stage_x(const Int4Params& p, float* xs, int64_t k0, int64_t len,
         load_vec<T, V>(s[j], x + v * V);
         if (d) add_residual<T, V>(s[j], d + v * V, d2 ? d2 + v * V : nullptr);
 #pragma unroll
-        for (int e = 0; e < V; ++e) acc += p.rms ? s[j][e] * s[j][e] : s[j][e];
+        for (int e = 0; e < V; ++e) acc += p.norm.rms ? s[j][e] * s[j][e] : s[j][e];
       }
       acc = block_total(acc);
       float mean = 0.f, rstd;
-      if (p.rms) {
-        rstd = rsqrtf(acc * inv_n + p.eps);
+      if (p.norm.rms) {
+        rstd = rsqrtf(acc * inv_n + p.norm.eps);
       } else {
         mean = acc * inv_n;
         float m2 = 0.f;
@@ -178,7 +167,7 @@ __device__ void stage_x(const Int4Params& p, float* xs, int64_t k0, int64_t len,
 #pragma unroll
           for (int e = 0; e < V; ++e) m2 += (s[j][e] - mean) * (s[j][e] - mean);
         }
-        rstd = rsqrtf(block_total(m2) * inv_n + p.eps);
+        rstd = rsqrtf(block_total(m2) * inv_n + p.norm.eps);
       }
 #pragma unroll
       for (int j = 0; j < PER; ++j) {
@@ -188,18 +177,15 @@ __device__ void stage_x(const Int4Params& p, float* xs, int64_t k0, int64_t len,
         if (k < k0 || k >= k0 + len) continue;  // another block's slice (slices are whole vectors: multiples of 8)
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          float h;
-          if (p.rms) {
-            h = to_float(w[k + e]) * round_to<T>(s[j][e] * rstd);
-          } else {
-            h = (s[j][e] - mean) * rstd * to_float(w[k + e]) + (bias ? to_float(bias[k + e]) : 0.f);
-          }
+          const float h =
+              norm_value<T>(s[j][e], mean, rstd, w[k + e], bias ? bias[k + e] : from_float<T>(0.f), p.norm.rms);
           xs[b * len + k - k0 + e] = round_to<T>(h);
           if (writer) {
-            if (p.delta) static_cast<T*>(p.sum)[b * p.k + k + e] = from_float<T>(s[j][e]);
+            if (p.norm.delta) static_cast<T*>(p.norm.sum)[b * p.k + k + e] = from_float<T>(s[j][e]);
             if (w2) {
-              const float h2 = (s[j][e] - mean) * rstd * to_float(w2[k + e]) + (b2 ? to_float(b2[k + e]) : 0.f);
-              static_cast<T*>(p.h2)[b * p.k + k + e] = from_float<T>(h2);
+              const float h2 =
+                  norm_value<T>(s[j][e], mean, rstd, w2[k + e], b2 ? b2[k + e] : from_float<T>(0.f), false);
+              static_cast<T*>(p.norm.h2)[b * p.k + k + e] = from_float<T>(h2);
             }
           }
         }
@@ -234,24 +220,16 @@ __device__ void epilogue(const Int4Params& p, const TileInfo& t, const float* fi
       out[b * n + t.col0 + c] = from_float<T>(round_to<T>(silu(gate)) * up);
     }
   } else {  // kInt4RopeCache: the tile is one head (q, k or v) of one token per row
-    const int D = static_cast<int>(p.head_dim), hq = static_cast<int>(p.num_q_heads);
-    const int hkv = static_cast<int>(p.num_kv_heads), R = static_cast<int>(p.rotary_dim);
-    const int64_t slot = *p.slot;
-    const Slot head = locate(static_cast<int>(segment_offset(p, t.seg) + t.col0), D, hq, hkv, p.interleaved);
+    const RopeCacheParams& r = p.rope;
+    const int D = static_cast<int>(r.head_dim), hq = static_cast<int>(r.num_q_heads);
+    const int hkv = static_cast<int>(r.num_kv_heads), R = static_cast<int>(r.rotary_dim);
+    const int64_t slot = *r.slot;
+    const Slot head = locate(static_cast<int>(segment_offset(p, t.seg) + t.col0), D, hq, hkv, r.interleaved);
     for (int i = tid; i < p.batch * D; i += nthreads) {
       const int b = i / D, d = i % D;
-      int64_t pos = slot - p.pad[b];
-      pos = pos < 0 ? 0 : (pos >= p.table_len ? p.table_len - 1 : pos);
-      const T* cos = static_cast<const T*>(p.cos) + pos * p.rotary_dim;
-      const T* sin = static_cast<const T*>(p.sin) + pos * p.rotary_dim;
+      const RopeRow<T> row = rope_row<T>(r, slot, b);
       const Slot s{head.part, head.head, d};
-      const T y = from_float<T>(rotate(fin + b * tile_width, d, s, R, cos, sin));
-      if (s.part == 0) {
-        out[(b * hq + s.head) * D + d] = y;
-      } else {
-        T* cache = static_cast<T*>(s.part == 1 ? p.k_cache : p.v_cache);
-        cache[((b * hkv + s.head) * p.capacity + slot) * D + d] = y;
-      }
+      store_qkv<T>(r, out, b, slot, s, from_float<T>(rotate(fin + b * tile_width, d, s, R, row.cos, row.sin)));
     }
   }
 }
@@ -433,15 +411,16 @@ cudaError_t launch_batch(const Int4Params& p, cudaStream_t stream) {
   const int64_t members = p.epilogue == kInt4SiluMul ? 2 : 1;
   const size_t smem = ((stage > reduce ? stage : reduce) + members * p.batch * tile_width) * sizeof(float);
   if (stage > kStageFloats || smem > 48 * 1024) return cudaErrorInvalidConfiguration;
-  const bool norm = p.norm_weight != nullptr;
+  const bool norm = p.norm.weight != nullptr;
   if (norm) {  // the prologue's register-resident rows: 16-byte vectors, at most kNormElems per thread
     constexpr int V = 16 / sizeof(T);
-    const void* pointers[] = {p.x, p.delta, p.delta2, p.norm_weight, p.norm_bias, p.norm_weight2, p.norm_bias2};
+    const void* pointers[] = {p.x,         p.norm.delta,   p.norm.delta2, p.norm.weight,
+                              p.norm.bias, p.norm.weight2, p.norm.bias2};
     for (const void* ptr : pointers) {
       if (ptr && !aligned16(ptr)) return cudaErrorNotSupported;
     }
-    if (p.k % V || p.x_stride % V || (p.delta && p.delta_stride % V) || (p.delta2 && p.delta2_stride % V) ||
-        p.k > static_cast<int64_t>(kNormElems) * block.x * block.y) {
+    if (p.k % V || p.x_stride % V || (p.norm.delta && p.norm.delta_stride % V) ||
+        (p.norm.delta2 && p.norm.delta2_stride % V) || p.k > static_cast<int64_t>(kNormElems) * block.x * block.y) {
       return cudaErrorNotSupported;
     }
   }

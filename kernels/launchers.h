@@ -97,10 +97,31 @@ struct RopeCacheParams {
 };
 cudaError_t launch_rope_qkv_cache(const RopeCacheParams& p, cudaStream_t stream);
 
-// Matrix-vector products for decode (1 to 8 rows of x), with fused epilogues.
-//   out[b, n] = act(x[b] . w[n] + bias[n])                                       act: none, gelu, gelu_tanh
-//   kSiluMul:  out[b, n] = silu(x[b] . w[n] + bias[n]) * (x[b] . w[N + n] + bias[N + n])   w is [gate; up]
-// Each intermediate is rounded to the dtype where HF's separate ops would round it.
+// The norm prologue of the decode matrix-vector kernels (dense and int4): x is then the residual stream, and the
+// kernel makes its own input from it with the rounding of launch_norm:
+//   sum = x + delta (or (delta2 + delta) + x),  h = norm(sum) * weight (+ bias)
+// One block writes `sum` (when delta is set) and h2 = the second LayerNorm of sum (when weight2 is set), so the
+// separate add + norm kernel of the decode step is not needed. weight == nullptr: no prologue, x is the input.
+struct NormPrologue {
+  const void* delta;  // [batch, k] rows, or nullptr
+  int64_t delta_stride;
+  const void* delta2;  // nullptr: at most one delta
+  int64_t delta2_stride;
+  const void* weight;   // [k]
+  const void* bias;     // [k] or nullptr
+  const void* weight2;  // [k] or nullptr (no h2)
+  const void* bias2;    // [k] or nullptr
+  float eps;
+  bool rms;
+  void* sum;  // [batch, k] contiguous, when delta is set
+  void* h2;   // [batch, k] contiguous, when weight2 is set
+};
+
+// Matrix-vector products for decode (1 to 8 rows of x), with an optional norm prologue and fused epilogues.
+//   out[b, n] = act(h[b] . w[n] + bias[n])                                       act: none, gelu, gelu_tanh
+//   kSiluMul:  out[b, n] = silu(h[b] . w[n] + bias[n]) * (h[b] . w[N + n] + bias[N + n])   w is [gate; up]
+// h is x, or the prologue's normalized residual sum. Each intermediate is rounded to the dtype where HF's
+// separate ops would round it.
 //   kRopeCache: w is one token's fused q|k|v projection; RoPE and the cache writes of rope_qkv_cache follow:
 //              q [batch, Hq, D] goes to `out`, K and V into rope.k_cache/v_cache at *rope.slot (bias as for none)
 enum GemvAct : int32_t { kActNone = 0, kActGelu = 1, kActGeluTanh = 2, kActSiluMul = 3, kActRopeCache = 4 };
@@ -111,13 +132,19 @@ struct GemvParams {
   int64_t k;
   const void* x;  // [batch, k], row stride x_stride
   int64_t x_stride;
+  NormPrologue norm;
   const void* w;  // [rows, k], row stride w_stride
   int64_t w_stride;
   const void* bias;  // [rows] or nullptr
   void* out;         // [batch, n] contiguous
   int32_t act;
   RopeCacheParams rope;  // kActRopeCache: the tables, heads and caches (its qkv and q fields are not used)
+  bool stage_inputs;     // set by launch_gemv: the prologue copies its inputs into shared memory first
 };
+// Shared memory of the norm prologue: the [batch, k] stage of h, and with `staged` also copies of its inputs.
+// The most a block may have.
+size_t gemv_prologue_smem(const GemvParams& p, bool staged);
+size_t gemv_max_smem();
 cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream);
 
 // Decode attention over the filled part of a static cache (flash-decoding): q [B, Hq, D] against keys
@@ -161,9 +188,8 @@ constexpr int kInt4MaxSegments = 3;
 //                  k_cache/v_cache at `slot` (tiles are one head wide)
 enum Int4Epilogue : int32_t { kInt4Store = 0, kInt4SiluMul = 1, kInt4RopeCache = 2 };
 
-// x [batch, k] (batch 1..8), or, with a norm prologue, the residual stream from which x is computed in the kernel:
-//   sum = x + delta (or (delta2 + delta) + x), h = norm(sum) * weight (+ bias)   the rounding of launch_norm
-// Blocks of the first column tile also write `sum` (when delta is set) and h2 = the second LayerNorm of sum.
+// x [batch, k] (batch 1..8), or, with the norm prologue, the residual stream from which x is computed in the kernel
+// (NormPrologue; here the blocks of the first column tile write `sum` and h2, each its own slice).
 struct Int4Params {
   DType dtype;  // of x and the outputs
   int64_t batch, k;
@@ -174,33 +200,12 @@ struct Int4Params {
   int32_t zero_offset;  // 1 for the v1 format (stores zero - 1), 0 for v2
   const void* x;
   int64_t x_stride;
-  // Norm prologue (norm_weight == nullptr: none).
-  const void* delta;
-  int64_t delta_stride;
-  const void* delta2;
-  int64_t delta2_stride;
-  const void* norm_weight;
-  const void* norm_bias;
-  const void* norm_weight2;  // nullptr: no h2
-  const void* norm_bias2;
-  float eps;
-  bool rms;
-  void* sum;  // [batch, k] contiguous, when delta is set
-  void* h2;   // [batch, k] contiguous, when norm_weight2 is set
+  NormPrologue norm;
   // Epilogue.
   int32_t epilogue;
   int32_t act;
-  void* out;        // kInt4Store: [batch, sum of n]; kInt4SiluMul: [batch, n]; kInt4RopeCache: q [batch, Hq, D]
-  const void* cos;  // kInt4RopeCache, as in RopeCacheParams
-  const void* sin;
-  int64_t rotary_dim, table_len;
-  const int64_t* slot;
-  const int64_t* pad;
-  int64_t num_q_heads, num_kv_heads, head_dim;
-  bool interleaved;
-  void* k_cache;
-  void* v_cache;
-  int64_t capacity;
+  void* out;             // kInt4Store: [batch, sum of n]; kInt4SiluMul: [batch, n]; kInt4RopeCache: q [batch, Hq, D]
+  RopeCacheParams rope;  // kInt4RopeCache: the tables, heads and caches (its qkv and q fields are not used)
   // Work split: K is cut into `splits` slices; partial sums of the slices meet in `partials` and the last block of
   // each column tile (found with `counters`, zero on entry and left zero) finishes it. With splits == 1 and one
   // segment per tile, neither is used.

@@ -67,25 +67,17 @@ __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
   const T* weight = static_cast<const T*>(p.weight);
   const T* bias = static_cast<const T*>(p.bias);
   for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
-    float s[VEC], w[VEC], y[VEC];
+    float s[VEC], y[VEC];
     load_vec<T, VEC>(s, s_row + i * VEC);
-    load_vec<T, VEC>(w, weight + i * VEC);
-    if (RMS) {
+    const Vec<T, VEC> w = vec_or_zero<T, VEC>(weight, i * VEC), b = vec_or_zero<T, VEC>(bias, i * VEC);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) y[k] = w[k] * round_to<T>(s[k] * rstd);
-    } else {
-      float b[VEC] = {};
-      if (bias) load_vec<T, VEC>(b, bias + i * VEC);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) y[k] = (s[k] - mean) * rstd * w[k] + b[k];
-    }
+    for (int k = 0; k < VEC; ++k) y[k] = norm_value<T>(s[k], mean, rstd, w.data[k], b.data[k], RMS);
     store_vec<T, VEC>(out + i * VEC, y);
     if (out2) {
-      float w2[VEC], b2[VEC] = {};
-      load_vec<T, VEC>(w2, static_cast<const T*>(p.weight2) + i * VEC);
-      if (p.bias2) load_vec<T, VEC>(b2, static_cast<const T*>(p.bias2) + i * VEC);
+      const Vec<T, VEC> w2 = vec_or_zero<T, VEC>(static_cast<const T*>(p.weight2), i * VEC);
+      const Vec<T, VEC> b2 = vec_or_zero<T, VEC>(static_cast<const T*>(p.bias2), i * VEC);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) y[k] = (s[k] - mean) * rstd * w2[k] + b2[k];
+      for (int k = 0; k < VEC; ++k) y[k] = norm_value<T>(s[k], mean, rstd, w2.data[k], b2.data[k], false);
       store_vec<T, VEC>(out2 + i * VEC, y);
     }
   }

@@ -42,23 +42,14 @@ __global__ void __launch_bounds__(256) rope_qkv_cache_kernel(const RopeCachePara
   griddep_launch_dependents();
   const int64_t b = blockIdx.x;
   const int64_t slot = *p.slot;
-  int64_t pos = slot - p.pad[b];
-  pos = pos < 0 ? 0 : (pos >= p.table_len ? p.table_len - 1 : pos);  // never read outside the tables
+  const RopeRow<T> row = rope_row<T>(p, slot, b);
   const T* src = static_cast<const T*>(p.qkv) + b * p.qkv_stride;
-  const T* cos = static_cast<const T*>(p.cos) + pos * p.rotary_dim;
-  const T* sin = static_cast<const T*>(p.sin) + pos * p.rotary_dim;
   const int D = static_cast<int>(p.head_dim), hq = static_cast<int>(p.num_q_heads);
   const int hkv = static_cast<int>(p.num_kv_heads), R = static_cast<int>(p.rotary_dim);
   const int width = (hq + 2 * hkv) * D;
   for (int e = threadIdx.x; e < width; e += blockDim.x) {
     const Slot s = locate(e, D, hq, hkv, p.interleaved);
-    const T y = from_float<T>(rotate(src, e, s, R, cos, sin));
-    if (s.part == 0) {
-      static_cast<T*>(p.q)[(b * hq + s.head) * D + s.d] = y;
-    } else {
-      T* cache = static_cast<T*>(s.part == 1 ? p.k_cache : p.v_cache);
-      cache[((b * hkv + s.head) * p.capacity + slot) * D + s.d] = y;
-    }
+    store_qkv<T>(p, static_cast<T*>(p.q), b, slot, s, from_float<T>(rotate(src, e, s, R, row.cos, row.sin)));
   }
 }
 

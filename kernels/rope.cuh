@@ -48,33 +48,52 @@ __device__ __forceinline__ void rope_pair_rows(int64_t pair, int D, int R, int64
   rows[1] = base + (j < half ? j + half : R + 2 * (j - half) + 1);
 }
 
+// The cos/sin rows of row b's position in this decode step, slot - pad[b], clamped so that no row (a finished or
+// fully padded one included) reads outside the tables.
+template <typename T>
+struct RopeRow {
+  const T* cos;
+  const T* sin;
+};
+
+template <typename T>
+__device__ __forceinline__ RopeRow<T> rope_row(const RopeCacheParams& p, int64_t slot, int64_t b) {
+  int64_t pos = slot - p.pad[b];
+  pos = pos < 0 ? 0 : (pos >= p.table_len ? p.table_len - 1 : pos);
+  return {static_cast<const T*>(p.cos) + pos * p.rotary_dim, static_cast<const T*>(p.sin) + pos * p.rotary_dim};
+}
+
+// Stores one finished element of row b where the decode step wants it: q into `q` [batch, Hq, D], K and V into
+// the cache at `slot`.
+template <typename T>
+__device__ __forceinline__ void store_qkv(const RopeCacheParams& p, T* q, int64_t b, int64_t slot, const Slot& s, T y) {
+  if (s.part == 0) {
+    q[(b * p.num_q_heads + s.head) * p.head_dim + s.d] = y;
+  } else {
+    T* cache = static_cast<T*>(s.part == 1 ? p.k_cache : p.v_cache);
+    cache[((b * p.num_kv_heads + s.head) * p.capacity + slot) * p.head_dim + s.d] = y;
+  }
+}
+
 // Rotates one pair of rope_pair_rows (the projection outputs y, already rounded to T) for row b of the batch and
-// stores it: q into `q` [batch, Hq, D], K and V into the cache at *p.slot, as rope_qkv_cache does.
+// stores it, as rope_qkv_cache does.
 template <typename T>
 __device__ __forceinline__ void rope_store_pair(const RopeCacheParams& p, int64_t b, const int64_t (&rows)[2],
                                                 const float (&y)[2], T* q) {
   const int D = static_cast<int>(p.head_dim), hq = static_cast<int>(p.num_q_heads);
   const int hkv = static_cast<int>(p.num_kv_heads), R = static_cast<int>(p.rotary_dim);
   const int64_t slot = *p.slot;
-  int64_t pos = slot - p.pad[b];
-  pos = pos < 0 ? 0 : (pos >= p.table_len ? p.table_len - 1 : pos);
-  const T* cos = static_cast<const T*>(p.cos) + pos * p.rotary_dim;
-  const T* sin = static_cast<const T*>(p.sin) + pos * p.rotary_dim;
+  const RopeRow<T> row = rope_row<T>(p, slot, b);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const Slot s = locate(static_cast<int>(rows[i]), D, hq, hkv, p.interleaved);
     float out = y[i];
     if (s.part != 2 && s.d < R) {  // the pair is (d, d + R/2): the partner of row 0 is y[1], and the other way
       const float rotated = i == 0 ? -y[1] : y[0];
-      out = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(y[i], to_float(cos[s.d]))),
-                                  round_to<T>(__fmul_rn(rotated, to_float(sin[s.d])))));
+      out = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(y[i], to_float(row.cos[s.d]))),
+                                  round_to<T>(__fmul_rn(rotated, to_float(row.sin[s.d])))));
     }
-    if (s.part == 0) {
-      q[(b * hq + s.head) * D + s.d] = from_float<T>(out);
-    } else {
-      T* cache = static_cast<T*>(s.part == 1 ? p.k_cache : p.v_cache);
-      cache[((b * hkv + s.head) * p.capacity + slot) * D + s.d] = from_float<T>(out);
-    }
+    store_qkv<T>(p, q, b, slot, s, from_float<T>(out));
   }
 }
 

@@ -201,77 +201,77 @@ Tensor bias_gelu(const Tensor& x, const OptTensor& bias, bool tanh) {
 
 // ---- decode path ------------------------------------------------------------------------------------------
 
-Tensor gemv(const Tensor& x, const Tensor& weight, const OptTensor& bias, c10::string_view activation) {
-  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
-  const c10::cuda::CUDAGuard guard(x.device());
+int32_t gemv_activation(c10::string_view activation) {
+  if (activation == "none") return patcher::kActNone;
+  if (activation == "gelu") return patcher::kActGelu;
+  if (activation == "gelu_tanh") return patcher::kActGeluTanh;
+  if (activation == "silu_mul") return patcher::kActSiluMul;
+  TORCH_CHECK(false, "patcher: gemv activation must be none, gelu, gelu_tanh or silu_mul, got ", activation);
+}
+
+// The checks and fields every decode GEMV shares: x [..., k] (1 to 8 rows), weight [rows, k], bias [rows].
+patcher::GemvParams gemv_params(const char* op, const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                int32_t act) {
   check_like(weight, x, "weight");
   TORCH_CHECK(weight.dim() == 2, "patcher: weight must be [out_features, in_features], got ", dims(weight.sizes()));
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "patcher: x ", dims(x.sizes()), " does not match weight ",
-              dims(weight.sizes()));
-  patcher::GemvParams p{};
-  if (activation == "none") {
-    p.act = patcher::kActNone;
-  } else if (activation == "gelu") {
-    p.act = patcher::kActGelu;
-  } else if (activation == "gelu_tanh") {
-    p.act = patcher::kActGeluTanh;
-  } else if (activation == "silu_mul") {
-    p.act = patcher::kActSiluMul;
-  } else {
-    TORCH_CHECK(false, "patcher: gemv activation must be none, gelu, gelu_tanh or silu_mul, got ", activation);
-  }
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1) && weight.size(1) > 0, "patcher: x ", dims(x.sizes()),
+              " does not match weight ", dims(weight.sizes()));
   const int64_t rows_w = weight.size(0);
-  TORCH_CHECK(p.act != patcher::kActSiluMul || rows_w % 2 == 0, "patcher: silu_mul needs an even weight height");
+  TORCH_CHECK(act != patcher::kActSiluMul || rows_w % 2 == 0, "patcher: silu_mul needs an even weight height");
+  patcher::GemvParams p{};
+  p.act = act;
   p.dtype = dtype_of(x);
   p.k = x.size(-1);
-  p.batch = p.k == 0 ? 0 : x.numel() / p.k;
-  TORCH_CHECK(p.batch <= 8, "patcher: gemv takes at most 8 rows of x (decode); got ", std::to_string(p.batch),
+  p.batch = x.numel() / p.k;
+  TORCH_CHECK(p.batch <= 8, "patcher: ", op, " takes at most 8 rows of x (decode); got ", std::to_string(p.batch),
               ", use F.linear");
-  p.n = p.act == patcher::kActSiluMul ? rows_w / 2 : rows_w;
+  p.n = act == patcher::kActSiluMul ? rows_w / 2 : rows_w;
   p.x = x.data_ptr();
   p.x_stride = row_stride(x, "x");
   p.w = weight.data_ptr();
   p.w_stride = row_stride(weight, "weight");
   p.bias = optional_vector_arg(bias, x, rows_w, "bias");
+  return p;
+}
+
+void launch_gemv_checked(const patcher::GemvParams& p, const char* op) {
+  const size_t smem = patcher::gemv_prologue_smem(p, false);
+  TORCH_CHECK(smem <= patcher::gemv_max_smem(), "patcher: ", op,
+              ": the norm prologue stages batch x in_features = ", std::to_string(p.batch * p.k),
+              " elements in shared memory, more than this GPU has (", std::to_string(patcher::gemv_max_smem()),
+              " bytes); use the separate norm op");
+  check_launch(patcher::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), op);
+}
+
+Tensor gemv(const Tensor& x, const Tensor& weight, const OptTensor& bias, c10::string_view activation) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::GemvParams p = gemv_params("gemv", x, weight, bias, gemv_activation(activation));
   auto sizes = x.sizes().vec();
   sizes.back() = p.n;
   Tensor out = at::empty(sizes, x.options());
   p.out = out.data_ptr();
-  TORCH_CHECK(p.k > 0, "patcher: gemv needs in_features > 0");
-  check_launch(patcher::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv");
+  launch_gemv_checked(p, "gemv");
   return out;
 }
 
-// The RoPE + KV-cache target of rope_qkv_cache and gemv_rope_cache, checked; `like` is the tensor whose dtype and
-// device the rest must share, `width` the projection width it produces. Returns q [B, Hq, D] (allocated).
-Tensor rope_cache_target(patcher::RopeCacheParams& p, const Tensor& like, int64_t B, int64_t width, const Tensor& cos,
-                         const Tensor& sin, const Tensor& slot, const Tensor& pad, Tensor& k_cache, Tensor& v_cache,
-                         int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, bool interleaved) {
-  TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && head_dim > 0,
-              "patcher: bad head counts q ", std::to_string(num_q_heads), ", kv ", std::to_string(num_kv_heads));
-  TORCH_CHECK(!interleaved || num_q_heads == num_kv_heads,
-              "patcher: interleaved qkv needs as many kv heads as q heads");
-  TORCH_CHECK(width == (num_q_heads + 2 * num_kv_heads) * head_dim, "patcher: qkv width ", std::to_string(width),
-              " != (", std::to_string(num_q_heads), " + 2 x ", std::to_string(num_kv_heads), ") x ",
-              std::to_string(head_dim));
-  p.rotary_dim = check_rope_cache_args(like, cos, sin, slot, pad, k_cache, v_cache, B, num_kv_heads, head_dim);
-  p.dtype = dtype_of(like);
-  p.batch = B;
-  p.cos = cos.data_ptr();
-  p.sin = sin.data_ptr();
-  p.table_len = cos.size(0);
-  p.slot = slot.data_ptr<int64_t>();
-  p.pad = pad.data_ptr<int64_t>();
-  p.num_q_heads = num_q_heads;
-  p.num_kv_heads = num_kv_heads;
-  p.head_dim = head_dim;
-  p.interleaved = interleaved;
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.capacity = k_cache.size(2);
-  Tensor q = at::empty({B, num_q_heads, head_dim}, like.options());
-  p.q = q.data_ptr();
-  return q;
+// gemv behind the optional norm prologue (x is then the residual stream): returns (out, sum, h2).
+std::tuple<Tensor, Tensor, Tensor> norm_gemv(const Tensor& x, const OptTensor& delta, const OptTensor& delta2,
+                                             const OptTensor& norm_weight, const OptTensor& norm_bias,
+                                             const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps,
+                                             bool rms, const Tensor& weight, const OptTensor& bias,
+                                             c10::string_view activation) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::GemvParams p = gemv_params("norm_gemv", x, weight, bias, gemv_activation(activation));
+  const Prologue pro =
+      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
+  auto sizes = x.sizes().vec();
+  sizes.back() = p.n;
+  Tensor out = at::empty(sizes, x.options());
+  p.out = out.data_ptr();
+  launch_gemv_checked(p, "norm_gemv");
+  return {out, pro.sum, pro.h2};
 }
 
 Tensor rope_qkv_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
@@ -290,35 +290,28 @@ Tensor rope_qkv_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, c
   return q;
 }
 
-// The dense decode-step attention prologue in one kernel: x @ W_qkv^T (+ bias), RoPE, K/V into the cache.
-Tensor gemv_rope_cache(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& cos,
-                       const Tensor& sin, const Tensor& slot, const Tensor& pad, Tensor& k_cache, Tensor& v_cache,
-                       int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, bool interleaved) {
+// The dense decode-step attention prologue in one kernel: [add +] norm, x @ W_qkv^T (+ bias), RoPE, K/V into the
+// cache. Returns (q, sum, h2).
+std::tuple<Tensor, Tensor, Tensor> norm_gemv_rope_cache(const Tensor& x, const OptTensor& delta,
+                                                        const OptTensor& delta2, const OptTensor& norm_weight,
+                                                        const OptTensor& norm_bias, const OptTensor& norm_weight2,
+                                                        const OptTensor& norm_bias2, double eps, bool rms,
+                                                        const Tensor& weight, const OptTensor& bias, const Tensor& cos,
+                                                        const Tensor& sin, const Tensor& slot, const Tensor& pad,
+                                                        Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads,
+                                                        int64_t num_kv_heads, int64_t head_dim, bool interleaved) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
-  check_like(weight, x, "weight");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) && x.size(1) > 0, "patcher: x ",
-              dims(x.sizes()), " and weight ", dims(weight.sizes()),
-              " must be [batch, in_features] and [out_features, in_features]");
-  TORCH_CHECK(x.size(0) <= 8, "patcher: gemv_rope_cache takes at most 8 rows of x (decode); got ",
-              std::to_string(x.size(0)));
-  TORCH_CHECK(head_dim % 2 == 0, "patcher: gemv_rope_cache needs an even head_dim");
-  patcher::GemvParams p{};
-  Tensor q = rope_cache_target(p.rope, x, x.size(0), weight.size(0), cos, sin, slot, pad, k_cache, v_cache, num_q_heads,
+  patcher::GemvParams p = gemv_params("norm_gemv_rope_cache", x, weight, bias, patcher::kActRopeCache);
+  TORCH_CHECK(x.dim() == 2, "patcher: x must be [batch, hidden] (one token per row), got ", dims(x.sizes()));
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "patcher: norm_gemv_rope_cache needs an even head_dim");
+  const Prologue pro =
+      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
+  Tensor q = rope_cache_target(p.rope, x, p.batch, p.n, cos, sin, slot, pad, k_cache, v_cache, num_q_heads,
                                num_kv_heads, head_dim, interleaved);
-  p.dtype = dtype_of(x);
-  p.act = patcher::kActRopeCache;
-  p.batch = x.size(0);
-  p.n = weight.size(0);
-  p.k = x.size(1);
-  p.x = x.data_ptr();
-  p.x_stride = row_stride(x, "x");
-  p.w = weight.data_ptr();
-  p.w_stride = row_stride(weight, "weight");
-  p.bias = optional_vector_arg(bias, x, p.n, "bias");
   p.out = q.data_ptr();
-  check_launch(patcher::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), "gemv_rope_cache");
-  return q;
+  launch_gemv_checked(p, "norm_gemv_rope_cache");
+  return {q, pro.sum, pro.h2};
 }
 
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slot,
@@ -382,6 +375,7 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("bias_gelu", &bias_gelu);
   m.impl("gemv", &gemv);
   m.impl("rope_qkv_cache", &rope_qkv_cache);
-  m.impl("gemv_rope_cache", &gemv_rope_cache);
+  m.impl("norm_gemv", &norm_gemv);
+  m.impl("norm_gemv_rope_cache", &norm_gemv_rope_cache);
   m.impl("decode_attention", &decode_attention);
 }

@@ -88,3 +88,22 @@ def check_op(op_name, args, exact_outputs=()):
         if i in exact_outputs:
             assert torch.equal(g, lo), f"{op_name} output {i} differs from PyTorch's rounding"
     return got, low
+
+
+# The norm prologues of the decode GEMVs (norm_gemv, norm_gemv_rope_cache, int4_gemv, int4_qkv_rope_cache).
+PROLOGUES = ["none", "rms", "add_rms", "layer", "add2_dual_layer"]
+
+
+def prologue_args(kind, batch, k, dtype):
+    """x [batch, k] and the prologue arguments (delta, delta2, weight, bias, weight2, bias2, eps, rms) of `kind`."""
+    x = torch.randn(batch, k, device="cuda").to(dtype)
+    d, d2 = (torch.randn(batch, k, device="cuda").to(dtype) for _ in range(2))
+    w, b, w2, b2 = ((torch.randn(k, device="cuda") * 0.3 + 1).to(dtype) for _ in range(4))
+    none = (None, None, None, None, None, None, 0.0, False)
+    return x, {
+        "none": none,
+        "rms": (None, None, w, None, None, None, 1e-6, True),
+        "add_rms": (d, None, w, None, None, None, 1e-6, True),
+        "layer": (None, None, w, b, None, None, 1e-5, False),
+        "add2_dual_layer": (d, d2, w, b, w2, b2, 1e-5, False),
+    }[kind]

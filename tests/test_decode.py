@@ -128,6 +128,26 @@ def test_graph_replay_equals_eager_step(name, batch):
 
 
 @requires_cuda
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia", "tiny-qwen2", "tiny-neox-sequential"])
+@pytest.mark.parametrize("fused_norms", [True, False])
+def test_cuda_runner_fp32_greedy_matches_hf(name, fused_norms, monkeypatch):
+    """fp32 on the GPU, both ways of running the norms at 1-3 rows: inside the GEMVs' prologues, or as separate
+    add + norm kernels (the choice runner.FUSED_NORM_MAX_HIDDEN makes by hidden size); tokens equal HF's."""
+    from patcher.decode import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "FUSED_NORM_MAX_HIDDEN", 1 << 20 if fused_norms else 0)
+    model = rm.build(name, dtype=torch.float32, device="cuda")
+    model.generation_config.eos_token_id = None
+    ids, mask = prompt(model, 2, 9, device="cuda", pad_rows=((1, 3),))
+    expected = hf_generate(model, ids, mask, max_new_tokens=24, do_sample=False)
+    patch_model(model)
+    runner = DecodeRunner(model, use_graphs=True)
+    got = runner.generate(ids, mask, 24, Sampling(), eos=[], pad_token_id=0)
+    assert runner.states[2].fused_norms == fused_norms
+    assert torch.equal(got, expected)
+
+
+@requires_cuda
 def test_graph_sampling_reproducible_and_eos():
     model = rm.build("tiny-llama", dtype=torch.float16, device="cuda")
     patch_model(model)

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_within_torch_error, check_op, max_err, poison_cuda_cache, requires_cuda
+from conftest import (
+    PROLOGUES,
+    assert_within_torch_error,
+    check_op,
+    max_err,
+    poison_cuda_cache,
+    prologue_args,
+    requires_cuda,
+)
 
 from patcher.gptq import format as fmt
 from patcher.ops import int4 as int4_ops
@@ -72,23 +80,6 @@ def test_int4_linear(k, widths, group_size, act_order, rows, dtype):
 def test_int4_linear_zero_point_formats(version):
     lin = gptq_linear(512, [256], 64, version=version)
     check_op("int4_linear", (torch.randn(2, 512, device="cuda").half(), *lin.args()))
-
-
-PROLOGUES = ["none", "rms", "add_rms", "layer", "add2_dual_layer"]
-
-
-def prologue_args(kind, batch, k, dtype):
-    x = torch.randn(batch, k, device="cuda").to(dtype)
-    d, d2 = (torch.randn(batch, k, device="cuda").to(dtype) for _ in range(2))
-    w, b, w2, b2 = ((torch.randn(k, device="cuda") * 0.3 + 1).to(dtype) for _ in range(4))
-    none = (None, None, None, None, None, None, 0.0, False)
-    return x, {
-        "none": none,
-        "rms": (None, None, w, None, None, None, 1e-6, True),
-        "add_rms": (d, None, w, None, None, None, 1e-6, True),
-        "layer": (None, None, w, b, None, None, 1e-5, False),
-        "add2_dual_layer": (d, d2, w, b, w2, b2, 1e-5, False),
-    }[kind]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

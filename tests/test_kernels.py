@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_within_torch_error, check_op, requires_cuda
+from conftest import PROLOGUES, assert_within_torch_error, check_op, max_err, prologue_args, requires_cuda
 
 pytestmark = requires_cuda
 
@@ -132,8 +132,10 @@ def test_opcheck_on_cuda():
         "silu_and_mul": (make((5, 512), f16),),
         "bias_gelu": (x, b, True),
         "gemv": (make((2, 256), f16), make((96, 256), f16), None, "silu_mul"),
-        "gemv_rope_cache": (
+        "norm_gemv": (x, d, None, w, None, None, None, 1e-6, True, make((96, 256), f16), None, "silu_mul"),
+        "norm_gemv_rope_cache": (
             make((2, 256), f16),
+            *(make((2, 256), f16), None, w, b, w, b, 1e-5, False),
             make((8 * 64, 256), f16),
             None,
             make((16, 32), f16),
@@ -178,10 +180,13 @@ BAD_INPUTS = {  # name -> (op, args builder, message the error must contain)
         "at most 8",
     ),
     "gemv activation": ("gemv", lambda x, w: (x, make((32, 64), torch.float16), None, "relu"), "activation"),
-    "gemv_rope_cache width": (
-        "gemv_rope_cache",
+    "norm_gemv_rope_cache width": (
+        "norm_gemv_rope_cache",
         lambda x, w: (
             make((1, 64), torch.float16),
+            *(None,) * 6,
+            1e-6,
+            True,
             make((100, 64), torch.float16),
             None,
             make((8, 16), torch.float16),
@@ -196,6 +201,21 @@ BAD_INPUTS = {  # name -> (op, args builder, message the error must contain)
             False,
         ),
         "width",
+    ),
+    "norm_gemv delta without norm": (
+        "norm_gemv",
+        lambda x, w: (x, x, *(None,) * 5, 1e-6, True, make((32, 64), torch.float16), None, "none"),
+        "need norm_weight",
+    ),
+    "norm_gemv rms with bias": (
+        "norm_gemv",
+        lambda x, w: (x, None, None, w, w, None, None, 1e-6, True, make((32, 64), torch.float16), None, "none"),
+        "RMSNorm takes no bias",
+    ),
+    "norm_gemv delta shape": (
+        "norm_gemv",
+        lambda x, w: (x, x[:2], None, w, None, None, None, 1e-6, True, make((32, 64), torch.float16), None, "none"),
+        "must match x",
     ),
 }
 
@@ -257,17 +277,38 @@ def test_rope_qkv_cache(batch, arch, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+@pytest.mark.parametrize("prologue", PROLOGUES)
+@pytest.mark.parametrize("activation", ["none", "gelu", "silu_mul"])
+@pytest.mark.parametrize("shape", [(2560, 2560), (7680, 2560), (300, 4096), (97, 769)])
+def test_norm_gemv(shape, activation, prologue, batch, dtype):
+    """gemv behind the fused add + norm: the product by the 2x rule, the residual sum bit for bit (it mirrors
+    torch's rounding), the second LayerNorm (GPT-NeoX's MLP input) by LayerNorm's own tolerance."""
+    n, k = shape
+    rows = 2 * n if activation == "silu_mul" else n
+    x, pro = prologue_args(prologue, batch, k, dtype)
+    w = make((rows, k), dtype, scale=k**-0.5)
+    bias = make((rows,), dtype) if n % 2 else None
+    (_, total, h2), (_, total_ref, _) = check_op("norm_gemv", (x, *pro, w, bias, activation))
+    assert torch.equal(total, total_ref)
+    assert (h2.numel() > 0) == (prologue == "add2_dual_layer") and (total.numel() > 0) == prologue.startswith("add")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", list(ROPE_ARCHS))
 @pytest.mark.parametrize("batch", [1, 2, 3, 8])
-def test_gemv_rope_cache(batch, arch, dtype):
-    """The QKV GEMV with RoPE and the cache writes in its epilogue, against F.linear + rope_qkv_cache: q and the
-    written cache slot by the 2x rule, the rest of each cache untouched."""
+@pytest.mark.parametrize("prologue", ["none", "add_rms", "layer", "add2_dual_layer"])
+def test_norm_gemv_rope_cache(prologue, batch, arch, dtype):
+    """The decode step's attention prologue in one kernel ([add +] norm, QKV GEMV, RoPE, cache writes), against
+    the reference's norm, F.linear and rope_qkv_cache: q and the written cache slot by the 2x rule, the residual
+    sum bit for bit, the rest of each cache untouched."""
     from patcher.ops import KERNELS, reference
 
     hq, hkv, d, rot, interleaved = ROPE_ARCHS[arch]
     capacity, k = 64, 576 if arch == "smollm2" else 1536
     n = (hq + 2 * hkv) * d
-    x, w = make((batch, k), dtype), make((n, k), dtype, scale=k**-0.5)
+    x, pro = prologue_args(prologue, batch, k, dtype)
+    w = make((n, k), dtype, scale=k**-0.5)
     bias = make((n,), dtype) if arch == "qwen2-1.5b" else None
     angles = torch.randn(capacity, rot // 2, device="cuda") * 3
     emb = torch.cat([angles, angles], dim=-1)
@@ -276,17 +317,19 @@ def test_gemv_rope_cache(batch, arch, dtype):
     caches = [make((batch, hkv, capacity, d), dtype) for _ in range(2)]
     low, ref = [c.clone() for c in caches], [c.double() for c in caches]
     before = [c.clone() for c in caches]
-    rope = (cos, sin, slot, pad)
     heads = (hq, hkv, d, interleaved)
-    q = KERNELS.gemv_rope_cache(x, w, bias, *rope, *caches, *heads)
-    q_low = reference.gemv_rope_cache(x, w, bias, *rope, *low, *heads)
-    as64 = [t.double() if t is not None else None for t in (x, w, bias, cos, sin)]
-    q64 = reference.gemv_rope_cache(*as64[:3], *as64[3:], slot, pad, *ref, *heads)
-    assert_within_torch_error(q, q_low, q64, f"gemv_rope_cache q {arch}")
+    q, total, h2 = KERNELS.norm_gemv_rope_cache(x, *pro, w, bias, cos, sin, slot, pad, *caches, *heads)
+    q_low, total_low, h2_low = reference.norm_gemv_rope_cache(x, *pro, w, bias, cos, sin, slot, pad, *low, *heads)
+    as64 = [t.double() if isinstance(t, torch.Tensor) else t for t in (x, *pro, w, bias, cos, sin)]
+    q64 = reference.norm_gemv_rope_cache(*as64, slot, pad, *ref, *heads)[0]
+    assert_within_torch_error(q, q_low, q64, f"norm_gemv_rope_cache q {arch}")
     for got, lo, r, old in zip(caches, low, ref, before):
-        assert_within_torch_error(got[:, :, 37], lo[:, :, 37], r[:, :, 37], f"gemv_rope_cache cache {arch}")
+        assert_within_torch_error(got[:, :, 37], lo[:, :, 37], r[:, :, 37], f"norm_gemv_rope_cache cache {arch}")
         keep = torch.arange(capacity, device="cuda") != 37
         assert torch.equal(got[:, :, keep], old[:, :, keep])
+    assert torch.equal(total, total_low) and h2.shape == h2_low.shape
+    if h2.numel():  # the second LayerNorm, written by one block
+        assert max_err(h2, h2_low) <= 1e-2 * max(1.0, h2_low.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -27,6 +27,12 @@ EOS_CHECK_EVERY = 16  # decode steps between host checks for "every row has fini
 # our GEMV streams weights at 85-98% of HBM bandwidth for one or two rows, but at 8 rows its fp32 FMAs take as
 # long as the bytes (20-40%), while cuBLAS stays flat from 1 to 8 rows.
 CUBLAS_MIN_BATCH = 4
+# Up to this hidden size the dense GEMVs take the add + norm as their prologue (norm_gemv, norm_gemv_rope_cache).
+# Every block recomputes the row's norm, so the prologue costs time in proportion to blocks x hidden: measured on
+# an H100 (fp16, batch 1) it made SmolLM2-135M (hidden 576) decode 0.655 -> 0.596 ms a token, fewer kernels
+# mattering most there, but Qwen2-1.5B (1536) 1.85 -> 2.06 ms and Llama-3.1-8B (4096) 5.95 -> 6.21 ms, where the
+# separate norm kernel is cheaper than the prologue's extra latency in each block.
+FUSED_NORM_MAX_HIDDEN = 1024
 MIN_CAPACITY = 256
 MAX_EOS_IDS = 8
 MAX_SPLITS = 16  # decode_attention merges at most this many partial softmaxes per (row, kv head)
@@ -42,9 +48,8 @@ class Sampling:
 
 @dataclass
 class LayerStep:
-    """What one layer's decode step reads: the patch plans of its modules and its slice of the static cache."""
+    """What one layer's decode step reads: the patch plans of its modules and its norms' parameters."""
 
-    plan: object  # LayerPlan (norm closures)
     attention: object  # AttentionPlan
     mlp: object  # MlpPlan
     scale: float
@@ -68,6 +73,8 @@ class StepState:
         self.eos = torch.full((MAX_EOS_IDS,), -1, dtype=torch.long, device=dev)  # EOS ids, -1 for unused entries
         self.pad_token = torch.zeros((), dtype=torch.long, device=dev)
         self.cublas = runner.device.type == "cuda" and batch >= CUBLAS_MIN_BATCH
+        # Norms inside the GEMVs' prologues (on the CPU always: the reference path is the same either way).
+        self.fused_norms = not self.cublas and (runner.device.type != "cuda" or runner.hidden <= FUSED_NORM_MAX_HIDDEN)
         self.splits = runner.attention_splits(batch)
         self.workspace = decode_attention_workspace(
             batch, runner.num_heads, runner.num_kv_heads, runner.head_dim, self.splits, dev
@@ -101,7 +108,11 @@ class DecodeRunner:
         lm_head = model.get_output_embeddings()
         self.lm_weight, self.lm_bias = lm_head.weight, getattr(lm_head, "bias", None)
         self.rotary = base.rotary_emb
-        self.final_norm = getattr(base, spec.final_norm)._patcher
+
+        def norm_params(norm) -> tuple:
+            return norm.weight, getattr(norm, "bias", None), float(getattr(norm, spec.eps_attr))
+
+        self.final_norm = norm_params(getattr(base, spec.final_norm))
         self.parallel = spec.flag(config, spec.parallel_residual)
         self.layers = []
         for layer in getattr(base, spec.layers):
@@ -110,17 +121,13 @@ class DecodeRunner:
                 mlp_act = "silu_mul"
             else:
                 mlp_act = "gelu_tanh" if getattr(mlp._patcher, "tanh", False) else "gelu"
-            norms = tuple(
-                (n.weight, getattr(n, "bias", None), float(getattr(n, spec.eps_attr)))
-                for n in (getattr(layer, spec.input_norm), getattr(layer, spec.post_norm))
-            )
-            self.layers.append(
-                LayerStep(layer._patcher, attention._patcher, mlp._patcher, float(attention.scaling), mlp_act, norms)
-            )
+            norms = (norm_params(getattr(layer, spec.input_norm)), norm_params(getattr(layer, spec.post_norm)))
+            self.layers.append(LayerStep(attention._patcher, mlp._patcher, float(attention.scaling), mlp_act, norms))
         self.ops = self.layers[0].attention.ops
         self.num_layers = len(self.layers)
         self.num_heads, self.num_kv_heads = spec.num_heads(config), spec.num_kv_heads(config)
         self.head_dim = spec.head_dim(config)
+        self.hidden = self.lm_weight.shape[1]
         self.device, self.dtype = self.lm_weight.device, self.lm_weight.dtype
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.rms = spec.norm == "rms"
@@ -165,15 +172,47 @@ class DecodeRunner:
         return sum(s.nbytes for s in self.states.values())
 
     # ---- one decode step ------------------------------------------------------------------------------------
-    def _int4(self, lin, x, act: str, st: StepState, prologue=(None,) * 6 + (0.0, False)):
-        """A GPTQ int4 linear of the step, optionally behind the fused add + norm: returns (out, sum, h2)."""
-        splits = st.int4_splits[id(lin)]
-        return self.ops.int4_gemv(x, *prologue, *lin.args(), act, splits, st.int4_workspace)
+    # Every linear that reads a norm's output takes that add + norm as its prologue (norm_gemv,
+    # norm_gemv_rope_cache, int4_gemv, int4_qkv_rope_cache): the op gets the residual stream, the delta(s) to add
+    # and the norm's parameters, and returns (out, sum, h2). Dense linears at 4-8 rows are cuBLAS, and on GPUs
+    # for hidden sizes above FUSED_NORM_MAX_HIDDEN the norm runs as its own kernel in front (_separate_norm),
+    # with the same results.
+    def _prologue(self, delta, delta2, norm, norm2=None) -> tuple:
+        (w, b, eps), (w2, b2) = norm, (norm2[:2] if norm2 else (None, None))
+        return (delta, delta2, w, b, w2, b2, eps, self.rms)
+
+    def _separate_norm(self, x, pro):
+        """(h, sum, h2) of a prologue as separate add + norm kernels (sum is x when there is no delta)."""
+        delta, delta2, w, b, w2, b2, eps, rms = pro
+        ops = self.ops
+        if rms:
+            return (ops.rms_norm(x, w, eps), x, None) if delta is None else (*ops.add_rms_norm(x, delta, w, eps), None)
+        if w2 is not None:  # GPT-NeoX's junction: both LayerNorms of one sum
+            if delta is None:
+                h, h2 = ops.dual_layer_norm(x, w, b, w2, b2, eps)
+                return h, x, h2
+            h, h2, total = ops.add_dual_layer_norm(x, delta, delta2, w, b, w2, b2, eps)
+            return h, total, h2
+        if delta is None:
+            return ops.layer_norm(x, w, b, eps), x, None
+        return (*ops.add_layer_norm(x, delta, delta2, w, b, eps), None)
+
+    def _norm_linear(self, x, pro, weight, bias, act: str, st: StepState, int4_linear=None):
+        """act(norm(x [+ deltas]) @ W^T + b) with its prologue fused where the kernels allow: (out, sum, h2)."""
+        if int4_linear is not None:
+            return self.ops.int4_gemv(x, *pro, *int4_linear.args(), act, st.int4_splits[id(int4_linear)],
+                                      st.int4_workspace)  # fmt: skip
+        if st.fused_norms:
+            return self.ops.norm_gemv(x, *pro, weight, bias, act)
+        h, total, h2 = self._separate_norm(x, pro)
+        return self._linear(h, weight, bias, act, st), total, h2
 
     def _linear(self, h, weight, bias, act: str, st: StepState, int4_linear=None):
         """x @ W^T (+ b) with the MLP activation: our GEMV (epilogue fused), or cuBLAS then the activation."""
         if int4_linear is not None:
-            return self._int4(int4_linear, h, act, st)[0]
+            none = (None,) * 6 + (0.0, False)
+            return self.ops.int4_gemv(h, *none, *int4_linear.args(), act, st.int4_splits[id(int4_linear)],
+                                      st.int4_workspace)[0]  # fmt: skip
         if not st.cublas:
             return self.ops.gemv(h, weight, bias, act)
         y = F.linear(h, weight, bias)
@@ -183,83 +222,58 @@ class DecodeRunner:
             return F.gelu(y, approximate="tanh" if act == "gelu_tanh" else "none")
         return y
 
-    def _attention(self, layer: LayerStep, index: int, h, st: StepState, q=None):
-        """Attention of one layer from its normalized input h, or from q when the int4 prologue made it."""
+    def _qkv(self, layer: LayerStep, index: int, x, pro, st: StepState):
+        """The attention prologue: [add +] norm -> QKV -> RoPE -> K/V into the cache slot; returns (q, sum, h2).
+        One kernel for int4 and for dense at 1-3 rows; cuBLAS between the norm and rope_qkv_cache at 4-8."""
         a, ops = layer.attention, self.ops
-        k_cache, v_cache = st.k[index], st.v[index]
-        if q is None:
-            q = self._rope_from_dense_qkv(layer, h, k_cache, v_cache, st)
-        out = ops.decode_attention(q, k_cache, v_cache, st.slot, st.pad, layer.scale, st.splits, st.workspace)
+        rope = (st.cos, st.sin, st.slot, st.pad, st.k[index], st.v[index], a.num_heads, a.num_kv_heads, a.head_dim)
+        if a.qkv_int4 is not None:
+            lin = a.qkv_int4
+            return ops.int4_qkv_rope_cache(x, *pro, *lin.args(), *rope, a.interleaved, st.int4_splits[id(lin)],
+                                           st.int4_workspace)  # fmt: skip
+        if st.fused_norms:
+            return ops.norm_gemv_rope_cache(x, *pro, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)
+        h, total, h2 = self._separate_norm(x, pro)
+        if not st.cublas:  # the GEMV with RoPE and the cache writes in its epilogue, no prologue
+            no_norm = (None,) * 6 + (0.0, False)
+            return ops.norm_gemv_rope_cache(h, *no_norm, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)[0], total, h2
+        qkv = self._linear(h, a.qkv_weight, a.qkv_bias, "none", st)
+        return ops.rope_qkv_cache(qkv, *rope, a.interleaved), total, h2
+
+    def _attention(self, layer: LayerStep, q, st: StepState, index: int):
+        """Attention over the cache and the output projection."""
+        a = layer.attention
+        out = self.ops.decode_attention(q, st.k[index], st.v[index], st.slot, st.pad, layer.scale, st.splits,
+                                        st.workspace)  # fmt: skip
         return self._linear(out, a.out_weight, a.out_bias, "none", st, a.out_int4)
 
-    def _int4_qkv(self, layer: LayerStep, index: int, x, delta, delta2, st: StepState, norm2: bool):
-        """The int4 attention prologue in one kernel: [add +] norm -> int4 QKV -> RoPE -> K/V into the cache.
-        Returns (q, sum, h2); sum is empty without delta, h2 (the second LayerNorm, GPT-NeoX) only with norm2."""
-        a = layer.attention
-        (w, b, eps), (w2, b2, _) = layer.norms
-        return self.ops.int4_qkv_rope_cache(
-            x, delta, delta2, w, b, w2 if norm2 else None, b2 if norm2 else None, eps, self.rms,
-            *a.qkv_int4.args(), st.cos, st.sin, st.slot, st.pad, st.k[index], st.v[index],
-            a.num_heads, a.num_kv_heads, a.head_dim, a.interleaved, st.int4_splits[id(a.qkv_int4)], st.int4_workspace,
-        )  # fmt: skip
-
-    def _rope_from_dense_qkv(self, layer: LayerStep, h, k_cache, v_cache, st: StepState):
-        """q of the step, with K/V written into the cache: one GEMV whose epilogue applies RoPE (1-3 rows), or
-        cuBLAS and then rope_qkv_cache (4-8 rows)."""
-        a, ops = layer.attention, self.ops
-        rope = (st.cos, st.sin, st.slot, st.pad, k_cache, v_cache, a.num_heads, a.num_kv_heads, a.head_dim)
-        if not st.cublas:
-            return ops.gemv_rope_cache(h, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)
-        qkv = self._linear(h, a.qkv_weight, a.qkv_bias, "none", st)
-        return ops.rope_qkv_cache(qkv, *rope, a.interleaved)
-
-    def _mlp(self, layer: LayerStep, h, st: StepState):
-        m = layer.mlp
-        inner = self._linear(h, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4)
-        return self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4)
-
     def logits(self, st: StepState) -> torch.Tensor:
-        """The next-token logits [B, V] of the current tokens (st.tokens[:, slot]); K/V land in the cache."""
+        """The next-token logits [B, V] of the current tokens (st.tokens[:, slot]); K/V land in the cache.
+
+        The stream is carried as (residual, delta, delta2): each layer's first op adds the previous layer's
+        output(s) into the residual as part of its norm prologue, and the final norm's add is the lm_head's."""
         x = self.embed(st.tokens.index_select(1, st.slot).squeeze(1))
         residual, delta, delta2 = x, None, None
         for i, layer in enumerate(self.layers):
-            p = layer.plan
-            if layer.attention.qkv_int4 is not None:  # int4: the norms run inside the projections' kernels
-                residual, delta, delta2 = self._int4_layer(layer, i, residual, delta, delta2, st)
-                continue
-            if self.parallel:
-                if delta is None:
-                    h_attn, h_mlp = p.dual_norm(residual)
-                else:
-                    h_attn, h_mlp, residual = p.add_dual_norm(residual, delta, delta2)
-                delta, delta2 = self._attention(layer, i, h_attn, st), self._mlp(layer, h_mlp, st)
+            m = layer.mlp
+            norm, post_norm = layer.norms
+            if self.parallel:  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)); ln2(x) comes out of the QKV op as h2
+                q, total, h_mlp = self._qkv(layer, i, residual, self._prologue(delta, delta2, norm, post_norm), st)
+                residual = residual if delta is None else total
+                attn = self._attention(layer, q, st, i)
+                inner = self._linear(h_mlp, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4)
+                delta, delta2 = attn, self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4)
             else:
-                if delta is None:
-                    h = p.norm(residual)
-                else:
-                    h, residual = p.add_norm(residual, delta, delta2)
-                attn = self._attention(layer, i, h, st)
-                h, residual = p.post_add_norm(residual, attn, None)
-                delta, delta2 = self._mlp(layer, h, st), None
-        final = self.final_norm.add_norm(residual, delta, delta2)[0]
-        return self._linear(final, self.lm_weight, self.lm_bias, "none", st)
-
-    def _int4_layer(self, layer: LayerStep, i: int, residual, delta, delta2, st: StepState):
-        """One layer of an int4 model: each add + norm is the prologue of the int4 kernel that reads its output."""
-        q, total, h2 = self._int4_qkv(layer, i, residual, delta, delta2, st, norm2=self.parallel)
-        if delta is not None:
-            residual = total
-        attn = self._attention(layer, i, None, st, q=q)
-        if self.parallel:  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)); h2 = ln2(x) came with q
-            return residual, attn, self._mlp(layer, h2, st)
-        m = layer.mlp
-        if m.in_int4 is None:  # a dense MLP behind int4 attention: the separate add + norm
-            h, residual = layer.plan.post_add_norm(residual, attn, None)
-            return residual, self._mlp(layer, h, st), None
-        w, b, eps = layer.norms[1]
-        prologue = (attn, None, w, b, None, None, eps, self.rms)
-        inner, residual, _ = self._int4(m.in_int4, residual, layer.mlp_act, st, prologue)
-        return residual, self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4), None
+                q, total, _ = self._qkv(layer, i, residual, self._prologue(delta, None, norm), st)
+                residual = residual if delta is None else total
+                attn = self._attention(layer, q, st, i)
+                pro = self._prologue(attn, None, post_norm)
+                inner, residual, _ = self._norm_linear(
+                    residual, pro, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4
+                )
+                delta, delta2 = self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4), None
+        pro = self._prologue(delta, delta2, self.final_norm)
+        return self._norm_linear(residual, pro, self.lm_weight, self.lm_bias, "none", st)[0]
 
     def choose(self, logits: torch.Tensor, st: StepState, sampling: Sampling, has_eos: bool) -> torch.Tensor:
         """Next tokens from logits, HF's order of warpers (temperature, top-k, top-p); EOS bookkeeping."""

@@ -104,18 +104,43 @@ def _gemv_fake(x, weight, bias, activation):
 
 
 _define("gemv(Tensor x, Tensor weight, Tensor? bias, str activation) -> Tensor", ref.gemv, _gemv_fake)
+
+# The decode GEMVs behind the fused residual add + norm (the same prologue as the int4 ops): (out, sum, h2).
+_PROLOGUE = (
+    "Tensor x, Tensor? delta, Tensor? delta2, Tensor? norm_weight, Tensor? norm_bias, Tensor? norm_weight2,"
+    " Tensor? norm_bias2, float eps, bool rms"
+)
+
+
+def _prologue_fakes(x, delta, norm_weight2):
+    return (_like(x) if delta is not None else x.new_empty(0)), (
+        _like(x) if norm_weight2 is not None else x.new_empty(0)
+    )
+
+
+_define(
+    f"norm_gemv({_PROLOGUE}, Tensor weight, Tensor? bias, str activation) -> (Tensor, Tensor, Tensor)",
+    ref.norm_gemv,
+    lambda x, d, d2, w, b, w2, b2, eps, rms, weight, bias, act: (
+        _gemv_fake(x, weight, bias, act),
+        *_prologue_fakes(x, d, w2),
+    ),
+)
+_define(
+    f"norm_gemv_rope_cache({_PROLOGUE}, Tensor weight, Tensor? bias, Tensor cos, Tensor sin, Tensor slot, Tensor pad,"
+    " Tensor(a!) k_cache, Tensor(b!) v_cache, int num_q_heads, int num_kv_heads, int head_dim, bool interleaved)"
+    " -> (Tensor, Tensor, Tensor)",
+    ref.norm_gemv_rope_cache,
+    lambda x, d, d2, w, b, w2, b2, eps, rms, weight, bias, cos, sin, slot, pad, kc, vc, hq, hkv, hd, inter: (
+        x.new_empty((x.shape[0], hq, hd)),
+        *_prologue_fakes(x, d, w2),
+    ),
+)
 _define(
     "rope_qkv_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor slot, Tensor pad, Tensor(a!) k_cache,"
     " Tensor(b!) v_cache, int num_q_heads, int num_kv_heads, int head_dim, bool interleaved) -> Tensor",
     ref.rope_qkv_cache,
     lambda qkv, cos, sin, slot, pad, kc, vc, hq, hkv, d, inter: qkv.new_empty((qkv.shape[0], hq, d)),
-)
-_define(
-    "gemv_rope_cache(Tensor x, Tensor weight, Tensor? bias, Tensor cos, Tensor sin, Tensor slot, Tensor pad,"
-    " Tensor(a!) k_cache, Tensor(b!) v_cache, int num_q_heads, int num_kv_heads, int head_dim, bool interleaved)"
-    " -> Tensor",
-    ref.gemv_rope_cache,
-    lambda x, w, b, cos, sin, slot, pad, kc, vc, hq, hkv, d, inter: x.new_empty((x.shape[0], hq, d)),
 )
 _define(
     "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot, Tensor pad, float scale, int splits,"
@@ -130,16 +155,6 @@ _INT4 = (
     "Tensor[] qweight, Tensor[] qzeros, Tensor[] scales, Tensor[] g_idx, Tensor?[] bias, int group_size,"
     " bool act_order, int zero_offset"
 )
-_PROLOGUE = (
-    "Tensor x, Tensor? delta, Tensor? delta2, Tensor? norm_weight, Tensor? norm_bias, Tensor? norm_weight2,"
-    " Tensor? norm_bias2, float eps, bool rms"
-)
-
-
-def _prologue_fakes(x, delta, norm_weight2):
-    return (_like(x) if delta is not None else x.new_empty(0)), (
-        _like(x) if norm_weight2 is not None else x.new_empty(0)
-    )
 
 
 def _int4_gemv_fake(x, delta, d2, w, b, w2, b2, eps, rms, qw, qz, sc, gi, bias, gs, ao, zo, activation, splits, ws):

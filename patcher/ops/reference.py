@@ -122,6 +122,17 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, tanh: bool) -> torch.T
 # ---- decode path -------------------------------------------------------------------------------------------------
 
 
+def _norm_prologue(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool):
+    """(h, sum, h2): the input of the projection and the extra outputs of the fused norm (empty when absent)."""
+    empty = x.new_empty(0)
+    if norm_weight is None:
+        return x, empty, empty
+    s = x if delta is None else _residual_sum(x, delta, delta2)
+    h = _rms(s, norm_weight, eps) if rms else layer_norm(s, norm_weight, norm_bias, eps)
+    h2 = empty if norm_weight2 is None else layer_norm(s, norm_weight2, norm_bias2, eps)
+    return h, (empty if delta is None else s), h2
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     """F.linear for the few rows of a decode step, with the MLP activation fused:
     "none", "gelu", "gelu_tanh", or "silu_mul" (weight = [gate; up], output silu(gate) * up)."""
@@ -155,24 +166,30 @@ def rope_qkv_cache(
     return q[:, :, 0].contiguous()
 
 
-def gemv_rope_cache(
-    x,
-    weight,
-    bias,
-    cos,
-    sin,
-    slot,
-    pad,
-    k_cache,
-    v_cache,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
+def norm_gemv(
+    x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool,
+    weight, bias, activation: str,
+):  # fmt: skip
+    """gemv behind the decode step's fused residual add + norm (norm_weight None: none, then h = x).
+
+    Returns (out, sum, h2): out = gemv(h); h = norm(sum) with sum = x + delta (+ delta2), or norm(x) without delta;
+    h2 the second LayerNorm of sum (GPT-NeoX's MLP input). sum/h2 are empty when not asked for.
+    """
+    h, s, h2 = _norm_prologue(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms)
+    return gemv(h, weight, bias, activation), s, h2
+
+
+def norm_gemv_rope_cache(
+    x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool,
+    weight, bias, cos, sin, slot, pad, k_cache, v_cache, num_q_heads: int, num_kv_heads: int, head_dim: int,
     interleaved: bool,
-) -> torch.Tensor:
-    """The dense decode-step attention prologue: rope_qkv_cache of the fused QKV projection F.linear(x, W, b)."""
-    qkv = F.linear(x, weight, bias)
-    return rope_qkv_cache(qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, interleaved)
+):  # fmt: skip
+    """The dense decode-step attention prologue in one op: [add +] norm -> QKV projection F.linear(h, W, b) ->
+    rope_qkv_cache. Returns (q, sum, h2) as norm_gemv does, q [B, Hq, D], K/V written into the caches at `slot`."""
+    h, s, h2 = _norm_prologue(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms)
+    qkv = F.linear(h, weight, bias)
+    q = rope_qkv_cache(qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, interleaved)
+    return q, s, h2
 
 
 def decode_attention(q, k_cache, v_cache, slot, pad, scale: float, splits: int, workspace) -> torch.Tensor:
@@ -222,17 +239,6 @@ def int4_linear(x, qweight, qzeros, scales, g_idx, bias, group_size: int, act_or
         out = x @ int4_weight(qw, qz, sc, gi, group_size, act_order, zero_offset).to(x.dtype)
         outs.append(out + b.to(x.dtype) if b is not None else out)
     return torch.cat(outs, dim=-1)
-
-
-def _norm_prologue(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool):
-    """(h, sum, h2): the input of the projection and the extra outputs of the fused norm (empty when absent)."""
-    empty = x.new_empty(0)
-    if norm_weight is None:
-        return x, empty, empty
-    s = x if delta is None else _residual_sum(x, delta, delta2)
-    h = _rms(s, norm_weight, eps) if rms else layer_norm(s, norm_weight, norm_bias, eps)
-    h2 = empty if norm_weight2 is None else layer_norm(s, norm_weight2, norm_bias2, eps)
-    return h, (empty if delta is None else s), h2
 
 
 def int4_gemv(
