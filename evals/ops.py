@@ -96,10 +96,12 @@ def case_dual_layer_norm(tokens, arch, dtype, ops):
 
 
 def case_int4_linear(tokens, arch, dtype, ops):
-    """A GPTQ int4 g128 linear (the MLP's first projection) on `tokens` rows: ours (more than 8 rows: the weight
-    dequantized by our kernel, then cuBLAS; up to 8: the int4 GEMV) against the pure-torch dequantize-then-matmul."""
+    """A GPTQ int4 g128 linear (the MLP's first projection) at prefill (more than 8 rows): ours (the weight
+    dequantized by our kernel, then cuBLAS) against the pure-torch dequantize-then-matmul."""
     from patcher.ops import reference
 
+    if tokens <= 8:
+        return None  # up to 8 rows int4_linear is the int4 GEMV, measured by the decode-path "int4" rows
     H, inter = ARCHS[arch][:2]
     linear = _random_int4(H, [inter])
     x = _rand(tokens, H, dtype=dtype)
@@ -440,7 +442,10 @@ def main(argv=None) -> int:
     rows = []
     for op, arch, dtype, tokens, variant in tqdm(jobs, desc="ops", file=sys.stderr):
         if op in CASES:
-            fused, unfused, nbytes = CASES[op][0](tokens, arch, dtype, ops)
+            case = CASES[op][0](tokens, arch, dtype, ops)
+            if case is None:  # not measured at this token count
+                continue
+            fused, unfused, nbytes = case
             if tokens > 1:
                 fused_us = common.gpu_time_ms(fused, reps=args.reps, flush=True) * 1e3
                 unfused_us = common.gpu_time_ms(unfused, reps=args.reps, flush=True) * 1e3
