@@ -1,17 +1,18 @@
 // Decode attention over a static KV cache, reading only its filled part (flash-decoding, one kernel).
 //
-// Grid (splits, kv heads, batch). A block takes one kv head of one row and a contiguous share of the valid keys
-// pad[b] .. slot. The number of shares actually used is decided in the kernel from the device-side `slot`
-// (at most `splits`, and no share smaller than one block step of keys), so one captured CUDA graph serves every
-// step and context length, and short contexts do not pay for merging many near-empty partials. The block's
-// G = Hq / Hkv query heads all use each key it loads, so K and V are read once per kv head (GQA).
+// Grid (splits, kv heads x head groups, batch). A block takes one or two query heads of one kv head (GQA: the
+// group's heads, two at a time) of one row, and a contiguous share of the valid keys pad[b] .. slot. The number of
+// shares actually used is decided in the kernel from the device-side `slot` (at most `splits`, and no share
+// smaller than one block step of keys), so one captured CUDA graph serves every step and context length, and
+// short contexts do not pay for merging many near-empty partials. The block's G query heads all use each key it
+// loads; the other head groups of the same kv head read the same keys, mostly from L2.
 //
 // Inside a block, lane groups of D/8 lanes (padded to a power of two) each hold one key as 16-byte vectors. A step
 // loads UNROLL keys per group, scores them against the G queries (fp32, scaled by HF's head_dim^-0.5), and folds
 // them into a running softmax per head with one rescale per step. Groups are merged with shuffles within a warp and
 // through shared memory across warps. With
 // one share the block writes the output; otherwise each block writes its partial (max, sum, weighted V) and the
-// last block of the (row, kv head) to finish, found with an atomic counter that it resets, merges the partials.
+// last block of the (row, head group) to finish, found with an atomic counter that it resets, merges the partials.
 // Softmax and the weighted sum are fp32; the output is rounded to the dtype once.
 #include "common.cuh"
 
@@ -38,8 +39,12 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
 
   // slot and pad are read before the wait: the decode step writes them only between steps (slot) and before the
   // first (pad), never in the kernel just before this one, which is the only one that may still be running.
-  const int b = blockIdx.z, kvh = blockIdx.y, split = blockIdx.x;
-  const int G = static_cast<int>(p.num_q_heads / p.num_kv_heads);
+  // blockIdx.y: kv head and group of up to GMAX of its query heads (G of them in this block)
+  const int group_size = static_cast<int>(p.num_q_heads / p.num_kv_heads);
+  const int groups = (group_size + GMAX - 1) / GMAX;
+  const int b = blockIdx.z, kvh = blockIdx.y / groups, split = blockIdx.x;
+  const int head0 = kvh * group_size + static_cast<int>(blockIdx.y % groups) * GMAX;  // first query head here
+  const int G = group_size - (head0 - kvh * group_size) < GMAX ? group_size - (head0 - kvh * group_size) : GMAX;
   const int64_t last_key = *p.slot, start = p.pad[b];
   griddep_wait();
   griddep_launch_dependents();
@@ -63,7 +68,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
 #pragma unroll
     for (int j = 0; j < 8; ++j) q[g][j] = 0.f;
     if (g < G && active) {
-      load_vec<T, 8>(q[g], static_cast<const T*>(p.q) + ((b * p.num_q_heads + kvh * G + g) * D + d0));
+      load_vec<T, 8>(q[g], static_cast<const T*>(p.q) + ((b * p.num_q_heads + head0 + g) * D + d0));
 #pragma unroll
       for (int j = 0; j < 8; ++j) q[g][j] *= p.scale * kLog2e;  // scores in log2 units: exp2 below
     }
@@ -182,7 +187,6 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
     s_block_sum[g] = sum;
   }
   __syncthreads();
-  const int head0 = kvh * G;
   T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + head0) * D;
   float* partials = p.partials + ((static_cast<int64_t>(b) * p.num_q_heads + head0) * p.splits) * (D + 2);
   for (int i = threadIdx.x; i < G * D; i += kThreads) {
@@ -207,7 +211,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    const int done = atomicAdd(p.counters + b * p.num_kv_heads + kvh, 1);
+    const int done = atomicAdd(p.counters + b * p.num_q_heads + head0, 1);
     s_last = done == shares - 1;
   }
   __syncthreads();
@@ -244,19 +248,21 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
     for (int s = 0; s < kMaxSplits; ++s) weighted += s < shares ? values[s] * s_factor[g][s] : 0.f;
     out[i] = from_float<T>(weighted / s_denominator[g]);
   }
-  if (threadIdx.x == 0) p.counters[b * p.num_kv_heads + kvh] = 0;  // ready for the next launch
+  if (threadIdx.x == 0) p.counters[b * p.num_q_heads + head0] = 0;  // ready for the next launch
 }
 
 template <typename T, int D>
 cudaError_t launch_head_dim(const DecodeAttentionParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.num_kv_heads),
-                  static_cast<unsigned>(p.batch));
+  // A block serves at most two query heads of its kv head: with GQA (Llama 4, Qwen2 6 per kv head) more blocks share
+  // the keys, so a short context is not a long serial loop over heads in few blocks (Qwen2-1.5B has 2 kv heads);
+  // the group's other blocks read the same keys, mostly from L2.
   const int64_t group = p.num_q_heads / p.num_kv_heads;
-  if (group <= 1) return launch_pdl(decode_attention_kernel<T, D, 1>, grid, kThreads, 0, stream, p);
-  if (group <= 2) return launch_pdl(decode_attention_kernel<T, D, 2>, grid, kThreads, 0, stream, p);
-  if (group <= 4) return launch_pdl(decode_attention_kernel<T, D, 4>, grid, kThreads, 0, stream, p);
-  if (group <= 8) return launch_pdl(decode_attention_kernel<T, D, 8>, grid, kThreads, 0, stream, p);
-  return cudaErrorInvalidValue;
+  const int64_t per_block = group <= 1 ? 1 : 2;
+  const dim3 grid(static_cast<unsigned>(p.splits),
+                  static_cast<unsigned>(p.num_kv_heads * ((group + per_block - 1) / per_block)),
+                  static_cast<unsigned>(p.batch));
+  if (per_block == 1) return launch_pdl(decode_attention_kernel<T, D, 1>, grid, kThreads, 0, stream, p);
+  return launch_pdl(decode_attention_kernel<T, D, 2>, grid, kThreads, 0, stream, p);
 }
 
 }  // namespace

@@ -162,7 +162,7 @@ struct DecodeAttentionParams {
   float scale;
   int32_t splits;
   float* partials;    // [batch, Hq, splits, D + 2] workspace
-  int32_t* counters;  // [batch, Hkv] workspace, zero on entry and left zero
+  int32_t* counters;  // [batch, Hq] workspace (one per head group, at its first head), zero on entry and left zero
   void* out;          // [batch, Hq * D] contiguous
 };
 cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream);

@@ -333,7 +333,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   check_index(slot, 1, q, "slot");
   check_index(pad, B, q, "pad");
   TORCH_CHECK(splits >= 1 && splits <= 16, "patcher: splits must be in 1..16, got ", std::to_string(splits));
-  const int64_t counters = (B * Hkv + 63) / 64 * 64;
+  const int64_t counters = (B * Hq + 63) / 64 * 64;
   const int64_t needed = counters + B * Hq * splits * (D + 2);
   TORCH_CHECK(workspace.is_cuda() && workspace.device() == q.device() && workspace.scalar_type() == at::kInt &&
                   workspace.is_contiguous() && workspace.numel() >= needed,

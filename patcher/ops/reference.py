@@ -214,8 +214,9 @@ def decode_attention(q, k_cache, v_cache, slot, pad, scale: float, splits: int, 
 def decode_attention_workspace(
     batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, splits: int, device
 ) -> torch.Tensor:
-    """The zeroed scratch decode_attention needs: per-(row, kv head) counters, then the split partials."""
-    counters = (batch * num_kv_heads + 63) // 64 * 64
+    """The zeroed scratch decode_attention needs: per-(row, query head) counters (the CUDA kernel uses one per group
+    of heads it gives a block), then the split partials."""
+    counters = (batch * num_q_heads + 63) // 64 * 64
     return torch.zeros(counters + batch * num_q_heads * splits * (head_dim + 2), dtype=torch.int32, device=device)
 
 
