@@ -117,6 +117,25 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
+// Mean and 1/std of a norm's row, from the block's first-pass sum `acc` (of squares for RMSNorm, of values for
+// LayerNorm, already block-summed). LayerNorm's variance is a second pass over the row as staged at `row` (nvec
+// vectors of N, each thread reading back its own: mean first, as exact as torch's Welford). Shared by launch_norm
+// and the GEMV prologue.
+template <typename T, int N>
+__device__ __forceinline__ float2 row_stats(const T* row, int64_t nvec, float acc, float inv_n, float eps, bool rms,
+                                            float* scratch) {
+  if (rms) return make_float2(0.f, rsqrtf(acc * inv_n + eps));
+  const float mean = acc * inv_n;
+  float m2 = 0.f;
+  for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+    float s[N];
+    load_vec<T, N>(s, row + i * N);
+#pragma unroll
+    for (int k = 0; k < N; ++k) m2 += (s[k] - mean) * (s[k] - mean);
+  }
+  return make_float2(mean, rsqrtf(block_sum(m2, scratch) * inv_n + eps));
+}
+
 // Activations in fp32, with the formulas of torch's CUDA kernels (so that, rounded to the dtype, they agree).
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 

@@ -155,20 +155,8 @@ __device__ void stage_normalized(const GemvParams& p, const PrologueSource<T>& s
       for (int e = 0; e < V; ++e) acc += n.rms ? s[e] * s[e] : s[e];
     }
     acc = block_sum(acc, scratch);
-    float mean = 0.f, rstd;
-    if (n.rms) {
-      rstd = rsqrtf(acc * inv_k + n.eps);
-    } else {
-      mean = acc * inv_k;
-      float m2 = 0.f;
-      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
-        float s[V];
-        load_vec<T, V>(s, row + v * V);
-#pragma unroll
-        for (int e = 0; e < V; ++e) m2 += (s[e] - mean) * (s[e] - mean);
-      }
-      rstd = rsqrtf(block_sum(m2, scratch) * inv_k + n.eps);
-    }
+    const float2 stats = row_stats<T, V>(row, nvec, acc, inv_k, n.eps, n.rms, scratch);
+    const float mean = stats.x, rstd = stats.y;
     for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
       float s[V], y[V];
       load_vec<T, V>(s, row + v * V);

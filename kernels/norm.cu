@@ -46,20 +46,8 @@ __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
   const float inv_n = 1.f / static_cast<float>(p.hidden);
   acc = block_sum(acc, scratch);
 
-  float mean = 0.f, rstd;
-  if (RMS) {
-    rstd = rsqrtf(acc * inv_n + p.eps);
-  } else {
-    mean = acc * inv_n;
-    float m2 = 0.f;
-    for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
-      float s[VEC];
-      load_vec<T, VEC>(s, s_row + i * VEC);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) m2 += (s[k] - mean) * (s[k] - mean);
-    }
-    rstd = rsqrtf(block_sum(m2, scratch) * inv_n + p.eps);
-  }
+  const float2 stats = row_stats<T, VEC>(s_row, nvec, acc, inv_n, p.eps, RMS, scratch);
+  const float mean = stats.x, rstd = stats.y;
 
   // Pass 3: the outputs.
   T* out = static_cast<T*>(p.out) + row * p.hidden;
