@@ -55,6 +55,26 @@ class LayerStep:
     scale: float
     mlp_act: str  # the activation fused into the MLP's first linear: "silu_mul", "gelu" or "gelu_tanh"
     norms: tuple  # ((weight, bias, eps) of the input norm, (weight, bias, eps) of the post-attention norm)
+    separate_norms: tuple  # the same two norms as separate kernels: (x, delta, delta2) -> (h, sum, h2)
+
+
+def separate_norm(norm, add_norm):
+    """A norm of the patch plans (patcher/layers/norm.py) as (x, delta, delta2) -> (h, sum, h2): the decode step's
+    add + norm as its own kernel, where it is not a GEMV's prologue. sum is x without a delta; no h2."""
+    return lambda x, d, d2: (norm(x), x, None) if d is None else (*add_norm(x, d, d2), None)
+
+
+def separate_dual_norm(plan):
+    """GPT-NeoX's junction (both LayerNorms of one sum) from a layer's plan, as separate_norm returns it."""
+
+    def run(x, d, d2):
+        if d is None:
+            h, h2 = plan.dual_norm(x)
+            return h, x, h2
+        h, h2, total = plan.add_dual_norm(x, d, d2)
+        return h, total, h2
+
+    return run
 
 
 class StepState:
@@ -112,7 +132,9 @@ class DecodeRunner:
         def norm_params(norm) -> tuple:
             return norm.weight, getattr(norm, "bias", None), float(getattr(norm, spec.eps_attr))
 
-        self.final_norm = norm_params(getattr(base, spec.final_norm))
+        final_norm = getattr(base, spec.final_norm)
+        self.final_norm = norm_params(final_norm)
+        self.final_separate_norm = separate_norm(final_norm._patcher.norm, final_norm._patcher.add_norm)
         self.parallel = spec.flag(config, spec.parallel_residual)
         self.layers = []
         for layer in getattr(base, spec.layers):
@@ -122,7 +144,13 @@ class DecodeRunner:
             else:
                 mlp_act = "gelu_tanh" if getattr(mlp._patcher, "tanh", False) else "gelu"
             norms = (norm_params(getattr(layer, spec.input_norm)), norm_params(getattr(layer, spec.post_norm)))
-            self.layers.append(LayerStep(attention._patcher, mlp._patcher, float(attention.scaling), mlp_act, norms))
+            plan = layer._patcher
+            if self.parallel:
+                separate = (separate_dual_norm(plan), None)
+            else:
+                separate = (separate_norm(plan.norm, plan.add_norm), separate_norm(None, plan.post_add_norm))
+            step = LayerStep(attention._patcher, mlp._patcher, float(attention.scaling), mlp_act, norms, separate)
+            self.layers.append(step)
         self.ops = self.layers[0].attention.ops
         self.num_layers = len(self.layers)
         self.num_heads, self.num_kv_heads = spec.num_heads(config), spec.num_kv_heads(config)
@@ -175,36 +203,21 @@ class DecodeRunner:
     # Every linear that reads a norm's output takes that add + norm as its prologue (norm_gemv,
     # norm_gemv_rope_cache, int4_gemv, int4_qkv_rope_cache): the op gets the residual stream, the delta(s) to add
     # and the norm's parameters, and returns (out, sum, h2). Dense linears at 4-8 rows are cuBLAS, and on GPUs
-    # for hidden sizes above FUSED_NORM_MAX_HIDDEN the norm runs as its own kernel in front (_separate_norm),
-    # with the same results.
+    # for hidden sizes above FUSED_NORM_MAX_HIDDEN the norm runs as its own kernel in front (the patch plans' norm
+    # closures, LayerStep.separate_norms), with the same results.
     def _prologue(self, delta, delta2, norm, norm2=None) -> tuple:
         (w, b, eps), (w2, b2) = norm, (norm2[:2] if norm2 else (None, None))
         return (delta, delta2, w, b, w2, b2, eps, self.rms)
 
-    def _separate_norm(self, x, pro):
-        """(h, sum, h2) of a prologue as separate add + norm kernels (sum is x when there is no delta)."""
-        delta, delta2, w, b, w2, b2, eps, rms = pro
-        ops = self.ops
-        if rms:
-            return (ops.rms_norm(x, w, eps), x, None) if delta is None else (*ops.add_rms_norm(x, delta, w, eps), None)
-        if w2 is not None:  # GPT-NeoX's junction: both LayerNorms of one sum
-            if delta is None:
-                h, h2 = ops.dual_layer_norm(x, w, b, w2, b2, eps)
-                return h, x, h2
-            h, h2, total = ops.add_dual_layer_norm(x, delta, delta2, w, b, w2, b2, eps)
-            return h, total, h2
-        if delta is None:
-            return ops.layer_norm(x, w, b, eps), x, None
-        return (*ops.add_layer_norm(x, delta, delta2, w, b, eps), None)
-
-    def _norm_linear(self, x, pro, weight, bias, act: str, st: StepState, int4_linear=None):
-        """act(norm(x [+ deltas]) @ W^T + b) with its prologue fused where the kernels allow: (out, sum, h2)."""
+    def _norm_linear(self, x, pro, separate, weight, bias, act: str, st: StepState, int4_linear=None):
+        """act(norm(x [+ deltas]) @ W^T + b) with its prologue fused where the kernels allow, else the norm as
+        `separate` (a LayerStep.separate_norms entry): (out, sum, h2)."""
         if int4_linear is not None:
             return self.ops.int4_gemv(x, *pro, *int4_linear.args(), act, st.int4_splits[id(int4_linear)],
                                       st.int4_workspace)  # fmt: skip
         if st.fused_norms:
             return self.ops.norm_gemv(x, *pro, weight, bias, act)
-        h, total, h2 = self._separate_norm(x, pro)
+        h, total, h2 = separate(x, pro[0], pro[1])
         return self._linear(h, weight, bias, act, st), total, h2
 
     def _linear(self, h, weight, bias, act: str, st: StepState, int4_linear=None):
@@ -233,7 +246,7 @@ class DecodeRunner:
                                            st.int4_workspace)  # fmt: skip
         if st.fused_norms:
             return ops.norm_gemv_rope_cache(x, *pro, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)
-        h, total, h2 = self._separate_norm(x, pro)
+        h, total, h2 = layer.separate_norms[0](x, pro[0], pro[1])
         if not st.cublas:  # the GEMV with RoPE and the cache writes in its epilogue, no prologue
             no_norm = (None,) * 6 + (0.0, False)
             return ops.norm_gemv_rope_cache(h, *no_norm, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)[0], total, h2
@@ -269,11 +282,11 @@ class DecodeRunner:
                 attn = self._attention(layer, q, st, i)
                 pro = self._prologue(attn, None, post_norm)
                 inner, residual, _ = self._norm_linear(
-                    residual, pro, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4
+                    residual, pro, layer.separate_norms[1], m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4
                 )
                 delta, delta2 = self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4), None
         pro = self._prologue(delta, delta2, self.final_norm)
-        return self._norm_linear(residual, pro, self.lm_weight, self.lm_bias, "none", st)[0]
+        return self._norm_linear(residual, pro, self.final_separate_norm, self.lm_weight, self.lm_bias, "none", st)[0]
 
     def choose(self, logits: torch.Tensor, st: StepState, sampling: Sampling, has_eos: bool) -> torch.Tensor:
         """Next tokens from logits, HF's order of warpers (temperature, top-k, top-p); EOS bookkeeping."""
