@@ -338,14 +338,8 @@ def case_int4(batch, arch, dtype, ops, which):
             return ops.silu_and_mul(y) if act == "silu_mul" else (F.gelu(y) if act == "gelu" else y)
 
         return fused, [lambda w=w: unfused_call(w) for w in linears], nbytes
-    d = _rand(batch, k, dtype=dtype)
-    w1, b1 = _rand(k, dtype=dtype), _rand(k, dtype=dtype)
-    if gated:
-        pro = (d, None, w1, None, None, None, 1e-5, True)
-        separate_norm = lambda: ops.add_rms_norm(x, d, w1, 1e-5)[0]
-    else:  # Pythia: the whole parallel-residual junction, both LayerNorms (the second one is the MLP's input)
-        pro = (d, d, w1, b1, w1, b1, 1e-5, False)
-        separate_norm = lambda: ops.add_dual_layer_norm(x, d, d, w1, b1, w1, b1, 1e-5)[0]
+    # Pythia: the whole parallel-residual junction, both LayerNorms (the second one is the MLP's input)
+    pro, separate_norm = _norm_prologue(batch, k, arch, dtype, ops, x)
     rope = _rope_cache_args(batch, arch, dtype)
     fused = [lambda w=w: ops.int4_qkv_rope_cache(x, *pro, *w.args(), *rope, splits, workspace) for w in linears]
 
