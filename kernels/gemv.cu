@@ -22,10 +22,16 @@ size_t gemv_prologue_smem(const GemvParams& p, bool staged) {
 }
 
 size_t gemv_max_smem() {
-  int device = 0, optin = 0;
+  constexpr int kMaxDevices = 64;
+  static int optin[kMaxDevices] = {};  // per device, looked up once (the launch path calls this every time)
+  int device = 0;
   cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  return static_cast<size_t>(optin) - 1024;  // the kernel's static shared memory (partial sums, scratch) fits in 1 KB
+  int bytes = device < kMaxDevices ? optin[device] : 0;
+  if (bytes == 0) {
+    cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (device < kMaxDevices) optin[device] = bytes;  // the same value from any thread that races here
+  }
+  return static_cast<size_t>(bytes) - 1024;  // the kernel's static shared memory (partial sums, scratch) fits in 1 KB
 }
 
 cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream) {
@@ -36,6 +42,7 @@ cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream) {
   // The staged prologue needs 16-byte rows (the kernel takes it with its vectorized loads only) and the room.
   q.stage_inputs =
       p.norm.weight && p.k % (16 / element_size(p.dtype)) == 0 && gemv_prologue_smem(p, true) <= gemv_max_smem();
+  if (gemv_prologue_smem(q, q.stage_inputs) > gemv_max_smem()) return cudaErrorInvalidValue;
   switch (p.dtype) {
     case DType::kFloat16:
       return launch_gemv_half(q, stream);

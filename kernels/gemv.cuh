@@ -366,8 +366,7 @@ cudaError_t launch_kernel(const GemvParams& p, dim3 grid, cudaStream_t stream) {
     return launch_pdl(gemv_kernel<T, V, BMAX, ROWS, MODE, UNROLL, KSPLIT, false>, grid, dim3(kWarps * 32), 0, stream,
                       p);
   const auto kernel = gemv_kernel<T, V, BMAX, ROWS, MODE, UNROLL, KSPLIT, true>;
-  const size_t smem = gemv_prologue_smem(p, p.stage_inputs);
-  if (smem > gemv_max_smem()) return cudaErrorInvalidValue;
+  const size_t smem = gemv_prologue_smem(p, p.stage_inputs);  // launch_gemv checked that it fits
   if (smem + 1024 > 48 * 1024) {  // with the kernel's static shared memory, past the default limit
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
