@@ -43,8 +43,9 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   const int group_size = static_cast<int>(p.num_q_heads / p.num_kv_heads);
   const int groups = (group_size + GMAX - 1) / GMAX;
   const int b = blockIdx.z, kvh = blockIdx.y / groups, split = blockIdx.x;
-  const int head0 = kvh * group_size + static_cast<int>(blockIdx.y % groups) * GMAX;  // first query head here
-  const int G = group_size - (head0 - kvh * group_size) < GMAX ? group_size - (head0 - kvh * group_size) : GMAX;
+  const int first = static_cast<int>(blockIdx.y % groups) * GMAX;  // within the kv head's group
+  const int head0 = kvh * group_size + first;                      // first query head of this block
+  const int G = group_size - first < GMAX ? group_size - first : GMAX;
   const int64_t last_key = *p.slot, start = p.pad[b];
   griddep_wait();
   griddep_launch_dependents();

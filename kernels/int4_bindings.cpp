@@ -117,6 +117,14 @@ void check_int4_launch(cudaError_t err, const char* op) {
   check_launch(err, op);
 }
 
+// The decode ops' launch: `splits` K slices (checked against the shared x stage), the caller's workspace.
+void launch_split(patcher::Int4Params& p, int64_t splits, Tensor& workspace, const char* op) {
+  p.splits = static_cast<int32_t>(splits);
+  check_splits(p);
+  attach_workspace(p, workspace);
+  check_int4_launch(patcher::launch_int4_gemv(p, c10::cuda::getCurrentCUDAStream()), op);
+}
+
 patcher::Int4Params base_params(const Tensor& x, TensorList qweight, TensorList qzeros, TensorList scales,
                                 TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order,
                                 int64_t zero_offset) {
@@ -178,10 +186,7 @@ std::tuple<Tensor, Tensor, Tensor> int4_gemv(const Tensor& x, const OptTensor& d
   sizes.back() = n_out;
   Tensor out = at::empty(sizes, x.options());
   p.out = out.data_ptr();
-  p.splits = static_cast<int32_t>(splits);
-  check_splits(p);
-  attach_workspace(p, workspace);
-  check_int4_launch(patcher::launch_int4_gemv(p, c10::cuda::getCurrentCUDAStream()), "int4_gemv");
+  launch_split(p, splits, workspace, "int4_gemv");
   return {out, pro.sum, pro.h2};
 }
 
@@ -212,10 +217,7 @@ std::tuple<Tensor, Tensor, Tensor> int4_qkv_rope_cache(
   p.epilogue = patcher::kInt4RopeCache;
   p.act = patcher::kActNone;
   p.out = q.data_ptr();
-  p.splits = static_cast<int32_t>(splits);
-  check_splits(p);
-  attach_workspace(p, workspace);
-  check_int4_launch(patcher::launch_int4_gemv(p, c10::cuda::getCurrentCUDAStream()), "int4_qkv_rope_cache");
+  launch_split(p, splits, workspace, "int4_qkv_rope_cache");
   return {q, pro.sum, pro.h2};
 }
 
