@@ -107,3 +107,11 @@ def prologue_args(kind, batch, k, dtype):
         "layer": (None, None, w, b, None, None, 1e-5, False),
         "add2_dual_layer": (d, d2, w, b, w2, b2, 1e-5, False),
     }[kind]
+
+
+def rope_tables(shape, dtype):
+    """Random cos/sin tables [*shape, rotary] (shape's last entry: rotary // 2 angles), as HF's rotary embedding lays
+    them out (the angles twice), with large angles so that every rotation is exercised."""
+    angles = torch.randn(*shape, device="cuda") * 3
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -19,6 +19,7 @@ from conftest import (
     poison_cuda_cache,
     prologue_args,
     requires_cuda,
+    rope_tables,
 )
 
 from patcher.gptq import format as fmt
@@ -124,9 +125,7 @@ def test_int4_qkv_rope_cache(prologue, batch, arch, dtype):
     splits = int4_ops.splits_for(batch, lin, sms, head_dim=d)
     workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits, d), dtype=torch.int32, device="cuda")
     capacity = 48
-    angles = torch.randn(capacity, rot // 2, device="cuda") * 3
-    emb = torch.cat([angles, angles], dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = rope_tables((capacity, rot // 2), dtype)
     slot, pad = torch.tensor([29], device="cuda"), torch.arange(batch, device="cuda") * 5
     x, pro = prologue_args(prologue, batch, k, dtype)
     caches = [torch.randn(batch, hkv, capacity, d, device="cuda").to(dtype) for _ in range(2)]

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PROLOGUES, assert_within_torch_error, check_op, max_err, prologue_args, requires_cuda
+from conftest import (
+    PROLOGUES,
+    assert_within_torch_error,
+    check_op,
+    max_err,
+    prologue_args,
+    requires_cuda,
+    rope_tables,
+)
 
 pytestmark = requires_cuda
 
@@ -88,9 +96,7 @@ def test_rope_qkv(layout, arch, batch_tokens, dtype):
     hq, hkv, d, rot, interleaved = ROPE_ARCHS[arch]
     B, T = batch_tokens
     qkv = make((B, T, (hq + 2 * hkv) * d), dtype, layout)
-    angles = torch.randn(max(1, B), T, rot // 2, device="cuda") * 3
-    emb = torch.cat([angles, angles], dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = rope_tables((max(1, B), T, rot // 2), dtype)
     check_op("rope_qkv", (qkv, cos, sin, hq, hkv, d, interleaved), exact_outputs=(0, 1, 2))
 
 
@@ -263,9 +269,7 @@ def test_rope_qkv_cache(batch, arch, dtype):
     hq, hkv, d, rot, interleaved = ROPE_ARCHS[arch]
     capacity = 64
     qkv = make((batch, (hq + 2 * hkv) * d), dtype)
-    angles = torch.randn(capacity, rot // 2, device="cuda") * 3
-    emb = torch.cat([angles, angles], dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = rope_tables((capacity, rot // 2), dtype)
     slot = torch.tensor([37], device="cuda")
     pad = torch.arange(batch, device="cuda") * 5
     caches = [make((batch, hkv, capacity, d), dtype) for _ in range(2)]
@@ -310,9 +314,7 @@ def test_norm_gemv_rope_cache(prologue, batch, arch, dtype):
     x, pro = prologue_args(prologue, batch, k, dtype)
     w = make((n, k), dtype, scale=k**-0.5)
     bias = make((n,), dtype) if arch == "qwen2-1.5b" else None
-    angles = torch.randn(capacity, rot // 2, device="cuda") * 3
-    emb = torch.cat([angles, angles], dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = rope_tables((capacity, rot // 2), dtype)
     slot, pad = torch.tensor([37], device="cuda"), torch.arange(batch, device="cuda") * 5
     caches = [make((batch, hkv, capacity, d), dtype) for _ in range(2)]
     low, ref = [c.clone() for c in caches], [c.double() for c in caches]
