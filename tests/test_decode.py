@@ -147,6 +147,36 @@ def test_cuda_runner_fp32_greedy_matches_hf(name, fused_norms, monkeypatch):
     assert torch.equal(got, expected)
 
 
+def one_and_two_stream_tokens(model, ids, mask, monkeypatch) -> dict:
+    """Greedy tokens of the graph-captured decode with GPT-NeoX's MLP on the main stream and on its branch stream."""
+    from patcher.decode import runner as runner_module
+
+    tokens = {}
+    for branch in (False, True):
+        monkeypatch.setattr(runner_module, "PARALLEL_BRANCH", branch)
+        runner = DecodeRunner(model)
+        assert runner.branch_stream is not None
+        tokens[branch] = runner.generate(ids, mask, 40, Sampling(), eos=[], pad_token_id=0)
+    return tokens
+
+
+@requires_cuda
+@pytest.mark.parametrize("fused_norms", [True, False])
+def test_mlp_branch_stream_changes_no_result(fused_norms, monkeypatch):
+    """GPT-NeoX's MLP on a second stream, beside the attention, only reorders work: the tokens equal those of the
+    one-stream step, with the norms in the GEMVs' prologues (each branch computing its own LayerNorm) and as a
+    separate kernel."""
+    from patcher.decode import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "FUSED_NORM_MAX_HIDDEN", 1 << 20 if fused_norms else 0)
+    model = rm.build("tiny-pythia", dtype=torch.float16, device="cuda")
+    model.generation_config.eos_token_id = None
+    patch_model(model)
+    ids, mask = prompt(model, 3, 11, device="cuda", pad_rows=((0, 3),))
+    tokens = one_and_two_stream_tokens(model, ids, mask, monkeypatch)
+    assert torch.equal(tokens[True], tokens[False])
+
+
 @requires_cuda
 def test_graph_sampling_reproducible_and_eos():
     model = rm.build("tiny-llama", dtype=torch.float16, device="cuda")

@@ -217,6 +217,20 @@ def test_int4_model_on_the_gpu(name, dtype, act_order, tmp_path):
         assert torch.equal(graph, eager)
 
 
+@requires_cuda
+def test_int4_mlp_branch_stream_changes_no_result(tmp_path, monkeypatch):
+    """int4 GPT-NeoX with its MLP on a second stream (with its own K-split workspace): tokens equal the one-stream
+    step's."""
+    from test_decode import one_and_two_stream_tokens
+
+    model = gptq_model("tiny-pythia", tmp_path, False, dtype=torch.float16, device="cuda")
+    model.generation_config.eos_token_id = None
+    patch_model(model)
+    ids = torch.randint(3, 500, (3, 13), device="cuda")
+    tokens = one_and_two_stream_tokens(model, ids, torch.ones_like(ids), monkeypatch)
+    assert torch.equal(tokens[True], tokens[False])
+
+
 @pytest.mark.skipif(smollm2_gguf() is None or wikitext_path() is None, reason="needs the SmolLM2 GGUF and WikiText")
 def test_smollm2_int4_g128(tmp_path):
     """The trained SmolLM2 packed to int4 g128: loads, matches its dequantized reference, and stays a language model."""

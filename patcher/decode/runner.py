@@ -9,6 +9,10 @@
 On CUDA the step is captured once per batch size and cache size and replayed for every token: one host call per
 token, no host sync (the loop checks for EOS every few steps). The cache position lives in a device tensor, so
 the same graph serves every step. On the CPU (tests, reference backend) the same step runs eagerly.
+
+GPT-NeoX's parallel residual makes the MLP independent of the attention (both read LayerNorms of the same sum), so
+on CUDA its two GEMVs run on a second stream, beside QKV -> attention -> output projection (the graph captures the
+two as parallel branches): HBM keeps streaming MLP weights while the attention, which reads little, runs.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ FUSED_NORM_MAX_HIDDEN = 1024
 MIN_CAPACITY = 256
 MAX_EOS_IDS = 8
 MAX_SPLITS = 16  # decode_attention merges at most this many partial softmaxes per (row, kv head)
+# GPT-NeoX parallel residual: the MLP on a branch stream, concurrent with the attention (module docstring).
+# Measured on an H100 (fp16, batch 1, one process): Pythia-2.8B 2.51 -> 2.22 ms a token, Pythia-6.9B 5.30 -> 4.73,
+# int4 Pythia-2.8B 2.12 -> 1.92.
+PARALLEL_BRANCH = True
 
 
 @dataclass
@@ -100,20 +108,22 @@ class StepState:
             batch, runner.num_heads, runner.num_kv_heads, runner.head_dim, self.splits, dev
         )
         self.cos, self.sin = runner.rope_tables(capacity)
-        # GPTQ int4 linears: K splits per linear for this batch size, and one workspace the step's kernels share
-        # (each leaves its counters zero, and they run one after another on one stream).
+        # GPTQ int4 linears: K splits per linear for this batch size, and one workspace the kernels of one stream
+        # share (each leaves its counters zero, and they run one after another); the branch stream has its own.
         self.int4_splits = {key: runner.int4_splits(batch, lin, head) for key, (lin, head) in runner.int4.items()}
         sizes = [
             int4.workspace_numel(batch, lin, self.int4_splits[key], head) for key, (lin, head) in runner.int4.items()
         ]
         self.int4_workspace = torch.zeros(max(sizes, default=0), dtype=torch.int32, device=dev)
+        branch_size = max(sizes, default=0) if runner.branch_stream is not None else 0
+        self.branch_int4_workspace = torch.zeros(branch_size, dtype=torch.int32, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_sampling: Sampling | None = None
         self.graph_has_eos = False
 
     @property
     def nbytes(self) -> int:
-        buffers = (self.k, self.v, self.tokens, self.workspace, self.int4_workspace)
+        buffers = (self.k, self.v, self.tokens, self.workspace, self.int4_workspace, self.branch_int4_workspace)
         return sum(t.numel() * t.element_size() for t in buffers)
 
 
@@ -166,6 +176,9 @@ class DecodeRunner:
             for lin, head in ((a.qkv_int4, self.head_dim), (a.out_int4, None), (m.in_int4, None), (m.out_int4, None)):
                 if lin is not None:
                     self.int4[id(lin)] = (lin, head)
+        # GPT-NeoX's MLP stream (module docstring).
+        concurrent = self.device.type == "cuda" and self.parallel
+        self.branch_stream = torch.cuda.Stream(self.device) if concurrent else None
         self.states: dict[int, StepState] = {}  # batch size -> buffers (and graph), grown on demand
 
     # ---- setup ------------------------------------------------------------------------------------------------
@@ -220,12 +233,14 @@ class DecodeRunner:
         h, total, h2 = separate(x, pro[0], pro[1])
         return self._linear(h, weight, bias, act, st), total, h2
 
-    def _linear(self, h, weight, bias, act: str, st: StepState, int4_linear=None):
-        """x @ W^T (+ b) with the MLP activation: our GEMV (epilogue fused), or cuBLAS then the activation."""
+    def _linear(self, h, weight, bias, act: str, st: StepState, int4_linear=None, workspace=None):
+        """x @ W^T (+ b) with the MLP activation: our GEMV (epilogue fused), or cuBLAS then the activation.
+        `workspace`: the int4 workspace of the stream it runs on (default: the main stream's)."""
         if int4_linear is not None:
             none = (None,) * 6 + (0.0, False)
+            workspace = st.int4_workspace if workspace is None else workspace
             return self.ops.int4_gemv(h, *none, *int4_linear.args(), act, st.int4_splits[id(int4_linear)],
-                                      st.int4_workspace)[0]  # fmt: skip
+                                      workspace)[0]  # fmt: skip
         if not st.cublas:
             return self.ops.gemv(h, weight, bias, act)
         y = F.linear(h, weight, bias)
@@ -235,23 +250,56 @@ class DecodeRunner:
             return F.gelu(y, approximate="tanh" if act == "gelu_tanh" else "none")
         return y
 
+    @staticmethod
+    def _qkv_takes_norm(layer: LayerStep, st: StepState) -> bool:
+        """Whether the QKV op computes the input norm in its prologue (int4, or dense with fused norms)."""
+        return layer.attention.qkv_int4 is not None or st.fused_norms
+
     def _qkv(self, layer: LayerStep, index: int, x, pro, st: StepState):
         """The attention prologue: [add +] norm -> QKV -> RoPE -> K/V into the cache slot; returns (q, sum, h2).
         One kernel for int4 and for dense at 1-3 rows; cuBLAS between the norm and rope_qkv_cache at 4-8."""
         a, ops = layer.attention, self.ops
-        rope = (st.cos, st.sin, st.slot, st.pad, st.k[index], st.v[index], a.num_heads, a.num_kv_heads, a.head_dim)
+        if not self._qkv_takes_norm(layer, st):
+            h, total, h2 = layer.separate_norms[0](x, pro[0], pro[1])
+            return self._qkv_rope(layer, index, h, st), total, h2
+        rope = self._rope_args(layer, index, st)
         if a.qkv_int4 is not None:
             lin = a.qkv_int4
             return ops.int4_qkv_rope_cache(x, *pro, *lin.args(), *rope, a.interleaved, st.int4_splits[id(lin)],
                                            st.int4_workspace)  # fmt: skip
-        if st.fused_norms:
-            return ops.norm_gemv_rope_cache(x, *pro, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)
-        h, total, h2 = layer.separate_norms[0](x, pro[0], pro[1])
+        return ops.norm_gemv_rope_cache(x, *pro, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)
+
+    def _qkv_rope(self, layer: LayerStep, index: int, h, st: StepState):
+        """QKV -> RoPE -> K/V into the cache slot from the norm's output h (dense); returns q."""
+        a, ops = layer.attention, self.ops
+        rope = self._rope_args(layer, index, st)
         if not st.cublas:  # the GEMV with RoPE and the cache writes in its epilogue, no prologue
             no_norm = (None,) * 6 + (0.0, False)
-            return ops.norm_gemv_rope_cache(h, *no_norm, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)[0], total, h2
+            return ops.norm_gemv_rope_cache(h, *no_norm, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)[0]
         qkv = self._linear(h, a.qkv_weight, a.qkv_bias, "none", st)
-        return ops.rope_qkv_cache(qkv, *rope, a.interleaved), total, h2
+        return ops.rope_qkv_cache(qkv, *rope, a.interleaved)
+
+    @staticmethod
+    def _rope_args(layer: LayerStep, index: int, st: StepState) -> tuple:
+        a = layer.attention
+        return st.cos, st.sin, st.slot, st.pad, st.k[index], st.v[index], a.num_heads, a.num_kv_heads, a.head_dim
+
+    def _parallel_mlp(self, layer: LayerStep, h, st: StepState, stream):
+        """GPT-NeoX's MLP on h = ln2(x), queued on `stream` unless it is None: it then runs beside the attention
+        path, and logits() joins the stream before the MLP's output is read. h and the output stay referenced until
+        after that join, so neither stream reuses their memory while the other may still use it."""
+        m = layer.mlp
+        if stream is None:
+            inner = self._linear(h, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4)
+            return self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4)
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # after the work queued so far
+        with torch.cuda.stream(stream):
+            inner = self._linear(h, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4, st.branch_int4_workspace)
+            return self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4, st.branch_int4_workspace)
+
+    def _join(self, stream) -> None:
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def _attention(self, layer: LayerStep, q, st: StepState, index: int):
         """Attention over the cache and the output projection."""
@@ -267,15 +315,25 @@ class DecodeRunner:
         output(s) into the residual as part of its norm prologue, and the final norm's add is the lm_head's."""
         x = self.embed(st.tokens.index_select(1, st.slot).squeeze(1))
         residual, delta, delta2 = x, None, None
+        branch = self.branch_stream if PARALLEL_BRANCH else None
         for i, layer in enumerate(self.layers):
             m = layer.mlp
             norm, post_norm = layer.norms
-            if self.parallel:  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)); ln2(x) comes out of the QKV op as h2
-                q, total, h_mlp = self._qkv(layer, i, residual, self._prologue(delta, delta2, norm, post_norm), st)
+            if self.parallel:  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)), the MLP beside the attention path
+                # (Each branch's first GEMV taking the adds and its own LayerNorm as prologue, so that both start at
+                # once without the norm kernel, measured slower on the H100: Pythia-2.8B 2.22 -> 2.33 ms.)
+                if self._qkv_takes_norm(layer, st):  # ln2(x) comes out of the QKV op as h2
+                    pro = self._prologue(delta, delta2, norm, post_norm)
+                    q, total, h_mlp = self._qkv(layer, i, residual, pro, st)
+                    mlp_out = self._parallel_mlp(layer, h_mlp, st, branch)
+                else:  # the norm kernel first, so that the MLP starts beside the QKV GEMV
+                    h, total, h_mlp = layer.separate_norms[0](residual, delta, delta2)
+                    mlp_out = self._parallel_mlp(layer, h_mlp, st, branch)
+                    q = self._qkv_rope(layer, i, h, st)
                 residual = residual if delta is None else total
                 attn = self._attention(layer, q, st, i)
-                inner = self._linear(h_mlp, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4)
-                delta, delta2 = attn, self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4)
+                self._join(branch)
+                delta, delta2 = attn, mlp_out
             else:
                 q, total, _ = self._qkv(layer, i, residual, self._prologue(delta, None, norm), st)
                 residual = residual if delta is None else total
