@@ -38,6 +38,8 @@ def test_perplexity_tiny_random_model(tmp_path, text_file, capsys):
             "128",
             "--json",
             str(out),
+            "--device",
+            "cpu",  # these are the CPU runs of the tools (the reference backend), on any machine
         ]
     )
     assert code == 0
@@ -80,6 +82,8 @@ def test_tpot_tiny_model_with_sweep_plot(tmp_path, capsys):
             "16,32",
             "--json",
             str(out),
+            "--device",
+            "cpu",  # these are the CPU runs of the tools (the reference backend), on any machine
         ]
     )
     assert code == 0
@@ -96,7 +100,7 @@ def test_tpot_tiny_model_with_sweep_plot(tmp_path, capsys):
 
 def test_tpot_rejects_compiled_modes_on_cpu():
     with pytest.raises(SystemExit):
-        tpot.main(["--random-config", "tiny-llama", "--modes", "hf-static-compiled"])
+        tpot.main(["--random-config", "tiny-llama", "--modes", "hf-static-compiled", "--device", "cpu"])
 
 
 @pytest.mark.skipif(smollm2_gguf() is None or TEXT is None, reason="needs the SmolLM2 GGUF and WikiText")
@@ -116,6 +120,8 @@ def test_perplexity_smollm2_on_a_wikitext_slice(tmp_path):
             "512",
             "--json",
             str(out),
+            "--device",
+            "cpu",  # these are the CPU runs of the tools (the reference backend), on any machine
         ]
     )
     assert code == 0
