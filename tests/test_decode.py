@@ -164,8 +164,8 @@ def one_and_two_stream_tokens(model, ids, mask, monkeypatch) -> dict:
 @pytest.mark.parametrize("fused_norms", [True, False])
 def test_mlp_branch_stream_changes_no_result(fused_norms, monkeypatch):
     """GPT-NeoX's MLP on a second stream, beside the attention, only reorders work: the tokens equal those of the
-    one-stream step, with the norms in the GEMVs' prologues (each branch computing its own LayerNorm) and as a
-    separate kernel."""
+    one-stream step, with the norms in the QKV GEMV's prologue (the MLP branch then starts after it, from its h2)
+    and as a separate kernel (the branch starts after the norm kernel)."""
     from patcher.decode import runner as runner_module
 
     monkeypatch.setattr(runner_module, "FUSED_NORM_MAX_HIDDEN", 1 << 20 if fused_norms else 0)

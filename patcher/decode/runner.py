@@ -292,13 +292,13 @@ class DecodeRunner:
         path, and logits() joins the stream before the MLP's output is read. h and the output stay referenced until
         after that join, so neither stream reuses their memory while the other may still use it."""
         m = layer.mlp
-        if stream is None:
-            inner = self._linear(h, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4)
-            return self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4)
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # after the work queued so far
-        with torch.cuda.stream(stream):
-            inner = self._linear(h, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4, st.branch_int4_workspace)
-            return self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4, st.branch_int4_workspace)
+        workspace = st.int4_workspace
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # after the work queued so far
+            workspace = st.branch_int4_workspace
+        with torch.cuda.stream(stream):  # None: a no-op, the work stays on the current stream
+            inner = self._linear(h, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4, workspace)
+            return self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4, workspace)
 
     def _join(self, stream) -> None:
         if stream is not None:
