@@ -26,7 +26,14 @@ __global__ void __launch_bounds__(256) int4_dequantize_kernel(const Int4DequantP
 
 }  // namespace
 
-int64_t int4_tile_width(const Int4Params& p) { return p.epilogue == kInt4RopeCache ? p.rope.head_dim : 128; }
+int64_t int4_tile_width(const Int4Params& p) {
+  if (p.epilogue != kInt4RopeCache) return 128;
+  // Whole heads, in whole warps of the tensor-core kernel where that stays within one block (80-wide heads: 160).
+  const int64_t head = p.rope.head_dim;
+  int64_t width = head;
+  while (width % 32) width += head;
+  return width <= kThreads ? width : head;
+}
 
 int64_t int4_tiles(const Int4Params& p) {
   const int64_t width = int4_tile_width(p);

@@ -185,7 +185,7 @@ constexpr int kInt4MaxSegments = 3;
 //   kInt4Store:    out[b, col] = act(round(x.w) + bias)            (act from GemvAct: none, gelu, gelu_tanh)
 //   kInt4SiluMul:  out[b, col] = silu(gate) * up                   (two segments of equal width: gate, up)
 //   kInt4RopeCache: the decode-step attention prologue of rope_qkv_cache: q [batch, Hq, D] with RoPE, K/V into
-//                  k_cache/v_cache at `slot` (tiles are one head wide)
+//                  k_cache/v_cache at `slot` (tiles are whole heads)
 enum Int4Epilogue : int32_t { kInt4Store = 0, kInt4SiluMul = 1, kInt4RopeCache = 2 };
 
 // x [batch, k] (batch 1..8), or, with the norm prologue, the residual stream from which x is computed in the kernel
@@ -213,7 +213,8 @@ struct Int4Params {
   int32_t* counters;  // [tiles]
   float* partials;    // [splits, batch, sum of n]
 };
-// Column tile width: one head for kInt4RopeCache, else 128 (the Python side sizes the workspace with the same rule).
+// Column tile width: 128, or for kInt4RopeCache the fewest whole heads that make whole warps (one head where that
+// exceeds 256 columns). The Python side (patcher/ops/int4.py) sizes the workspace with the same rule.
 int64_t int4_tile_width(const Int4Params& p);
 int64_t int4_tiles(const Int4Params& p);
 cudaError_t launch_int4_gemv(const Int4Params& p, cudaStream_t stream);

@@ -2,12 +2,18 @@
 
 The weights of the reference are exactly the dequantized fp16 checkpoint weights (the kernels form each weight
 with the reference's fp16 rounding), so the float64 reference is the exact product of what the checkpoint means.
-Covered: group sizes 32/128/one group, act-order, GPTQ v1/v2 zero points, batch 1-8 (and 83 rows: the
-dequantize + cuBLAS path), odd widths, fp16/bf16/fp32 activations, every prologue (none, RMSNorm, add + RMSNorm,
-LayerNorm with one or two deltas and two outputs) and epilogue (none, GELU, SwiGLU, RoPE into the cache), K splits.
+Covered: group sizes 16/32/128/one group, act-order, GPTQ v1/v2 zero points, batch 1-8 (and 83 rows: the
+dequantize + cuBLAS path), odd widths and K, fp16/bf16/fp32 activations, every prologue (none, RMSNorm, add +
+RMSNorm, LayerNorm with one or two deltas and two outputs) and epilogue (none, GELU, SwiGLU, RoPE into the cache),
+K splits, heads of 64/72/80/128. fp16/bf16 without act-order take the tensor-core kernel (kernels/int4_mma.cuh) where
+the group size is a multiple of 32 and the heads tile into whole warps; the rest take the CUDA-core kernel.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -69,6 +75,8 @@ def gptq_linear(k, widths, group_size=128, act_order=False, bias=False, version=
         (576, [576, 192, 192], 32, False),  # SmolLM2 q/k/v side by side
         (1536, [264], -1, False),  # one group, a width that is not a multiple of the tile
         (1024, [520, 1040], 64, True),  # act-order, two segments
+        (1064, [200], 128, False),  # K not a multiple of 32 (a last group of 40), a partly filled warp of columns
+        (512, [264], 16, False),  # a group of 16: the CUDA-core kernel for every dtype
     ],
 )
 def test_int4_linear(k, widths, group_size, act_order, rows, dtype):
@@ -87,7 +95,7 @@ def test_int4_linear_zero_point_formats(version):
 @pytest.mark.parametrize("batch", [1, 2, 5, 8])
 @pytest.mark.parametrize("prologue", PROLOGUES)
 @pytest.mark.parametrize("activation", ["none", "gelu", "gelu_tanh", "silu_mul"])
-@pytest.mark.parametrize("shape,splits", [((2560, 2560), None), ((1024, 1400), 1), ((2048, 512), 7)])
+@pytest.mark.parametrize("shape,splits", [((2560, 2560), None), ((1024, 1400), 1), ((2048, 512), 7), ((1064, 200), 3)])
 def test_int4_gemv(shape, splits, activation, prologue, batch, dtype):
     k, n = shape
     widths = [n, n] if activation == "silu_mul" else [n]
@@ -107,6 +115,7 @@ ARCHS = {  # heads q, kv, head_dim, rotary dim, interleaved, q/k/v as separate s
     "llama-8b-gqa": (32, 8, 128, 128, False, True, False),
     "qwen2-1.5b": (12, 2, 128, 128, False, True, True),
     "smollm2": (9, 3, 64, 64, False, True, False),
+    "head-72": (6, 2, 72, 36, False, True, False),  # no whole-warp tile of whole heads: the CUDA-core kernel
 }
 
 
@@ -172,3 +181,23 @@ def test_int4_opcheck_and_bad_inputs(kernels):
         kernels.int4_gemv(x, *none, *args, "none", 2, workspace[:10])
     with pytest.raises(RuntimeError, match="silu_mul"):
         kernels.int4_gemv(x, *none, *gptq_linear(256, [128], 64).args(), "silu_mul", 2, workspace)
+
+
+def test_cuda_core_kernel_switch():
+    """PATCHER_INT4_CUDA_CORES=1 (read once per process) keeps fp16/bf16 on the CUDA-core kernel, which then only
+    runs fp32, act-order and odd group sizes here: its decode tests for fp16 and bf16 (dtype0, dtype1) pass in a
+    process of their own."""
+    if os.environ.get("PATCHER_INT4_CUDA_CORES") == "1":
+        pytest.skip("this is the process the switch is tested in")
+    env = {**os.environ, "PATCHER_INT4_CUDA_CORES": "1"}
+    selection = "(test_int4_gemv or test_int4_qkv_rope_cache) and (dtype0 or dtype1)"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout.splitlines()[-1]

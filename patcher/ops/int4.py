@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 MAX_SEGMENTS = 3
-TILE = 128  # output columns per block of the int4 kernels (one head when RoPE follows): kernels/int4.cu
+TILE = 128  # output columns per block of the int4 kernels (whole heads when RoPE follows: tile_width)
 STAGE_FLOATS = 8192  # batch x K/splits limit of the kernel's shared x stage
 
 
@@ -88,29 +88,39 @@ def from_modules(modules) -> Int4Linear:
     )
 
 
+def tile_width(head_dim: int | None = None) -> int:
+    """Output columns per block, as kernels/int4.cu's int4_tile_width: 128, or with RoPE (head_dim given) the
+    fewest whole heads that make whole warps of 32 columns, or one head where that would exceed 256 columns."""
+    if head_dim is None:
+        return TILE
+    width = head_dim
+    while width % 32:
+        width += head_dim
+    return width if width <= 256 else head_dim
+
+
 def tiles(linear: Int4Linear, head_dim: int | None = None) -> int:
-    width = head_dim or TILE
+    width = tile_width(head_dim)
     return sum(math.ceil(n / width) for n in linear.widths)
 
 
 def block_threads(tile_width: int) -> int:
-    """Threads of one int4 decode block, as kernels/int4_gemv.cuh's launch_batch picks them: 4 columns per
-    thread across the tile, runs of qweight rows down to whole warps within 256 threads."""
-    cols = math.ceil(tile_width / 4)
-    runs = 256 // cols
-    while cols * runs % 32:
-        runs -= 1
-    return cols * runs
+    """Threads of one int4 decode block, as the CUDA-core kernel (kernels/int4_gemv.cuh) picks them: 4 columns
+    per thread across the tile in whole eighths of a warp, runs of qweight rows in fours, within 256 threads.
+    The tensor-core kernel's column warps times runs (kernels/int4_mma.cuh) come to the same count for every
+    tile it takes. 0 for a tile wider than 256 columns (heads over 256 wide: the kernels reject them)."""
+    cols = math.ceil(math.ceil(tile_width / 4) / 8) * 8
+    return cols * (256 // cols // 4 * 4)
 
 
 def splits_for(batch: int, linear: Int4Linear, multiprocessors: int, head_dim: int | None = None) -> int:
     """K slices for the decode-step kernels: no more blocks than the SMs hold at once, so that every block runs
     in the first wave (a block left for a second wave pays its whole chain of load, reduce and epilogue again);
     at least 16 qweight rows per block; within the kernel's shared x stage. The launch bounds guarantee 2 blocks
-    of 256 threads per SM (128 registers a thread), so a narrower block (Pythia's 80-wide heads: 160 threads)
-    fits 512 // threads of them: 3, measured 18.3 -> 14.9 us for Pythia's fused QKV on the H100."""
+    of 256 threads per SM (128 registers a thread), so a narrower block (Pythia's tiles of two 80-wide heads:
+    160 threads) fits 512 // threads of them: 3, measured 18.3 -> 14.9 us for Pythia's fused QKV on the H100."""
     rows = linear.in_features // 8
-    resident = 512 // block_threads(head_dim or TILE)
+    resident = 512 // max(1, block_threads(tile_width(head_dim)))
     splits = max(1, min(max(1, rows // 16), resident * multiprocessors // tiles(linear, head_dim)))
     while batch * math.ceil(rows / splits) * 8 > STAGE_FLOATS:
         splits += 1

@@ -1,0 +1,195 @@
+// The tensor-core GPTQ int4 decode kernel: fp16/bf16 activations, groups of a multiple of 32 k, no act-order.
+//
+// Why tensor cores for a matrix-vector product: on CUDA cores every weight costs its dequantization plus one FMA
+// per row of x, so the cost grows with the batch. Here mma.sync m16n8k16 (fp32 accumulation) takes 16 output
+// columns x 16 k of dequantized weights (A) against 16 k x 8 rows of x (B; rows past the batch are zeros), so one
+// instruction serves the whole batch and a weight costs its dequantization alone. Measured on the H100 against the
+// CUDA-core kernel (PATCHER_INT4_CUDA_CORES=1, one machine, one session): batch 4 and 8 1.2-1.9x faster
+// (Llama-3.1-8B gate/up 83.9 -> 54.7 us at batch 4, 148 -> 76 us at batch 8); batch 1 about even (whole-model
+// decode 3-4% faster).
+//
+// What batch 1 is still short of, measured: both kernels reach about 40% of HBM bandwidth on large matrices
+// (1.2 TB/s for a 29 MB matrix whatever its shape: 57 KB or 1.8 KB qweight rows alike, so not DRAM locality).
+// ncu stall sampling puts the warps on long-scoreboard waits for the weight chunks (8 steps ahead) and the group
+// parameters (1 group ahead). Tried and dropped: a 16-stage cp.async ring in shared memory for the chunks and a
+// 4-groups-ahead cp.async ring for the parameters (the stalls moved, the time did not: large matrices 5-10%
+// faster, small ones 10-20% slower, whole-model decode slower); 256-column tiles (no change).
+//
+// Layout. A warp owns 32 columns of the tile. In each step lane 4g + q loads the 16-byte chunk at qweight row
+// r0 + q, columns 4g .. 4g + 3 of the warp's 32, so a warp step is 4 rows x 32 columns (four 128-byte row
+// segments). The lane dequantizes its chunk exactly as the reference does (round_fp16(s * (q - z)); for bf16
+// activations then the reference's cast to bf16) into the pairs (k0,k4) (k1,k5) (k2,k6) (k3,k7) that the 0x6400
+// trick yields, and those pairs are its A fragments as they are: in MMA (h, jj), A row g is column 4g + 2h and
+// row g + 8 is column 4g + 2h + 1 (h picks 2 of the lane's 4 columns); k slots (2q, 2q+1) are pair 2jj of row
+// r0 + q and (2q+8, 2q+9) pair 2jj + 1. The order of k inside an MMA is free as long as B follows it, so x is
+// staged in shared memory with every 8 k stored in that pair order, and one 16-byte shared load gives a lane
+// its four B fragments (B column g = batch row g). The C fragments are columns x batch rows: lane (g, q) ends with
+// column 4g + 2h (c0, c1) and column 4g + 2h + 1 (c2, c3), for batch rows 2q and 2q + 1.
+//
+// A block's warps are its tile's column warps times runs of the K slice (in whole steps of 4 rows); the runs and
+// the slices meet as in the CUDA-core kernel (int4_tile.cuh: finish_tile).
+#pragma once
+#include <type_traits>
+
+#include "int4_tile.cuh"
+
+namespace patcher {
+namespace {
+
+constexpr int kMmaPreload = 8;  // 16-byte qweight chunks in flight per lane
+
+// qweight rows per K slice: whole steps of 4 rows, so that every lane's rows stay 4 apart across slices and runs.
+__host__ __device__ inline int64_t mma_rows_per_split(int64_t rows, int64_t splits) {
+  return ((rows + splits - 1) / splits + 3) / 4 * 4;
+}
+
+// Whether the tensor-core kernel takes this op (launch_int4_gemv_typed checks the dtype): groups of whole steps
+// (a lane's rows, 4 apart, then meet every group in turn) and tiles of whole warps.
+inline bool mma_applies(const Int4Params& p) {
+  const int64_t width = int4_tile_width(p);
+  return !p.act_order && p.group_size % 32 == 0 && width % 32 == 0 && width <= kThreads;
+}
+
+// Weights j and j + 4 of a word as the A operand's two halves, in T.
+template <typename T>
+__device__ __forceinline__ uint32_t weight_pair(uint32_t word, int j, __half2 zero1024, __half2 scale) {
+  const __half2 w = dequantize_pair(word, j, zero1024, scale);
+  uint32_t bits;
+  if constexpr (std::is_same_v<T, __half>) {
+    memcpy(&bits, &w, 4);
+  } else {
+    const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(w));
+    memcpy(&bits, &b, 4);
+  }
+  return bits;
+}
+
+// c += A (16 x 16) * B (16 x 8), fp32 accumulation.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+template <typename T, bool NORM>
+__global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params p, int tile_width) {
+  extern __shared__ float smem[];
+  const TileInfo t = tile_info(p, blockIdx.x, tile_width);
+  const Int4Segment& seg = p.seg[t.seg];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int col_warps = tile_width / 32, runs = static_cast<int>(blockDim.x) / 32 / col_warps;
+  const int run = warp / col_warps, warp_col = (warp % col_warps) * 32;
+
+  // This block's slice of qweight rows and this warp's run inside it, both in whole steps of 4 rows.
+  const int64_t rows = p.k / 8, per_split = mma_rows_per_split(rows, p.splits);
+  const int64_t r_begin = min(rows, blockIdx.y * per_split), r_end = min(rows, r_begin + per_split);
+  const int64_t per_run = (r_end - r_begin + 4 * runs - 1) / (4 * runs) * 4;
+  const int64_t run_begin = min(r_end, r_begin + run * per_run), run_end = min(r_end, run_begin + per_run);
+  const int steps = static_cast<int>((run_end - run_begin + 3) / 4);
+  const bool warp_live = warp_col < t.width, live = warp_col + 4 * g < t.width;
+  const int64_t col = t.col0 + warp_col + 4 * g;
+  const int64_t row0 = run_begin + q;   // this lane's first row; then every 4th
+  const int64_t qw_stride = seg.n / 4;  // uint4 per qweight row
+  const uint4* qw = reinterpret_cast<const uint4*>(seg.qweight + col) + row0 * qw_stride;
+
+  // Constant data before griddepcontrol.wait, as in the CUDA-core kernel: the first chunks, the first two groups.
+  uint4 w[kMmaPreload] = {};
+#pragma unroll
+  for (int j = 0; j < kMmaPreload; ++j) {
+    if (live && row0 + 4 * j < run_end) w[j] = __ldcs(qw + 4 * j * qw_stride);
+  }
+  const int64_t group_rows = p.group_size / 8;  // a multiple of 4 (mma_applies)
+  int64_t group = row0 / group_rows, group_end = (group + 1) * group_rows;
+  GroupParams cur{}, next{};  // zeros for dead lanes: their weights come out as zeros
+  if (live && row0 < run_end) {
+    cur = load_group(seg, group, col);
+    if (group_end < run_end) next = load_group(seg, group + 1, col);
+  }
+  griddep_wait();
+  griddep_launch_dependents();
+
+  const int64_t k0 = r_begin * 8, len = (r_end - r_begin) * 8;
+  T* xs = reinterpret_cast<T*>(smem);  // [batch][len], every 8 k in the pair order (0,4) (1,5) (2,6) (3,7)
+  stage_x<T, NORM>(p, k0, len, blockIdx.x == 0, [=](int b, int64_t i, float v) {
+    xs[b * len + (i & ~int64_t{7}) + 2 * (i & 3) + ((i >> 2) & 1)] = from_float<T>(v);
+  });
+  __syncthreads();
+
+  float acc[2][4] = {};
+  if (warp_live) {
+    __half2 scale[4], zero1024[4];
+    group_halves(cur, p.zero_offset, scale, zero1024);
+    const T* x_lane = xs + g * len + (row0 - r_begin) * 8;  // B column g is batch row g
+    for (int s0 = 0; s0 < steps; s0 += kMmaPreload) {
+#pragma unroll
+      for (int j = 0; j < kMmaPreload; ++j) {
+        const int s = s0 + j;
+        if (s >= steps) break;
+        const int64_t r = row0 + 4 * s;
+        const uint4 chunk = w[j];
+        if (live && r + 4 * kMmaPreload < run_end) w[j] = __ldcs(qw + 4 * (s + kMmaPreload) * qw_stride);
+        if (r >= group_end) {  // the next group (never two: rows advance by 4, a group is a multiple of 4 rows)
+          ++group;
+          group_end += group_rows;
+          group_halves(next, p.zero_offset, scale, zero1024);
+          if (live && group_end < run_end) next = load_group(seg, group + 1, col);
+        }
+        // B is zero past the batch and past the run (whose x is not staged), so whatever A holds there adds 0.
+        uint4 xv = make_uint4(0, 0, 0, 0);
+        if (g < p.batch && r < run_end) xv = *reinterpret_cast<const uint4*>(x_lane + 32 * s);
+        const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+        const uint32_t xb[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const int c0 = 2 * h, c1 = 2 * h + 1;
+            const uint32_t a[4] = {weight_pair<T>(words[c0], 2 * jj, zero1024[c0], scale[c0]),
+                                   weight_pair<T>(words[c1], 2 * jj, zero1024[c1], scale[c1]),
+                                   weight_pair<T>(words[c0], 2 * jj + 1, zero1024[c0], scale[c0]),
+                                   weight_pair<T>(words[c1], 2 * jj + 1, zero1024[c1], scale[c1])};
+            mma_16816<T>(acc[h], a, xb[2 * jj], xb[2 * jj + 1]);
+          }
+        }
+      }
+    }
+  }
+
+  // The runs' partial sums, red [runs][batch][tile_width], over x's stage (no longer read).
+  __syncthreads();
+  float* red = smem;
+  if (live) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int b = 2 * q + (i & 1);
+        if (b < p.batch) red[(run * p.batch + b) * tile_width + warp_col + 4 * g + 2 * h + (i >> 1)] = acc[h][i];
+      }
+    }
+  }
+  finish_tile<T>(p, t, smem, runs, tile_width);
+}
+
+template <typename T>
+cudaError_t launch_mma(const Int4Params& p, cudaStream_t stream) {
+  const int tile_width = static_cast<int>(int4_tile_width(p));
+  const int col_warps = tile_width / 32, runs = kThreads / 32 / col_warps;
+  const dim3 block(col_warps * runs * 32);
+  const dim3 grid(static_cast<unsigned>(int4_tiles(p)), static_cast<unsigned>(p.splits));
+  const int64_t stage = p.batch * mma_rows_per_split(p.k / 8, p.splits) * 8 * static_cast<int64_t>(sizeof(T));
+  const size_t smem = launch_smem<T>(p, stage, runs, static_cast<int>(block.x), tile_width);
+  if (smem == 0) return cudaErrorNotSupported;
+  if (p.norm.weight) return launch_pdl(int4_mma_kernel<T, true>, grid, block, smem, stream, p, tile_width);
+  return launch_pdl(int4_mma_kernel<T, false>, grid, block, smem, stream, p, tile_width);
+}
+
+}  // namespace
+}  // namespace patcher

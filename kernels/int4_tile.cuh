@@ -1,0 +1,329 @@
+// Pieces shared by the two GPTQ int4 decode kernels (int4_gemv.cuh: CUDA cores, any dtype and act-order;
+// int4_mma.cuh: tensor cores, fp16/bf16 activations): the column tiles, the group parameters, the x stage with the
+// optional norm prologue, the K-split reduction and the epilogues.
+//
+// Weights stay in the checkpoint's layout: qweight int32 [K/8, N] holds 8 consecutive k of one column per word,
+// so one 16-byte load is 4 adjacent columns x 8 k, and the threads of a warp read consecutive bytes of a row.
+//
+// Work split. The output columns are cut into tiles (128 columns; with RoPE whole heads, so that the two halves a
+// rotation pairs sit in one tile) and K into `splits` slices; one block per (tile, slice). Each thread issues its
+// first weight loads before griddepcontrol.wait, so with programmatic dependent launch they are in flight while
+// the previous kernel finishes and while this block prepares x. Partial sums of the slices meet in a global fp32
+// workspace; the last block to finish a tile (an atomic counter per tile, reset by that block) adds them up and
+// runs the epilogue, so the whole op is one kernel.
+#pragma once
+#include "common.cuh"
+#include "rope.cuh"
+
+namespace patcher {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kStageFloats = 8192;  // shared x stage: batch * slice length (32 KB); the split rule keeps to it
+constexpr int kNormElems = 32;          // norm prologue: row elements per thread held in registers (K <= 32 x threads)
+
+struct TileInfo {
+  int seg;       // segment of this tile
+  int64_t col0;  // first column, within the segment
+  int width;     // columns (<= tile width)
+  int group;     // counter index: the tile, or for SwiGLU the gate/up tile pair
+  int members;   // tiles in the group (2 for SwiGLU)
+};
+
+__device__ __forceinline__ TileInfo tile_info(const Int4Params& p, int tile, int tile_width) {
+  TileInfo t{};
+  int local = tile;
+  while (t.seg + 1 < p.num_segments) {
+    const int tiles = static_cast<int>((p.seg[t.seg].n + tile_width - 1) / tile_width);
+    if (local < tiles) break;
+    local -= tiles;
+    ++t.seg;
+  }
+  t.col0 = static_cast<int64_t>(local) * tile_width;
+  const int64_t left = p.seg[t.seg].n - t.col0;
+  t.width = static_cast<int>(left < tile_width ? left : tile_width);
+  t.group = p.epilogue == kInt4SiluMul ? local : tile;
+  t.members = p.epilogue == kInt4SiluMul ? 2 : 1;
+  return t;
+}
+
+// Column offset of segment s in the logical output (q | k | v).
+__device__ __forceinline__ int64_t segment_offset(const Int4Params& p, int s) {
+  int64_t offset = 0;
+  for (int i = 0; i < s; ++i) offset += p.seg[i].n;
+  return offset;
+}
+
+// Two weights of one word: nibbles j and j + 4 (k = j and j + 4 of the word's 8). OR-ing a nibble into the
+// mantissa of 1024 (0x6400) gives 1024 + q exactly; subtracting 1024 + zero leaves q - zero exactly; the fp16
+// multiply by the scale rounds as the reference's does.
+__device__ __forceinline__ __half2 dequantize_pair(uint32_t word, int j, __half2 zero1024, __half2 scale) {
+  const uint32_t bits = ((word >> (4 * j)) & 0x000F000Fu) | 0x64006400u;
+  __half2 h;
+  memcpy(&h, &bits, 4);
+  return __hmul2(__hsub2(h, zero1024), scale);
+}
+
+// The 8 weights of one word (k0..k7 of one column) as 4 float2: (k0,k4) (k1,k5) (k2,k6) (k3,k7).
+__device__ __forceinline__ void dequantize_word(uint32_t word, __half2 zero1024, __half2 scale, float2 (&out)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[j] = __half22float2(dequantize_pair(word, j, zero1024, scale));
+}
+
+__device__ __forceinline__ int zero_point(const Int4Segment& s, int64_t g, int64_t col, int offset) {
+  const uint32_t word = static_cast<uint32_t>(s.qzeros[g * (s.n / 8) + col / 8]);
+  return static_cast<int>((word >> (4 * (col % 8))) & 0xFu) + offset;
+}
+
+// The scales and zero points of one group for 4 adjacent columns (col % 4 == 0): one 8-byte load of scales and
+// one qzeros word (its 4 nibbles from (col % 8) on).
+struct GroupParams {
+  uint2 scales;
+  uint32_t zeros;
+};
+
+__device__ __forceinline__ GroupParams load_group(const Int4Segment& s, int64_t g, int64_t col) {
+  GroupParams out;
+  out.scales = *reinterpret_cast<const uint2*>(static_cast<const __half*>(s.scales) + g * s.n + col);
+  out.zeros = static_cast<uint32_t>(s.qzeros[g * (s.n / 8) + col / 8]) >> (4 * (col % 8));
+  return out;
+}
+
+// A group's parameters as dequantize_word takes them: the scale and 1024 + zero point, each in both halves.
+__device__ __forceinline__ void group_halves(const GroupParams& g, int zero_offset, __half2 (&scale)[4],
+                                             __half2 (&zero1024)[4]) {
+  const __half* sh = reinterpret_cast<const __half*>(&g.scales);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    scale[c] = __half2half2(sh[c]);
+    zero1024[c] = __float2half2_rn(1024.f + static_cast<float>(((g.zeros >> (4 * c)) & 0xFu) + zero_offset));
+  }
+}
+
+// Stages x[b, k0 : k0 + len] in shared memory through store(b, i, value) (the kernels keep it in their own layout);
+// with the norm prologue, the normalized residual sum (each block
+// computes the row statistics over all of K, from L2, and keeps its own slice). Blocks of tile 0 write `sum` and
+// `h2` for their slice, so every element is written once. Each thread holds its share of a row in registers
+// (16-byte loads, all issued at once), so the statistics cost one pass of loads, not three dependent ones.
+template <typename T, bool NORM, typename Store>
+__device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool writer, Store store) {
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
+  if constexpr (!NORM) {
+    // 16-byte loads where x allows them (slices start and end on multiples of 8), each thread's issued together.
+    constexpr int V = 16 / sizeof(T);
+    const bool vec = (reinterpret_cast<uintptr_t>(p.x) & 15u) == 0 && p.x_stride % V == 0;
+    const int step = vec ? V : 1;
+    for (int b = 0; b < p.batch; ++b) {
+      const T* row = static_cast<const T*>(p.x) + b * p.x_stride + k0;
+      for (int64_t i = static_cast<int64_t>(tid) * step; i < len; i += static_cast<int64_t>(nthreads) * step) {
+        if (vec) {
+          float v[V];
+          load_vec<T, V>(v, row + i);
+#pragma unroll
+          for (int e = 0; e < V; ++e) store(b, i + e, v[e]);
+        } else {
+          store(b, i, to_float(row[i]));
+        }
+      }
+    }
+  } else {
+    constexpr int V = 16 / sizeof(T), PER = kNormElems / V;  // vector width, vectors per thread
+    __shared__ float scratch[32];
+    const auto block_total = [&](float v) {  // block_sum for a 2-D block (a whole number of warps)
+      v = warp_sum(v);
+      __syncthreads();
+      if ((tid & 31) == 0) scratch[tid >> 5] = v;
+      __syncthreads();
+      v = (tid & 31) < nthreads / 32 ? scratch[tid & 31] : 0.f;
+      return warp_sum(v);
+    };
+    const float inv_n = 1.f / static_cast<float>(p.k);
+    const int64_t nvec = p.k / V;
+    const T* w = static_cast<const T*>(p.norm.weight);
+    const T* bias = static_cast<const T*>(p.norm.bias);
+    const T* w2 = static_cast<const T*>(p.norm.weight2);
+    const T* b2 = static_cast<const T*>(p.norm.bias2);
+    for (int b = 0; b < p.batch; ++b) {
+      const T* x = static_cast<const T*>(p.x) + b * p.x_stride;
+      const T* d = p.norm.delta ? static_cast<const T*>(p.norm.delta) + b * p.norm.delta_stride : nullptr;
+      const T* d2 = p.norm.delta2 ? static_cast<const T*>(p.norm.delta2) + b * p.norm.delta2_stride : nullptr;
+      float s[PER][V];
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int64_t v = tid + static_cast<int64_t>(j) * nthreads;
+        if (v >= nvec) break;
+        load_vec<T, V>(s[j], x + v * V);
+        if (d) add_residual<T, V>(s[j], d + v * V, d2 ? d2 + v * V : nullptr);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc += p.norm.rms ? s[j][e] * s[j][e] : s[j][e];
+      }
+      acc = block_total(acc);
+      float mean = 0.f, rstd;
+      if (p.norm.rms) {
+        rstd = rsqrtf(acc * inv_n + p.norm.eps);
+      } else {
+        mean = acc * inv_n;
+        float m2 = 0.f;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+          if (tid + static_cast<int64_t>(j) * nthreads >= nvec) break;
+#pragma unroll
+          for (int e = 0; e < V; ++e) m2 += (s[j][e] - mean) * (s[j][e] - mean);
+        }
+        rstd = rsqrtf(block_total(m2) * inv_n + p.norm.eps);
+      }
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int64_t v = tid + static_cast<int64_t>(j) * nthreads;
+        if (v >= nvec) break;
+        const int64_t k = v * V;
+        if (k < k0 || k >= k0 + len) continue;  // another block's slice (slices are whole vectors: multiples of 8)
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const float h =
+              norm_value<T>(s[j][e], mean, rstd, w[k + e], bias ? bias[k + e] : from_float<T>(0.f), p.norm.rms);
+          store(b, k - k0 + e, round_to<T>(h));
+          if (writer) {
+            if (p.norm.delta) static_cast<T*>(p.norm.sum)[b * p.k + k + e] = from_float<T>(s[j][e]);
+            if (w2) {
+              const float h2 =
+                  norm_value<T>(s[j][e], mean, rstd, w2[k + e], b2 ? b2[k + e] : from_float<T>(0.f), false);
+              static_cast<T*>(p.norm.h2)[b * p.k + k + e] = from_float<T>(h2);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The finished tile values (rounded dot product + bias, as F.linear's output and the bias add round them) are in
+// `fin` [members][batch][tile_width]; this writes the op's output.
+template <typename T>
+__device__ void epilogue(const Int4Params& p, const TileInfo& t, const float* fin, int tile_width) {
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
+  T* out = static_cast<T*>(p.out);
+  if (p.epilogue == kInt4Store) {
+    int64_t n_total = 0;
+    for (int s = 0; s < p.num_segments; ++s) n_total += p.seg[s].n;
+    const int64_t base = segment_offset(p, t.seg) + t.col0;
+    for (int i = tid; i < p.batch * tile_width; i += nthreads) {
+      const int b = i / tile_width, c = i % tile_width;
+      if (c >= t.width) continue;
+      float y = fin[i];
+      if (p.act != kActNone) y = gelu(y, p.act == kActGeluTanh);
+      out[b * n_total + base + c] = from_float<T>(y);
+    }
+  } else if (p.epilogue == kInt4SiluMul) {
+    const int64_t n = p.seg[0].n;
+    for (int i = tid; i < p.batch * tile_width; i += nthreads) {
+      const int b = i / tile_width, c = i % tile_width;
+      if (c >= t.width) continue;
+      const float gate = fin[i], up = fin[p.batch * tile_width + i];
+      out[b * n + t.col0 + c] = from_float<T>(round_to<T>(silu(gate)) * up);
+    }
+  } else {  // kInt4RopeCache: the tile is whole heads (q, k or v) of one token per row
+    const RopeCacheParams& r = p.rope;
+    const int D = static_cast<int>(r.head_dim), hq = static_cast<int>(r.num_q_heads);
+    const int hkv = static_cast<int>(r.num_kv_heads), R = static_cast<int>(r.rotary_dim);
+    const int64_t slot = *r.slot;
+    const int64_t base = segment_offset(p, t.seg) + t.col0;
+    for (int i = tid; i < p.batch * tile_width; i += nthreads) {
+      const int b = i / tile_width, c = i % tile_width;
+      if (c >= t.width) continue;
+      const RopeRow<T> row = rope_row<T>(r, slot, b);
+      const Slot s = locate(static_cast<int>(base + c), D, hq, hkv, r.interleaved);
+      const float* head = fin + b * tile_width + c - s.d;  // the head's first value (tiles start at a head)
+      store_qkv<T>(r, out, b, slot, s, from_float<T>(rotate(head, s.d, s, R, row.cos, row.sin)));
+    }
+  }
+}
+
+// The block's partial sums are in red = smem [runs][batch][tile_width] (every column of the tile that exists,
+// for every row of the batch). This adds up the runs; with K split over blocks, the slices meet in the workspace
+// and the last block of the tile group goes on; it rounds, adds the bias and runs the epilogue.
+template <typename T>
+__device__ void finish_tile(const Int4Params& p, const TileInfo& t, float* smem, int runs, int tile_width) {
+  __shared__ int s_last;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
+  const float* red = smem;
+  __syncthreads();
+  const int per_member = static_cast<int>(p.batch) * tile_width;
+  float* fin = smem + runs * per_member;  // [members][batch][tile_width]
+  const bool direct = p.splits == 1 && t.members == 1;
+  int64_t n_total = 0;
+  for (int s = 0; s < p.num_segments; ++s) n_total += p.seg[s].n;
+  for (int i = tid; i < per_member; i += nthreads) {
+    const int b = i / tile_width, c = i % tile_width;
+    float v = 0.f;
+    for (int y = 0; y < runs; ++y) v += red[(y * p.batch + b) * tile_width + c];
+    if (direct) {
+      fin[i] = v;
+    } else if (c < t.width) {
+      p.partials[(blockIdx.y * p.batch + b) * n_total + segment_offset(p, t.seg) + t.col0 + c] = v;
+    }
+  }
+  if (!direct) {
+    // The last block of the tile group adds up every slice's partials (those of every member tile).
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      const int expected = p.splits * t.members;
+      const int arrived = atomicAdd(p.counters + t.group, 1) + 1;
+      s_last = arrived == expected;
+      if (s_last) p.counters[t.group] = 0;  // every block of the group has counted: leave it zero
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (int i = tid; i < t.members * per_member; i += nthreads) {
+      const int m = i / per_member, b = (i % per_member) / tile_width, c = i % tile_width;
+      if (c >= t.width) continue;
+      const int s = t.members == 2 ? m : t.seg;
+      const int64_t column = segment_offset(p, s) + t.col0 + c;
+      float v = 0.f;
+#pragma unroll 8
+      for (int split = 0; split < p.splits; ++split) v += __ldcg(p.partials + (split * p.batch + b) * n_total + column);
+      fin[i] = v;
+    }
+  }
+  // Round as F.linear rounds its output, then add the bias in the dtype (GPTQLinear: out + bias.to(x.dtype)).
+  for (int i = tid; i < t.members * per_member; i += nthreads) {
+    const int m = i / per_member, c = i % tile_width;
+    const Int4Segment& s = p.seg[t.members == 2 ? m : t.seg];
+    float v = round_to<T>(fin[i]);
+    if (s.bias && c < t.width)
+      v = round_to<T>(v + round_to<T>(__half2float(static_cast<const __half*>(s.bias)[t.col0 + c])));
+    fin[i] = v;
+  }
+  __syncthreads();
+  epilogue<T>(p, t, fin, tile_width);
+}
+
+// Shared memory of a launch: the x stage or the runs' partial sums (the second reuses the first), then the finished
+// tile values. Returns 0 where it does not fit, or the norm prologue cannot take this x (16-byte vectors in
+// registers, at most kNormElems per thread).
+template <typename T>
+size_t launch_smem(const Int4Params& p, int64_t stage_bytes, int runs, int threads, int tile_width) {
+  const int64_t reduce = static_cast<int64_t>(runs) * p.batch * tile_width * 4;
+  const int64_t members = p.epilogue == kInt4SiluMul ? 2 : 1;
+  const int64_t smem = (stage_bytes > reduce ? stage_bytes : reduce) + members * p.batch * tile_width * 4;
+  if (stage_bytes > kStageFloats * 4 || smem > 48 * 1024) return 0;
+  if (p.norm.weight) {
+    constexpr int V = 16 / sizeof(T);
+    const void* pointers[] = {p.x,         p.norm.delta,   p.norm.delta2, p.norm.weight,
+                              p.norm.bias, p.norm.weight2, p.norm.bias2};
+    for (const void* ptr : pointers) {
+      if (ptr && !aligned16(ptr)) return 0;
+    }
+    if (p.k % V || p.x_stride % V || (p.norm.delta && p.norm.delta_stride % V) ||
+        (p.norm.delta2 && p.norm.delta2_stride % V) || p.k > static_cast<int64_t>(kNormElems) * threads) {
+      return 0;
+    }
+  }
+  return static_cast<size_t>(smem);
+}
+
+}  // namespace
+}  // namespace patcher
