@@ -144,12 +144,13 @@ cudaError_t launch_batch(const Int4Params& p, cudaStream_t stream) {
   // 4 columns per thread, in whole eighths of a warp, and runs in fours: whole warps for any tile width (the block
   // reductions use full-warp shuffles); threads past the tile's width idle.
   const int cols = round_up((tile_width + 3) / 4, 8), runs = kThreads / cols / 4 * 4;
-  if (runs == 0) return cudaErrorNotSupported;
+  if (runs == 0) return cudaErrorInvalidConfiguration;  // a tile over 256 columns (heads that wide)
   const dim3 block(cols, runs);
   const dim3 grid(static_cast<unsigned>(int4_tiles(p)), static_cast<unsigned>(p.splits));
   const int64_t rows = p.k / 8, per_split = (rows + p.splits - 1) / p.splits;
-  const size_t smem = launch_smem<T>(p, p.batch * per_split * 8 * 4, block.y, cols * block.y, tile_width);
-  if (smem == 0) return cudaErrorNotSupported;
+  size_t smem = 0;
+  const cudaError_t fits = launch_smem<T>(p, p.batch * per_split * 8 * 4, block.y, cols * block.y, tile_width, smem);
+  if (fits != cudaSuccess) return fits;
   const bool norm = p.norm.weight != nullptr;
 #define PATCHER_INT4_LAUNCH(NORM, ACT) \
   return launch_pdl(int4_gemv_kernel<T, BMAX, NORM, ACT>, grid, block, smem, stream, p, tile_width)

@@ -185,8 +185,9 @@ cudaError_t launch_mma(const Int4Params& p, cudaStream_t stream) {
   const dim3 block(col_warps * runs * 32);
   const dim3 grid(static_cast<unsigned>(int4_tiles(p)), static_cast<unsigned>(p.splits));
   const int64_t stage = p.batch * mma_rows_per_split(p.k / 8, p.splits) * 8 * static_cast<int64_t>(sizeof(T));
-  const size_t smem = launch_smem<T>(p, stage, runs, static_cast<int>(block.x), tile_width);
-  if (smem == 0) return cudaErrorNotSupported;
+  size_t smem = 0;
+  const cudaError_t fits = launch_smem<T>(p, stage, runs, static_cast<int>(block.x), tile_width, smem);
+  if (fits != cudaSuccess) return fits;
   if (p.norm.weight) return launch_pdl(int4_mma_kernel<T, true>, grid, block, smem, stream, p, tile_width);
   return launch_pdl(int4_mma_kernel<T, false>, grid, block, smem, stream, p, tile_width);
 }

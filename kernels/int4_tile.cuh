@@ -301,28 +301,30 @@ __device__ void finish_tile(const Int4Params& p, const TileInfo& t, float* smem,
   epilogue<T>(p, t, fin, tile_width);
 }
 
-// Shared memory of a launch: the x stage or the runs' partial sums (the second reuses the first), then the finished
-// tile values. Returns 0 where it does not fit, or the norm prologue cannot take this x (16-byte vectors in
-// registers, at most kNormElems per thread).
+// Shared memory of a launch (into `smem`): the x stage or the runs' partial sums (the second reuses the first), then
+// the finished tile values. cudaErrorInvalidConfiguration where that does not fit; cudaErrorNotSupported where the
+// norm prologue cannot take this x (16-byte vectors in registers, at most kNormElems per thread), which the
+// bindings report as such.
 template <typename T>
-size_t launch_smem(const Int4Params& p, int64_t stage_bytes, int runs, int threads, int tile_width) {
+cudaError_t launch_smem(const Int4Params& p, int64_t stage_bytes, int runs, int threads, int tile_width, size_t& smem) {
   const int64_t reduce = static_cast<int64_t>(runs) * p.batch * tile_width * 4;
   const int64_t members = p.epilogue == kInt4SiluMul ? 2 : 1;
-  const int64_t smem = (stage_bytes > reduce ? stage_bytes : reduce) + members * p.batch * tile_width * 4;
-  if (stage_bytes > kStageFloats * 4 || smem > 48 * 1024) return 0;
+  const int64_t bytes = (stage_bytes > reduce ? stage_bytes : reduce) + members * p.batch * tile_width * 4;
+  if (stage_bytes > kStageFloats * 4 || bytes > 48 * 1024) return cudaErrorInvalidConfiguration;
   if (p.norm.weight) {
     constexpr int V = 16 / sizeof(T);
     const void* pointers[] = {p.x,         p.norm.delta,   p.norm.delta2, p.norm.weight,
                               p.norm.bias, p.norm.weight2, p.norm.bias2};
     for (const void* ptr : pointers) {
-      if (ptr && !aligned16(ptr)) return 0;
+      if (ptr && !aligned16(ptr)) return cudaErrorNotSupported;
     }
     if (p.k % V || p.x_stride % V || (p.norm.delta && p.norm.delta_stride % V) ||
         (p.norm.delta2 && p.norm.delta2_stride % V) || p.k > static_cast<int64_t>(kNormElems) * threads) {
-      return 0;
+      return cudaErrorNotSupported;
     }
   }
-  return static_cast<size_t>(smem);
+  smem = static_cast<size_t>(bytes);
+  return cudaSuccess;
 }
 
 }  // namespace
