@@ -7,6 +7,7 @@ same greedy tokens; unpatching must give bit-identical outputs; state_dict and s
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import warnings
 
@@ -255,6 +256,35 @@ def test_no_graph_breaks_from_patched_ops():
     assert patched.graph_break_count <= unpatched.graph_break_count, patched.break_reasons
     ops = {str(n.target) for g in patched.graphs for n in g.graph.nodes if n.op == "call_function"}
     assert any("patcher" in t for t in ops), "the patched graph should contain patcher:: ops"
+
+
+def test_inductor_makes_no_implicit_fallback_for_patcher_ops(caplog):
+    """torch.compile (Inductor) of a patched GPT-NeoX: the patcher:: ops come with their fallbacks registered, so
+    Inductor never creates one implicitly. torch <= 2.11 formats the IR behind the op's inputs into its
+    implicit-fallback message, exponentially long in the depth of the graph (the final add_layer_norm comes after
+    every layer), which kept a 32-layer decode step compiling for minutes. The Inductor caches are off, so the graph
+    really is lowered here."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.lowering import lowerings
+
+    model = rm.build("tiny-pythia")
+    ids = ids_for(model, batch=1)
+    patch_model(model, backend="kernels")
+    expected = logits(model, ids)
+    torch._dynamo.reset()
+    with (
+        inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        caplog.at_level(logging.INFO, logger="torch._inductor.graph"),
+    ):
+        compiled = torch.compile(model)
+        with torch.no_grad():
+            got = compiled(ids, use_cache=False).logits.float()
+    torch._dynamo.reset()
+    implicit = [r.getMessage()[:200] for r in caplog.records if "implicit fallback" in r.getMessage()]
+    assert not [m for m in implicit if "patcher" in m], implicit
+    assert torch.ops.patcher.add_layer_norm.default in lowerings
+    assert max_err(got, expected) <= FP32_LOGIT_ATOL
 
 
 # ---- GPU: fp16 / bf16 with the CUDA kernels -------------------------------------------------------------------

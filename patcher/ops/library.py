@@ -25,9 +25,40 @@ def _fresh(t: torch.Tensor, inputs: tuple) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+_NAMES: list[str] = []
+_inductor_fallbacks_registered = False
+
+
+def _register_inductor_fallbacks() -> None:
+    """Registers Inductor's fallback (the op called as it is) for every patcher:: op, once, when torch.compile
+    first traces one of them (from the fake kernels below, which tracing runs before Inductor lowers the graph).
+
+    Inductor creates the same fallback by itself the first time it meets an op without a lowering ("implicit
+    fallback"), with the same layout constraint, but torch up to 2.11 first formats the whole IR behind the op's
+    inputs into a log message, even with logging off. That text grows exponentially with the depth of the graph:
+    GPT-NeoX's final add_layer_norm is first met after all the layers, and the Pythia-2.8B decode step (32
+    layers) was still compiling after 4 minutes on the H100 with torch 2.11.
+    """
+    global _inductor_fallbacks_registered
+    if _inductor_fallbacks_registered:
+        return
+    _inductor_fallbacks_registered = True
+    try:  # Inductor internals; where they differ, Inductor's implicit fallback still works
+        from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+        from torch._library.utils import get_layout_constraint_tag
+    except ImportError:
+        return
+    for name in _NAMES:
+        op = getattr(torch.ops.patcher, name).default
+        if op not in lowerings:
+            constraint = tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+            make_fallback(op, layout_constraint=constraint, warn=False)
+
+
 def _define(schema: str, reference, fake) -> None:
     name = schema.split("(", 1)[0]
     _lib.define(schema)
+    _NAMES.append(name)
 
     def cpu_kernel(*args):
         out = reference(*args)
@@ -35,8 +66,12 @@ def _define(schema: str, reference, fake) -> None:
             return tuple(_fresh(o, args) for o in out)
         return _fresh(out, args)
 
+    def fake_kernel(*args, **kwargs):
+        _register_inductor_fallbacks()
+        return fake(*args, **kwargs)
+
     _lib.impl(name, cpu_kernel, "CPU")
-    torch.library.register_fake(f"patcher::{name}", fake, lib=_lib)
+    torch.library.register_fake(f"patcher::{name}", fake_kernel, lib=_lib)
 
 
 def _like(x: torch.Tensor) -> torch.Tensor:
