@@ -152,11 +152,12 @@ def hbm_read_bandwidth_gbs(device: torch.device, gib: int = 4) -> float:
     return (gib << 30) / (ms * 1e-3) / 1e9
 
 
-def write_json(path: str | None, payload: dict) -> None:
+def write_json(path: str | None, payload: dict, announce: bool = True) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")
-        print(f"wrote {path}")
+        if announce:
+            print(f"wrote {path}")
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

@@ -177,25 +177,30 @@ def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True)
     return row
 
 
-def run(model, args, device, prompt_len, bandwidth, modes, progress=None) -> list[dict]:
+def run(model, args, device, prompt_len, bandwidth, modes, on_row, progress=None) -> None:
+    """Measures each mode at one prompt length and hands its row to `on_row` at once; a mode that raises gives a
+    row with its `error` instead."""
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, model.config.vocab_size, (args.batch, prompt_len), generator=g).to(device)
     context = prompt_len + (args.new_tokens + 1) / 2  # mean cached length over the timed steps
     step_bytes = weight_bytes(model) + kv_bytes(model, args.batch, context)
-    rows = []
     for mode in modes:
         if progress:
             progress.set_postfix_str(f"context {prompt_len}, {mode}")
-        row = measure_mode(model, mode, prompt, args.new_tokens, args.repeats, device, profile=not args.no_profile)
+        try:
+            row = measure_mode(model, mode, prompt, args.new_tokens, args.repeats, device, profile=not args.no_profile)
+        except Exception as e:  # noqa: BLE001 - one mode failing (a compile error, OOM) must not lose the others
+            row = {"mode": mode, "error": f"{type(e).__name__}: {e}"}
+            tqdm.write(f"tpot: {mode} at context {prompt_len} failed: {row['error']}", file=sys.stderr)
         row.update(context=prompt_len, bytes_per_step=step_bytes)
         if bandwidth:
             row["roofline_ms"] = step_bytes / (bandwidth * 1e9) * 1e3
-            row["achieved_gbs"] = step_bytes / (row["tpot_ms"] / 1e3) / 1e9
-            row["tpot_over_roofline"] = row["tpot_ms"] / row["roofline_ms"]
-        rows.append(row)
+            if "tpot_ms" in row:
+                row["achieved_gbs"] = step_bytes / (row["tpot_ms"] / 1e3) / 1e9
+                row["tpot_over_roofline"] = row["tpot_ms"] / row["roofline_ms"]
+        on_row(row)
         if progress:
             progress.update(1)
-    return rows
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -282,12 +287,35 @@ def main(argv=None) -> int:
         + (f", measured HBM read bandwidth {bandwidth:.0f} GB/s" if bandwidth else ""),
         file=sys.stderr,
     )
-    rows = []
+    payload = {
+        "tool": "evals.tpot",
+        "model": name,
+        "dtype": str(dtype).replace("torch.", ""),
+        "settings": {k: v for k, v in vars(args).items() if k != "default_random"},
+        "hbm_read_bandwidth_gbs": bandwidth,
+        "weight_bytes": weight_bytes(model),
+        "environment": common.environment(device, "evals.tpot"),
+        "complete": False,
+        "results": [],
+    }
+    rows = payload["results"]
+
+    def on_row(row):
+        # Each mode's figures reach stderr and the JSON as soon as they are measured, so a run that is stopped
+        # (a time limit, a mode that hangs) keeps what it has.
+        rows.append(row)
+        figures = f"{row['tpot_ms']:.3f} ms" if "tpot_ms" in row else "failed"
+        tqdm.write(f"tpot: {row['mode']} at context {row['context']}: {figures}", file=sys.stderr)
+        common.write_json(args.json, payload, announce=False)
+
     with tqdm(total=len(contexts) * len(modes), desc="tpot", file=sys.stderr) as progress:
         for context in contexts:
-            rows += run(model, args, device, context, bandwidth, modes, progress)
+            run(model, args, device, context, bandwidth, modes, on_row, progress)
 
     print(common.table(rows, COLUMNS))
+    failed = [r for r in rows if "error" in r]
+    for row in failed:
+        print(f"{row['mode']} at context {row['context']} failed: {row['error']}")
     if args.kernel_table:
         for row in rows:
             if row.get("top_kernels"):
@@ -302,21 +330,14 @@ def main(argv=None) -> int:
             f"roofline at context {rows[0]['context']}: {rows[0]['bytes_per_step'] / 1e9:.3f} GB per step / "
             f"{bandwidth:.0f} GB/s = {roof:.3f} ms"
         )
-    payload = {
-        "tool": "evals.tpot",
-        "model": name,
-        "dtype": str(dtype).replace("torch.", ""),
-        "settings": {k: v for k, v in vars(args).items() if k != "default_random"},
-        "hbm_read_bandwidth_gbs": bandwidth,
-        "weight_bytes": weight_bytes(model),
-        "environment": common.environment(device, "evals.tpot"),
-        "results": rows,
-    }
+    payload["complete"] = True
     common.write_json(args.json, payload)
     if args.sweep_context:
         path = args.plot or (args.json.rsplit(".", 1)[0] + ".png" if args.json else "tpot_sweep.png")
-        plot(rows, path, f"{name} {payload['dtype']}, batch {args.batch}: TPOT vs context")
-    return 0
+        plot(
+            [r for r in rows if "tpot_ms" in r], path, f"{name} {payload['dtype']}, batch {args.batch}: TPOT vs context"
+        )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

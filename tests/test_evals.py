@@ -96,6 +96,36 @@ def test_tpot_tiny_model_with_sweep_plot(tmp_path, capsys):
         assert row["bytes_per_step"] > result["weight_bytes"] > 0
     assert (tmp_path / "tpot.png").stat().st_size > 10_000
     assert "TPOT ms" in capsys.readouterr().out
+    assert result["complete"] is True
+
+
+def test_tpot_keeps_the_other_modes_when_one_fails(tmp_path, monkeypatch, capsys):
+    """A mode that raises (a compile error, out of memory) is reported with its error; the other modes are still
+    measured, the JSON holds them all (it is rewritten after every mode), and the exit code says something failed."""
+    measure = tpot.measure_mode
+    written = []
+    write_json = tpot.common.write_json
+
+    def failing(model, mode, *args, **kwargs):
+        if mode == "patched-eager":
+            raise RuntimeError("injected failure")
+        return measure(model, mode, *args, **kwargs)
+
+    def recording_write_json(path, payload, announce=True):
+        written.append([r["mode"] for r in payload["results"]])
+        write_json(path, payload, announce)
+
+    monkeypatch.setattr(tpot, "measure_mode", failing)
+    monkeypatch.setattr(tpot.common, "write_json", recording_write_json)
+    out = tmp_path / "tpot.json"
+    args = ["--random-config", "tiny-llama", "--new-tokens", "4", "--repeats", "1", "--no-profile"]
+    code = tpot.main([*args, "--json", str(out), "--device", "cpu"])
+    assert code == 1
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["patched-eager"]["error"] == "RuntimeError: injected failure" and "tpot_ms" not in rows["patched-eager"]
+    assert rows["hf-eager"]["tpot_ms"] > 0 and rows["patched"]["tpot_ms"] > 0
+    assert written[:3] == [["hf-eager"], ["hf-eager", "patched-eager"], ["hf-eager", "patched-eager", "patched"]]
+    assert "patched-eager at context 128 failed: RuntimeError: injected failure" in capsys.readouterr().out
 
 
 def test_tpot_rejects_compiled_modes_on_cpu():
