@@ -191,7 +191,6 @@ def run(model, args, device, prompt_len, bandwidth, modes, on_row, progress=None
             row = measure_mode(model, mode, prompt, args.new_tokens, args.repeats, device, profile=not args.no_profile)
         except Exception as e:  # noqa: BLE001 - one mode failing (a compile error, OOM) must not lose the others
             row = {"mode": mode, "error": f"{type(e).__name__}: {e}"}
-            tqdm.write(f"tpot: {mode} at context {prompt_len} failed: {row['error']}", file=sys.stderr)
         row.update(context=prompt_len, bytes_per_step=step_bytes)
         if bandwidth:
             row["roofline_ms"] = step_bytes / (bandwidth * 1e9) * 1e3
@@ -304,7 +303,7 @@ def main(argv=None) -> int:
         # Each mode's figures reach stderr and the JSON as soon as they are measured, so a run that is stopped
         # (a time limit, a mode that hangs) keeps what it has.
         rows.append(row)
-        figures = f"{row['tpot_ms']:.3f} ms" if "tpot_ms" in row else "failed"
+        figures = f"{row['tpot_ms']:.3f} ms" if "tpot_ms" in row else f"failed: {row['error']}"
         tqdm.write(f"tpot: {row['mode']} at context {row['context']}: {figures}", file=sys.stderr)
         common.write_json(args.json, payload, announce=False)
 

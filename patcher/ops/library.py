@@ -9,6 +9,8 @@ functionalization and are safe to capture in CUDA graphs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import reference as ref
@@ -26,9 +28,9 @@ def _fresh(t: torch.Tensor, inputs: tuple) -> torch.Tensor:
 
 
 _NAMES: list[str] = []
-_inductor_fallbacks_registered = False
 
 
+@functools.cache  # once per process
 def _register_inductor_fallbacks() -> None:
     """Registers Inductor's fallback (the op called as it is) for every patcher:: op, once, when torch.compile
     first traces one of them (from the fake kernels below, which tracing runs before Inductor lowers the graph).
@@ -39,10 +41,6 @@ def _register_inductor_fallbacks() -> None:
     GPT-NeoX's final add_layer_norm is first met after all the layers, and the Pythia-2.8B decode step (32
     layers) was still compiling after 4 minutes on the H100 with torch 2.11.
     """
-    global _inductor_fallbacks_registered
-    if _inductor_fallbacks_registered:
-        return
-    _inductor_fallbacks_registered = True
     try:  # Inductor internals; where they differ, Inductor's implicit fallback still works
         from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
         from torch._library.utils import get_layout_constraint_tag
