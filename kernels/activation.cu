@@ -27,8 +27,10 @@ __global__ void __launch_bounds__(256) silu_and_mul_kernel(const ActivationParam
   }
 }
 
-template <typename T, int VEC>
-__global__ void __launch_bounds__(256) bias_gelu_kernel(const ActivationParams p, bool tanh_approx) {
+// The GELU form is a template parameter: with a runtime flag the compiler keeps both erf and tanh code in the loop,
+// and this kernel is bound by instruction issue, not memory. Without a bias, b stays 0 and round(x + 0) == x.
+template <typename T, int VEC, bool TANH>
+__global__ void __launch_bounds__(256) bias_gelu_kernel(const ActivationParams p) {
   griddep_wait();
   griddep_launch_dependents();
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
@@ -39,7 +41,7 @@ __global__ void __launch_bounds__(256) bias_gelu_kernel(const ActivationParams p
     float x[VEC], y[VEC];
     load_vec<T, VEC>(x, static_cast<const T*>(p.x) + r * p.x_stride + c);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) y[k] = gelu(p.bias ? round_to<T>(x[k] + b[k]) : x[k], tanh_approx);
+    for (int k = 0; k < VEC; ++k) y[k] = gelu(round_to<T>(x[k] + b[k]), TANH);
     store_vec<T, VEC>(static_cast<T*>(p.out) + r * p.cols + c, y);
   }
 }
@@ -68,14 +70,17 @@ cudaError_t launch_silu_and_mul(const ActivationParams& p, cudaStream_t stream) 
   return cudaSuccess;
 }
 
+template <typename T, bool TANH>
+cudaError_t launch_bias_gelu_as(const ActivationParams& p, cudaStream_t stream) {
+  constexpr int vec = 16 / sizeof(T);
+  if (can_vectorize<T>(p)) return launch_pdl(bias_gelu_kernel<T, vec, TANH>, grid_for(p, vec), dim3(256), 0, stream, p);
+  return launch_pdl(bias_gelu_kernel<T, 1, TANH>, grid_for(p, 1), dim3(256), 0, stream, p);
+}
+
 cudaError_t launch_bias_gelu(const ActivationParams& p, bool tanh, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
   PATCHER_DISPATCH_DTYPE(p.dtype, T, {
-    constexpr int vec = 16 / sizeof(T);
-    if (can_vectorize<T>(p)) {
-      return launch_pdl(bias_gelu_kernel<T, vec>, grid_for(p, vec), dim3(256), 0, stream, p, tanh);
-    }
-    return launch_pdl(bias_gelu_kernel<T, 1>, grid_for(p, 1), dim3(256), 0, stream, p, tanh);
+    return tanh ? launch_bias_gelu_as<T, true>(p, stream) : launch_bias_gelu_as<T, false>(p, stream);
   });
   return cudaSuccess;
 }

@@ -15,21 +15,41 @@
 namespace patcher {
 namespace {
 
+// What both prefill kernels need of their block's token: batch row b and position t (one block per token), the
+// token's projection row and cos/sin rows, and the head geometry as ints.
+template <typename T>
+struct TokenRow {
+  int64_t b, t;
+  const T *src, *cos, *sin;
+  int D, hq, hkv, R;
+};
+
+template <typename T>
+__device__ __forceinline__ TokenRow<T> token_row(const RopeQkvParams& p) {
+  TokenRow<T> r;
+  r.b = blockIdx.x / p.tokens;
+  r.t = blockIdx.x % p.tokens;
+  r.src = static_cast<const T*>(p.qkv) + r.b * p.qkv_stride_b + r.t * p.qkv_stride_t;
+  r.cos = static_cast<const T*>(p.cos) + r.b * p.cos_stride_b + r.t * p.cos_stride_t;
+  r.sin = static_cast<const T*>(p.sin) + r.b * p.sin_stride_b + r.t * p.sin_stride_t;
+  r.D = static_cast<int>(p.head_dim);
+  r.hq = static_cast<int>(p.num_q_heads);
+  r.hkv = static_cast<int>(p.num_kv_heads);
+  r.R = static_cast<int>(p.rotary_dim);
+  return r;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(256) rope_qkv_kernel(const RopeQkvParams p) {
   griddep_wait();
   griddep_launch_dependents();
-  const int64_t b = blockIdx.x / p.tokens;
-  const int64_t t = blockIdx.x % p.tokens;
-  const T* src = static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + t * p.qkv_stride_t;
-  const T* cos = static_cast<const T*>(p.cos) + b * p.cos_stride_b + t * p.cos_stride_t;
-  const T* sin = static_cast<const T*>(p.sin) + b * p.sin_stride_b + t * p.sin_stride_t;
-  const int D = static_cast<int>(p.head_dim), hq = static_cast<int>(p.num_q_heads);
-  const int hkv = static_cast<int>(p.num_kv_heads), R = static_cast<int>(p.rotary_dim);
+  const TokenRow<T> r = token_row<T>(p);
+  const int64_t b = r.b, t = r.t;
+  const int D = r.D, hq = r.hq, hkv = r.hkv, R = r.R;
   const int width = (hq + 2 * hkv) * D;
   for (int e = threadIdx.x; e < width; e += blockDim.x) {
     const Slot s = locate(e, D, hq, hkv, p.interleaved);
-    const float y = rotate(src, e, s, R, cos, sin);
+    const float y = rotate(r.src, e, s, R, r.cos, r.sin);
     const int64_t heads = s.part == 0 ? hq : hkv;
     T* dst = static_cast<T*>(s.part == 0 ? p.q : (s.part == 1 ? p.k : p.v));
     dst[((b * heads + s.head) * p.tokens + t) * D + s.d] = from_float<T>(y);
@@ -47,16 +67,12 @@ __global__ void __launch_bounds__(256) rope_qkv_vec_kernel(const RopeQkvParams p
   T* row = reinterpret_cast<T*>(rope_stage);
   griddep_wait();
   griddep_launch_dependents();
-  const int64_t b = blockIdx.x / p.tokens;
-  const int64_t t = blockIdx.x % p.tokens;
-  const T* src = static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + t * p.qkv_stride_t;
-  const T* cos = static_cast<const T*>(p.cos) + b * p.cos_stride_b + t * p.cos_stride_t;
-  const T* sin = static_cast<const T*>(p.sin) + b * p.sin_stride_b + t * p.sin_stride_t;
-  const int D = static_cast<int>(p.head_dim), hq = static_cast<int>(p.num_q_heads);
-  const int hkv = static_cast<int>(p.num_kv_heads), R = static_cast<int>(p.rotary_dim);
+  const TokenRow<T> r = token_row<T>(p);
+  const int64_t b = r.b, t = r.t;
+  const int D = r.D, hq = r.hq, hkv = r.hkv, R = r.R;
   const int nvec = (hq + 2 * hkv) * D / VEC;
   for (int v = threadIdx.x; v < nvec; v += blockDim.x)
-    *reinterpret_cast<Vec<T, VEC>*>(row + v * VEC) = *reinterpret_cast<const Vec<T, VEC>*>(src + v * VEC);
+    *reinterpret_cast<Vec<T, VEC>*>(row + v * VEC) = *reinterpret_cast<const Vec<T, VEC>*>(r.src + v * VEC);
   __syncthreads();
   for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
     const int e = v * VEC;
@@ -66,7 +82,7 @@ __global__ void __launch_bounds__(256) rope_qkv_vec_kernel(const RopeQkvParams p
              ((b * heads + s.head) * p.tokens + t) * D + s.d;
     float y[VEC];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j, ++s.d) y[j] = rotate(row, e + j, s, R, cos, sin);
+    for (int j = 0; j < VEC; ++j, ++s.d) y[j] = rotate(row, e + j, s, R, r.cos, r.sin);
     store_vec<T, VEC>(dst, y);
   }
 }
