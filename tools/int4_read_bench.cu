@@ -1,0 +1,139 @@
+// How fast can the int4 decode kernels' qweight reads alone go? A standalone CUDA program (no torch) that reads
+// qweight-sized int32 matrices with no dequantization, in the int4 kernels' launch geometry, and prints GB/s:
+//
+//   plain       a grid-stride read of the same bytes with 2, 4 and 8 blocks of 256 threads per SM (the ceiling of
+//               a standalone launch of this size)
+//   row-major   the checkpoint layout qweight [K/8, N]: blocks of 256 threads = 8 warps of 32 columns, grid
+//               (N / 256 tiles, splits); in a step lane 4g + q loads the 16-byte chunk of row r0 + q, columns 4g ..
+//               4g + 3 of its warp, so a warp step is 4 rows x 128 bytes; DEPTH chunks in flight per lane
+//               (int4_mma_kernel's kMmaPreload is 8)
+//   tiled       the same work on a column-tiled copy [N/32][K/8][32], where a warp step is 512 contiguous bytes
+//
+// splits x1 gives the block count and bytes per block that patcher.ops.int4.splits_for picks at batch 1 (one wave of
+// two blocks per SM; the real kernels' blocks are 128-column tiles of 4 column warps x 2 runs of K, the same 8 warps
+// and bytes); x2 .. x8 give more blocks. Each matrix is read from enough copies to exceed L2.
+// Build and run on the GPU machine: nvcc -std=c++17 -O3 -arch=sm_90a tools/int4_read_bench.cu -o /tmp/rb && /tmp/rb
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+namespace {
+
+__device__ __forceinline__ unsigned mix(uint4 c) { return c.x ^ (c.y * 3u) ^ (c.z * 5u) ^ (c.w * 7u); }
+
+template <int DEPTH, bool TILED>
+__global__ void __launch_bounds__(256)
+    pattern_read(const uint4* __restrict__ qw, int64_t rows, int64_t n, int splits, unsigned* sink) {
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4, q = lane % 4;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * 256 + warp * 32 + 4 * g;
+  const int64_t per_split = ((rows + splits - 1) / splits + 3) / 4 * 4;
+  const int64_t r_begin = blockIdx.y * per_split;
+  const int64_t r_end = r_begin + per_split < rows ? r_begin + per_split : rows;
+  const int64_t row0 = r_begin + q;
+  // uint4 offsets: the lane's first chunk, and the step between two rows of the lane.
+  const uint4* p = TILED ? qw + ((col / 32) * rows * 32 + col % 32) / 4 + row0 * 8 : qw + col / 4 + row0 * (n / 4);
+  const int64_t stride = TILED ? 8 : n / 4;
+  const int steps = static_cast<int>((r_end - r_begin + 3) / 4);
+  uint4 w[DEPTH] = {};
+#pragma unroll
+  for (int j = 0; j < DEPTH; ++j) {
+    if (row0 + 4 * j < r_end) w[j] = __ldcs(p + 4 * j * stride);
+  }
+  unsigned acc = 0;
+  for (int s0 = 0; s0 < steps; s0 += DEPTH) {
+#pragma unroll
+    for (int j = 0; j < DEPTH; ++j) {
+      const int s = s0 + j;
+      if (s >= steps) break;
+      const uint4 chunk = w[j];
+      if (row0 + 4 * (s + DEPTH) < r_end) w[j] = __ldcs(p + 4 * (s + DEPTH) * stride);
+      if (row0 + 4 * s < r_end) acc ^= mix(chunk);
+    }
+  }
+  if (acc == 0x12345678u) *sink = acc;  // keeps the loads; practically never true
+}
+
+__global__ void __launch_bounds__(256) plain_read(const uint4* __restrict__ p, int64_t count, unsigned* sink) {
+  unsigned acc = 0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * 256)
+    acc ^= mix(__ldcs(p + i));
+  if (acc == 0x12345678u) *sink = acc;
+}
+
+// Mean microseconds of one launch over 50, rotating through the copies so that L2 holds none of them.
+template <typename Launch>
+float time_us(const std::vector<uint4*>& copies, Launch launch) {
+  for (int i = 0; i < 3; ++i) launch(copies[i % copies.size()]);
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  const int iters = 50;
+  cudaEventRecord(start);
+  for (int i = 0; i < iters; ++i) launch(copies[i % copies.size()]);
+  cudaEventRecord(stop);
+  cudaEventSynchronize(stop);
+  float ms = 0.f;
+  cudaEventElapsedTime(&ms, start, stop);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return ms * 1000.f / iters;
+}
+
+template <int DEPTH, bool TILED>
+float time_pattern(const std::vector<uint4*>& copies, int64_t rows, int64_t n, int splits, unsigned* sink) {
+  const dim3 grid(static_cast<unsigned>(n / 256), static_cast<unsigned>(splits));
+  return time_us(copies,
+                 [&](const uint4* qw) { pattern_read<DEPTH, TILED><<<grid, 256>>>(qw, rows, n, splits, sink); });
+}
+
+}  // namespace
+
+int main() {
+  struct Shape {
+    const char* name;
+    int64_t k, n;
+  };
+  const Shape shapes[] = {
+      {"Pythia-2.8B qkv 2560x7680", 2560, 7680},        {"Pythia-2.8B mlp_in 2560x10240", 2560, 10240},
+      {"Pythia-2.8B mlp_out 10240x2560", 10240, 2560},  {"Llama-3.1-8B qkv 4096x6144", 4096, 6144},
+      {"Llama-3.1-8B gate/up 4096x28672", 4096, 28672}, {"Llama-3.1-8B down 14336x4096", 14336, 4096}};
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  unsigned* sink = nullptr;
+  cudaMalloc(&sink, sizeof(unsigned));
+  for (const Shape& s : shapes) {
+    const int64_t rows = s.k / 8;
+    const size_t bytes = static_cast<size_t>(rows * s.n) * 4;
+    std::vector<uint4*> copies(static_cast<size_t>(400e6 / static_cast<double>(bytes)) + 1);
+    for (uint4*& c : copies) {
+      cudaMalloc(&c, bytes);
+      cudaMemset(c, 1, bytes);
+    }
+    const auto gbs = [&](float us) { return static_cast<double>(bytes) / us / 1e3; };
+    printf("%s, %.1f MB\n", s.name, static_cast<double>(bytes) / 1e6);
+    for (int per_sm = 2; per_sm <= 8; per_sm *= 2) {
+      const int blocks = per_sm * sms;
+      const float us = time_us(copies, [&](const uint4* p) { plain_read<<<blocks, 256>>>(p, bytes / 16, sink); });
+      printf("  plain, %d blocks/SM             %7.1f us %6.0f GB/s\n", per_sm, us, gbs(us));
+    }
+    const int tiles = static_cast<int>(s.n / 256);
+    for (int scale = 1; scale <= 8; scale *= 2) {
+      int splits = scale * 2 * sms / tiles;
+      splits = splits < 1 ? 1 : (splits > rows / 4 ? static_cast<int>(rows / 4) : splits);
+      const float t[4] = {time_pattern<8, false>(copies, rows, s.n, splits, sink),
+                          time_pattern<4, false>(copies, rows, s.n, splits, sink),
+                          time_pattern<8, true>(copies, rows, s.n, splits, sink),
+                          time_pattern<4, true>(copies, rows, s.n, splits, sink)};
+      printf("  splits x%d (%3d): row-major depth 8 %6.0f GB/s, depth 4 %6.0f | tiled depth 8 %6.0f, depth 4 %6.0f\n",
+             scale, splits, gbs(t[0]), gbs(t[1]), gbs(t[2]), gbs(t[3]));
+    }
+    for (uint4* c : copies) cudaFree(c);
+  }
+  const cudaError_t err = cudaGetLastError();
+  printf("%s\n", cudaGetErrorString(err));
+  return err == cudaSuccess ? 0 : 1;
+}
