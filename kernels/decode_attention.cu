@@ -37,8 +37,9 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   __shared__ float s_factor[GMAX][kMaxSplits], s_share_sum[GMAX][kMaxSplits], s_denominator[GMAX];
   __shared__ bool s_last;
 
-  // slot and pad are read before the wait: the decode step writes them only between steps (slot) and before the
-  // first (pad), never in the kernel just before this one, which is the only one that may still be running.
+  // slot and pad are read before the wait (and the first keys, below): the decode step writes them only between
+  // steps (slot) and before the first (pad), never in the kernel just before this one, which is the only one that
+  // may still be running.
   // blockIdx.y: kv head and group of up to GMAX of its query heads (G of them in this block)
   const int group_size = static_cast<int>(p.num_q_heads / p.num_kv_heads);
   const int groups = (group_size + GMAX - 1) / GMAX;
@@ -47,8 +48,6 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   const int head0 = kvh * group_size + first;                      // first query head of this block
   const int G = group_size - first < GMAX ? group_size - first : GMAX;
   const int64_t last_key = *p.slot, start = p.pad[b];
-  griddep_wait();
-  griddep_launch_dependents();
   const int64_t count = last_key + 1 - start;
   const int64_t wanted = (count + kStep - 1) / kStep;  // at least one block step of keys per share
   const int shares = static_cast<int>(wanted < p.splits ? (wanted > 1 ? wanted : 1) : p.splits);
@@ -62,6 +61,42 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   const int group = (threadIdx.x >> 5) * (32 / kLanes) + lane / kLanes;
   const bool active = sub < kActive;
   const int d0 = sub * 8;
+  const int64_t head_offset = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.capacity * D;
+  const T* k_base = static_cast<const T*>(p.k_cache) + head_offset + d0;
+  const T* v_base = static_cast<const T*>(p.v_cache) + head_offset + d0;
+
+  // One block step of keys from `base`: kUnroll keys per lane group, K and V in fp32, zeros past hi; key `skip`
+  // is left unloaded.
+  float kv[kUnroll][8], vv[kUnroll][8];
+  bool valid[kUnroll];
+  const auto load_step = [&](int64_t base, int64_t skip) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t t = base + u * kGroups + group;
+      valid[u] = t < hi;
+      if (valid[u] && active && t != skip) {
+        load_vec<T, 8>(kv[u], k_base + t * D);
+        load_vec<T, 8>(vv[u], v_base + t * D);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) kv[u][j] = vv[u][j] = 0.f;
+      }
+    }
+  };
+  // The first block step is loaded before the wait, except the current token's key and value: the QKV kernel just
+  // before this one writes them into the cache at slot, while every earlier key was written by kernels that have
+  // finished (a kernel starts early only beside the one just before it, which waited for all earlier ones). At
+  // short contexts that is all of the block's keys, and their memory latency overlaps the previous kernel's tail.
+  load_step(lo, last_key);
+  griddep_wait();
+  griddep_launch_dependents();
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    if (lo + u * kGroups + group == last_key && valid[u] && active) {
+      load_vec<T, 8>(kv[u], k_base + last_key * D);
+      load_vec<T, 8>(vv[u], v_base + last_key * D);
+    }
+  }
 
   float q[GMAX][8];
 #pragma unroll
@@ -83,25 +118,9 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
     for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
   }
 
-  const int64_t head_offset = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * p.capacity * D;
-  const T* k_base = static_cast<const T*>(p.k_cache) + head_offset + d0;
-  const T* v_base = static_cast<const T*>(p.v_cache) + head_offset + d0;
   // Every lane runs the same number of steps (the shuffles below need the whole warp).
   for (int64_t base = lo; base < hi; base += kStep) {
-    float kv[kUnroll][8], vv[kUnroll][8];
-    bool valid[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t t = base + u * kGroups + group;
-      valid[u] = t < hi;
-      if (valid[u] && active) {
-        load_vec<T, 8>(kv[u], k_base + t * D);
-        load_vec<T, 8>(vv[u], v_base + t * D);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) kv[u][j] = vv[u][j] = 0.f;
-      }
-    }
+    if (base != lo) load_step(base, -1);
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {
       if (g >= G) break;
