@@ -329,7 +329,8 @@ class DecodeRunner:
                     pro = self._prologue(delta, delta2, norm, post_norm)
                     q, total, h_mlp = self._qkv(layer, i, residual, pro, st)
                     mlp_out = self._parallel_mlp(layer, h_mlp, st, branch)
-                else:  # the norm kernel first, so that the MLP starts beside the QKV GEMV
+                else:  # the norm kernel first, so that the MLP starts beside the QKV GEMV (forking it after the
+                    # QKV GEMV instead, beside the attention, measured slower: Pythia-2.8B 2.19 -> 2.25 ms)
                     h, total, h_mlp = layer.separate_norms[0](residual, delta, delta2)
                     mlp_out = self._parallel_mlp(layer, h_mlp, st, branch)
                     q = self._qkv_rope(layer, i, h, st)
