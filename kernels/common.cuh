@@ -165,18 +165,27 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #endif
 }
 
+// Whether the environment variable `name` is set to 1: the kernels' switches for comparing and bisecting (each read
+// once per process by its caller).
+inline bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v && v[0] == '1';
+}
+
+// Whether the current GPU is a Hopper or newer (programmatic dependent launch, bulk tensor copies).
+inline bool hopper_or_newer() {
+  int device = 0, major = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  return major >= 9;
+}
+
 // Launches `kernel` with programmatic stream serialization on GPUs that have it (sm_90+). PATCHER_DISABLE_PDL=1 in
-// the environment launches it plainly instead (a switch for bisecting, read once per process).
+// the environment launches it plainly instead.
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                        Args&&... args) {
-  static const bool supported = [] {
-    int device = 0, major = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    const char* disabled = std::getenv("PATCHER_DISABLE_PDL");
-    return major >= 9 && !(disabled && disabled[0] == '1');
-  }();
+  static const bool supported = hopper_or_newer() && !env_flag("PATCHER_DISABLE_PDL");
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;

@@ -1,5 +1,7 @@
 // GPTQ int4 entry points: the decode kernel (int4_gemv.cuh, built per dtype in int4_<dtype>.cu) and the
 // dequantization kernel of the prefill path.
+#include <algorithm>
+
 #include "int4_gemv.cuh"
 
 namespace patcher {
@@ -34,6 +36,8 @@ int64_t int4_tile_width(const Int4Params& p) {
   while (width % 32) width += head;
   return width <= kThreads ? width : head;
 }
+
+int64_t int4_partial_rows(const Int4Params& p) { return std::max<int64_t>(p.splits, p.k / kTmaStageK); }
 
 int64_t int4_tiles(const Int4Params& p) {
   const int64_t width = int4_tile_width(p);

@@ -93,7 +93,7 @@ void attach_workspace(patcher::Int4Params& p, Tensor& workspace) {
   int64_t n_total = 0;
   for (int s = 0; s < p.num_segments; ++s) n_total += p.seg[s].n;
   const int64_t counters = (patcher::int4_tiles(p) + 63) / 64 * 64;
-  const int64_t needed = counters + p.splits * p.batch * n_total;
+  const int64_t needed = counters + patcher::int4_partial_rows(p) * p.batch * n_total;
   TORCH_CHECK(workspace.is_cuda() && workspace.scalar_type() == at::kInt && workspace.is_contiguous() &&
                   workspace.numel() >= needed,
               "patcher: the int4 workspace must be a zeroed contiguous int32 CUDA tensor of at least ",
@@ -245,7 +245,8 @@ Tensor int4_linear(const Tensor& x, TensorList qweight, TensorList qzeros, Tenso
     Tensor out = at::empty(sizes, x.options());
     p.out = out.data_ptr();
     Tensor workspace =
-        at::zeros({(patcher::int4_tiles(p) + 63) / 64 * 64 + splits * p.batch * n_total}, x.options().dtype(at::kInt));
+        at::zeros({(patcher::int4_tiles(p) + 63) / 64 * 64 + patcher::int4_partial_rows(p) * p.batch * n_total},
+                  x.options().dtype(at::kInt));
     attach_workspace(p, workspace);
     check_launch(patcher::launch_int4_gemv(p, c10::cuda::getCurrentCUDAStream()), "int4_linear");
     return out;

@@ -18,11 +18,10 @@
 // applies the scale (the reference's rounding). With act-order (g_idx a permutation of the groups) every k has
 // its own group, and the weights are formed one at a time: correct, and slower.
 #pragma once
-#include <cstdlib>
 #include <type_traits>
 
-#include "int4_mma.cuh"
 #include "int4_tile.cuh"
+#include "int4_tma.cuh"
 
 namespace patcher {
 namespace {
@@ -135,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
       }
     }
   }
-  finish_tile<T>(p, t, smem, blockDim.y, tile_width);
+  finish_tile<T>(p, t, smem, blockDim.y, tile_width, k_slices(p, t), whole_block());
 }
 
 template <typename T, int BMAX>
@@ -166,14 +165,20 @@ cudaError_t launch_batch(const Int4Params& p, cudaStream_t stream) {
 // Batch-size dispatch for one dtype; int4_<dtype>.cu instantiate it.
 template <typename T>
 cudaError_t launch_int4_gemv_typed(const Int4Params& p, cudaStream_t stream) {
-  // PATCHER_INT4_CUDA_CORES=1 in the environment keeps every op on the CUDA-core kernel (a switch for comparing
-  // and bisecting, read once per process).
-  static const bool cuda_cores = [] {
-    const char* v = std::getenv("PATCHER_INT4_CUDA_CORES");
-    return v && v[0] == '1';
-  }();
+  // PATCHER_INT4_CUDA_CORES=1 in the environment keeps every op on the CUDA-core kernel; PATCHER_INT4_TMA=1 puts
+  // the ops it takes on the Hopper TMA kernel (int4_tma.cuh: not yet faster, so not the default).
+  static const bool cuda_cores = env_flag("PATCHER_INT4_CUDA_CORES");
   if constexpr (!std::is_same_v<T, float>) {
-    if (!cuda_cores && mma_applies(p)) return launch_mma<T>(p, stream);
+    if (!cuda_cores) {
+      TmaPlan plan{};
+      size_t smem = 0;
+      bool launched = false;
+      if (tma_plan<T>(p, plan, smem)) {
+        const cudaError_t err = launch_tma<T>(p, plan, smem, stream, launched);
+        if (launched || err != cudaSuccess) return err;
+      }
+      if (mma_applies(p)) return launch_mma<T>(p, stream);
+    }
   }
   // The act-order kernels (the slow per-k path) exist for 1 and 8 rows only: a shorter build.
   if (p.act_order && p.batch > 1) return launch_batch<T, 8>(p, stream);

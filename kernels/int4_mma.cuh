@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
       }
     }
   }
-  finish_tile<T>(p, t, smem, runs, tile_width);
+  finish_tile<T>(p, t, smem, runs, tile_width, k_slices(p, t), whole_block());
 }
 
 template <typename T>

@@ -47,11 +47,49 @@ __device__ __forceinline__ TileInfo tile_info(const Int4Params& p, int tile, int
   return t;
 }
 
+// The threads that finish a tile together: the whole block, or the consumer warps of the TMA kernel (int4_tma.cuh),
+// whose producer warp keeps issuing copies meanwhile; those meet at named barrier 1.
+struct Team {
+  int tid, size, barrier;
+  __device__ void sync() const {
+    if (barrier == 0) {
+      __syncthreads();
+    } else {
+      asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(size) : "memory");
+    }
+  }
+};
+
+__device__ __forceinline__ Team whole_block() {
+  return {static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x), static_cast<int>(blockDim.x * blockDim.y), 0};
+}
+
+// How the blocks that share a tile group meet: this block's row of partial sums in the workspace, the arrivals at
+// the group's counter, the rows to add up per member tile, and whether this block holds the whole group alone.
+struct TileSplit {
+  int slot;
+  int expected;
+  int slots[2];
+  bool direct;
+};
+
+// The split of the grid (tiles, K slices): every tile in `splits` slices, slice blockIdx.y.
+__device__ __forceinline__ TileSplit k_slices(const Int4Params& p, const TileInfo& t) {
+  return {static_cast<int>(blockIdx.y), p.splits * t.members, {p.splits, p.splits}, p.splits == 1 && t.members == 1};
+}
+
 // Column offset of segment s in the logical output (q | k | v).
 __device__ __forceinline__ int64_t segment_offset(const Int4Params& p, int s) {
   int64_t offset = 0;
   for (int i = 0; i < s; ++i) offset += p.seg[i].n;
   return offset;
+}
+
+// Columns of the logical output (the segments side by side).
+__device__ __forceinline__ int64_t total_width(const Int4Params& p) {
+  int64_t n = 0;
+  for (int s = 0; s < p.num_segments; ++s) n += p.seg[s].n;
+  return n;
 }
 
 // Two weights of one word: nibbles j and j + 4 (k = j and j + 4 of the word's 8). OR-ing a nibble into the
@@ -201,12 +239,11 @@ __device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool write
 // The finished tile values (rounded dot product + bias, as F.linear's output and the bias add round them) are in
 // `fin` [members][batch][tile_width]; this writes the op's output.
 template <typename T>
-__device__ void epilogue(const Int4Params& p, const TileInfo& t, const float* fin, int tile_width) {
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
+__device__ void epilogue(const Int4Params& p, const TileInfo& t, const float* fin, int tile_width, const Team& team) {
+  const int tid = team.tid, nthreads = team.size;
   T* out = static_cast<T*>(p.out);
   if (p.epilogue == kInt4Store) {
-    int64_t n_total = 0;
-    for (int s = 0; s < p.num_segments; ++s) n_total += p.seg[s].n;
+    const int64_t n_total = total_width(p);
     const int64_t base = segment_offset(p, t.seg) + t.col0;
     for (int i = tid; i < p.batch * tile_width; i += nthreads) {
       const int b = i / tile_width, c = i % tile_width;
@@ -240,56 +277,32 @@ __device__ void epilogue(const Int4Params& p, const TileInfo& t, const float* fi
   }
 }
 
-// The block's partial sums are in red = smem [runs][batch][tile_width] (every column of the tile that exists,
-// for every row of the batch). This adds up the runs; with K split over blocks, the slices meet in the workspace
-// and the last block of the tile group goes on; it rounds, adds the bias and runs the epilogue.
-template <typename T>
-__device__ void finish_tile(const Int4Params& p, const TileInfo& t, float* smem, int runs, int tile_width) {
-  __shared__ int s_last;
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
-  const float* red = smem;
-  __syncthreads();
-  const int per_member = static_cast<int>(p.batch) * tile_width;
-  float* fin = smem + runs * per_member;  // [members][batch][tile_width]
-  const bool direct = p.splits == 1 && t.members == 1;
-  int64_t n_total = 0;
-  for (int s = 0; s < p.num_segments; ++s) n_total += p.seg[s].n;
-  for (int i = tid; i < per_member; i += nthreads) {
+// Element (b, c) of a block's sums: the runs' sums red [runs][batch][tile_width] added up.
+__device__ __forceinline__ float add_runs(const Int4Params& p, const float* red, int runs, int tile_width, int b,
+                                          int c) {
+  float v = 0.f;
+  for (int y = 0; y < runs; ++y) v += red[(y * p.batch + b) * tile_width + c];
+  return v;
+}
+
+// This block's sums of tile t (red, as add_runs takes them) as row `slot` of the workspace's partial sums.
+__device__ void store_partials(const Int4Params& p, const TileInfo& t, const float* red, int runs, int tile_width,
+                               int slot, const Team& team) {
+  const int64_t n_total = total_width(p), base = segment_offset(p, t.seg) + t.col0;
+  for (int i = team.tid; i < p.batch * tile_width; i += team.size) {
     const int b = i / tile_width, c = i % tile_width;
-    float v = 0.f;
-    for (int y = 0; y < runs; ++y) v += red[(y * p.batch + b) * tile_width + c];
-    if (direct) {
-      fin[i] = v;
-    } else if (c < t.width) {
-      p.partials[(blockIdx.y * p.batch + b) * n_total + segment_offset(p, t.seg) + t.col0 + c] = v;
-    }
+    if (c < t.width)
+      p.partials[(static_cast<int64_t>(slot) * p.batch + b) * n_total + base + c] =
+          add_runs(p, red, runs, tile_width, b, c);
   }
-  if (!direct) {
-    // The last block of the tile group adds up every slice's partials (those of every member tile).
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-      const int expected = p.splits * t.members;
-      const int arrived = atomicAdd(p.counters + t.group, 1) + 1;
-      s_last = arrived == expected;
-      if (s_last) p.counters[t.group] = 0;  // every block of the group has counted: leave it zero
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    for (int i = tid; i < t.members * per_member; i += nthreads) {
-      const int m = i / per_member, b = (i % per_member) / tile_width, c = i % tile_width;
-      if (c >= t.width) continue;
-      const int s = t.members == 2 ? m : t.seg;
-      const int64_t column = segment_offset(p, s) + t.col0 + c;
-      float v = 0.f;
-#pragma unroll 8
-      for (int split = 0; split < p.splits; ++split) v += __ldcg(p.partials + (split * p.batch + b) * n_total + column);
-      fin[i] = v;
-    }
-  }
-  // Round as F.linear rounds its output, then add the bias in the dtype (GPTQLinear: out + bias.to(x.dtype)).
-  for (int i = tid; i < t.members * per_member; i += nthreads) {
+}
+
+// The finished dot products of the tile group are in fin [members][batch][tile_width]: round them as F.linear rounds
+// its output, add the bias in the dtype (GPTQLinear: out + bias.to(x.dtype)) and run the epilogue.
+template <typename T>
+__device__ void finish_values(const Int4Params& p, const TileInfo& t, float* fin, int tile_width, const Team& team) {
+  const int per_member = static_cast<int>(p.batch) * tile_width;
+  for (int i = team.tid; i < t.members * per_member; i += team.size) {
     const int m = i / per_member, c = i % tile_width;
     const Int4Segment& s = p.seg[t.members == 2 ? m : t.seg];
     float v = round_to<T>(fin[i]);
@@ -297,8 +310,70 @@ __device__ void finish_tile(const Int4Params& p, const TileInfo& t, float* smem,
       v = round_to<T>(v + round_to<T>(__half2float(static_cast<const __half*>(s.bias)[t.col0 + c])));
     fin[i] = v;
   }
-  __syncthreads();
-  epilogue<T>(p, t, fin, tile_width);
+  team.sync();
+  epilogue<T>(p, t, fin, tile_width, team);
+}
+
+// The last block of a tile group to arrive: every row of partial sums of its member tiles into fin, then
+// finish_values.
+template <typename T>
+__device__ void finish_from_partials(const Int4Params& p, const TileInfo& t, float* fin, int tile_width,
+                                     const TileSplit& split, const Team& team) {
+  __threadfence();
+  const int per_member = static_cast<int>(p.batch) * tile_width;
+  const int64_t n_total = total_width(p);
+  for (int i = team.tid; i < t.members * per_member; i += team.size) {
+    const int m = i / per_member, b = (i % per_member) / tile_width, c = i % tile_width;
+    if (c >= t.width) continue;
+    const int64_t column = segment_offset(p, t.members == 2 ? m : t.seg) + t.col0 + c;
+    float v = 0.f;
+#pragma unroll 8
+    for (int row = 0; row < split.slots[m]; ++row) v += __ldcg(p.partials + (row * p.batch + b) * n_total + column);
+    fin[i] = v;
+  }
+  finish_values<T>(p, t, fin, tile_width, team);
+}
+
+// The block's partial sums are in red = smem [runs][batch][tile_width] (every column of the tile that exists,
+// for every row of the batch). This adds up the runs; where other blocks share the tile group, the partial sums meet
+// in the workspace and the last block of the group goes on; it rounds, adds the bias and runs the epilogue.
+template <typename T>
+__device__ void finish_tile(const Int4Params& p, const TileInfo& t, float* smem, int runs, int tile_width,
+                            const TileSplit& split, const Team& team) {
+  __shared__ int s_last;
+  team.sync();
+  const int per_member = static_cast<int>(p.batch) * tile_width;
+  float* fin = smem + runs * per_member;  // [members][batch][tile_width]
+  if (split.direct) {
+    for (int i = team.tid; i < per_member; i += team.size)
+      fin[i] = add_runs(p, smem, runs, tile_width, i / tile_width, i % tile_width);
+    finish_values<T>(p, t, fin, tile_width, team);
+    return;
+  }
+  store_partials(p, t, smem, runs, tile_width, split.slot, team);
+  __threadfence();
+  team.sync();
+  if (team.tid == 0) {
+    const int arrived = atomicAdd(p.counters + t.group, 1) + 1;
+    s_last = arrived == split.expected;
+    if (s_last) p.counters[t.group] = 0;  // every block of the group has counted: leave it zero
+  }
+  team.sync();
+  if (s_last) finish_from_partials<T>(p, t, fin, tile_width, split, team);
+}
+
+// Whether the norm prologue (when there is one) takes this x in a block of `threads`: 16-byte vectors in
+// registers, at most kNormElems per thread.
+template <typename T>
+bool norm_fits(const Int4Params& p, int threads) {
+  if (!p.norm.weight) return true;
+  constexpr int V = 16 / sizeof(T);
+  const void* pointers[] = {p.x, p.norm.delta, p.norm.delta2, p.norm.weight, p.norm.bias, p.norm.weight2, p.norm.bias2};
+  for (const void* ptr : pointers) {
+    if (ptr && !aligned16(ptr)) return false;
+  }
+  return !(p.k % V || p.x_stride % V || (p.norm.delta && p.norm.delta_stride % V) ||
+           (p.norm.delta2 && p.norm.delta2_stride % V) || p.k > static_cast<int64_t>(kNormElems) * threads);
 }
 
 // Shared memory of a launch (into `smem`): the x stage or the runs' partial sums (the second reuses the first), then
@@ -311,18 +386,7 @@ cudaError_t launch_smem(const Int4Params& p, int64_t stage_bytes, int runs, int 
   const int64_t members = p.epilogue == kInt4SiluMul ? 2 : 1;
   const int64_t bytes = (stage_bytes > reduce ? stage_bytes : reduce) + members * p.batch * tile_width * 4;
   if (stage_bytes > kStageFloats * 4 || bytes > 48 * 1024) return cudaErrorInvalidConfiguration;
-  if (p.norm.weight) {
-    constexpr int V = 16 / sizeof(T);
-    const void* pointers[] = {p.x,         p.norm.delta,   p.norm.delta2, p.norm.weight,
-                              p.norm.bias, p.norm.weight2, p.norm.bias2};
-    for (const void* ptr : pointers) {
-      if (ptr && !aligned16(ptr)) return cudaErrorNotSupported;
-    }
-    if (p.k % V || p.x_stride % V || (p.norm.delta && p.norm.delta_stride % V) ||
-        (p.norm.delta2 && p.norm.delta2_stride % V) || p.k > static_cast<int64_t>(kNormElems) * threads) {
-      return cudaErrorNotSupported;
-    }
-  }
+  if (!norm_fits<T>(p, threads)) return cudaErrorNotSupported;
   smem = static_cast<size_t>(bytes);
   return cudaSuccess;
 }

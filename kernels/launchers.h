@@ -211,12 +211,15 @@ struct Int4Params {
   // segment per tile, neither is used.
   int32_t splits;
   int32_t* counters;  // [tiles]
-  float* partials;    // [splits, batch, sum of n]
+  float* partials;    // [int4_partial_rows, batch, sum of n]
 };
 // Column tile width: 128, or for kInt4RopeCache the fewest whole heads that make whole warps (one head where that
 // exceeds 256 columns). The Python side (patcher/ops/int4.py) sizes the workspace with the same rule.
 int64_t int4_tile_width(const Int4Params& p);
 int64_t int4_tiles(const Int4Params& p);
+// Rows of partial sums the workspace holds: `splits` for the split kernels, and for the TMA kernel (int4_tma.cuh)
+// one per block that shares a tile, at most one per 256 k.
+int64_t int4_partial_rows(const Int4Params& p);
 cudaError_t launch_int4_gemv(const Int4Params& p, cudaStream_t stream);
 
 // Dequantization for prefill (more than 8 rows): W [k, n] in the dtype of `out`, exactly the reference's values

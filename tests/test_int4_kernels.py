@@ -6,7 +6,9 @@ Covered: group sizes 16/32/128/one group, act-order, GPTQ v1/v2 zero points, bat
 dequantize + cuBLAS path), odd widths and K, fp16/bf16/fp32 activations, every prologue (none, RMSNorm, add +
 RMSNorm, LayerNorm with one or two deltas and two outputs) and epilogue (none, GELU, SwiGLU, RoPE into the cache),
 K splits, heads of 64/72/80/128. fp16/bf16 without act-order take the tensor-core kernel (kernels/int4_mma.cuh) where
-the group size is a multiple of 32 and the heads tile into whole warps; the rest take the CUDA-core kernel.
+the group size is a multiple of 32 and the heads tile into whole warps; the rest take the CUDA-core kernel. Switches
+in the environment move ops to the CUDA-core kernel or to the opt-in Hopper kernel (kernels/int4_tma.cuh, where K is
+whole stages of 256 and the groups and widths tile them), tested in processes of their own.
 """
 
 from __future__ import annotations
@@ -183,14 +185,39 @@ def test_int4_opcheck_and_bad_inputs(kernels):
         kernels.int4_gemv(x, *none, *gptq_linear(256, [128], 64).args(), "silu_mul", 2, workspace)
 
 
-def test_cuda_core_kernel_switch():
-    """PATCHER_INT4_CUDA_CORES=1 (read once per process) keeps fp16/bf16 on the CUDA-core kernel, which then only
-    runs fp32, act-order and odd group sizes here: its decode tests for fp16 and bf16 (dtype0, dtype1) pass in a
-    process of their own."""
-    if os.environ.get("PATCHER_INT4_CUDA_CORES") == "1":
+@pytest.mark.parametrize("dtype", DTYPES[:2])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize(
+    "k,widths,group_size,activation",
+    [
+        (4096, [2656], 32, "none"),  # 83 warps of columns: a last tile of 96
+        (4096, [1024], 64, "gelu"),
+        (2048, [3072], 256, "none"),
+        (2048, [512, 512], 512, "silu_mul"),  # a group over two stages
+        (1024, [4096, 4096], -1, "silu_mul"),  # one group; gate and up tiles finished by different blocks
+        (256, [32768], 128, "none"),  # one stage per tile: blocks finish several whole tiles alone
+        (4096, [128], 128, "none"),  # one tile shared by 16 blocks
+    ],
+)
+def test_int4_gemv_hopper_work_split(k, widths, group_size, activation, batch, dtype):
+    """Shapes for the Hopper kernel (kernels/int4_tma.cuh, run by test_hopper_kernel_switch; here the tensor-core
+    kernel takes them): every group size it takes, tiles cut short, runs of stages that end inside tiles, in several
+    tiles, or hold whole tiles."""
+    lin = gptq_linear(k, widths, group_size, bias=activation == "gelu")
+    splits = int4_ops.splits_for(batch, lin, torch.cuda.get_device_properties(0).multi_processor_count)
+    workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits), dtype=torch.int32, device="cuda")
+    x, pro = prologue_args("add_rms", batch, k, dtype)
+    check_op("int4_gemv", (x, *pro, *lin.args(), activation, splits, workspace))
+    assert int(workspace[:64].abs().sum()) == 0, "the tile counters must be left at zero"
+
+
+def _run_with_switch(variable: str):
+    """The fp16/bf16 matrix-vector tests (dtype0, dtype1) in a process of their own with `variable`=1 (the int4
+    kernel switches are read once per process)."""
+    if os.environ.get(variable) == "1":
         pytest.skip("this is the process the switch is tested in")
-    env = {**os.environ, "PATCHER_INT4_CUDA_CORES": "1"}
-    selection = "(test_int4_gemv or test_int4_qkv_rope_cache) and (dtype0 or dtype1)"
+    env = {**os.environ, variable: "1"}
+    selection = "(test_int4_gemv or test_int4_qkv_rope_cache or test_int4_linear) and (dtype0 or dtype1)"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],
         env=env,
@@ -201,3 +228,15 @@ def test_cuda_core_kernel_switch():
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout.splitlines()[-1]
+
+
+def test_cuda_core_kernel_switch():
+    """PATCHER_INT4_CUDA_CORES=1 keeps fp16/bf16 on the CUDA-core kernel, which then only runs fp32, act-order and
+    odd group sizes here."""
+    _run_with_switch("PATCHER_INT4_CUDA_CORES")
+
+
+def test_hopper_kernel_switch():
+    """PATCHER_INT4_TMA=1 puts the fp16/bf16 ops it takes on the Hopper kernel (on an H100/H200; elsewhere the switch
+    changes nothing and the same tests pass again)."""
+    _run_with_switch("PATCHER_INT4_TMA")

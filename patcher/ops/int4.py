@@ -15,6 +15,7 @@ import torch
 MAX_SEGMENTS = 3
 TILE = 128  # output columns per block of the int4 kernels (whole heads when RoPE follows: tile_width)
 STAGE_FLOATS = 8192  # batch x K/splits limit of the kernel's shared x stage
+TMA_STAGE_K = 256  # k per stage of the Hopper kernel (kernels/int4_tma.cuh): at most one row of partial sums each
 
 
 @dataclass
@@ -128,5 +129,8 @@ def splits_for(batch: int, linear: Int4Linear, multiprocessors: int, head_dim: i
 
 
 def workspace_numel(batch: int, linear: Int4Linear, splits: int, head_dim: int | None = None) -> int:
-    """int32 elements of the workspace (counters, then fp32 partial sums), as kernels/int4_bindings.cpp checks."""
-    return math.ceil(tiles(linear, head_dim) / 64) * 64 + splits * batch * sum(linear.widths)
+    """int32 elements of the workspace (counters, then fp32 partial sums), as kernels/int4_bindings.cpp checks:
+    rows of partial sums for `splits` K slices, or for the Hopper kernel one per block sharing a tile (at most one
+    per 256 k), whichever is more (kernels/int4.cu: int4_partial_rows)."""
+    rows = max(splits, linear.in_features // TMA_STAGE_K)
+    return math.ceil(tiles(linear, head_dim) / 64) * 64 + rows * batch * sum(linear.widths)
