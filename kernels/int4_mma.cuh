@@ -78,6 +78,27 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
   }
 }
 
+// One step of a lane: its 16-byte qweight chunk (4 columns x 8 k, one group) dequantized into its A fragments and
+// multiplied with its x chunk (the B fragments of those 8 k) into acc[h], columns 4g + 2h and 4g + 2h + 1.
+template <typename T>
+__device__ __forceinline__ void mma_chunk(float (&acc)[2][4], const uint4& chunk, const uint4& xv,
+                                          const __half2 (&scale)[4], const __half2 (&zero1024)[4]) {
+  const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+  const uint32_t xb[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      const int c0 = 2 * h, c1 = 2 * h + 1;
+      const uint32_t a[4] = {weight_pair<T>(words[c0], 2 * jj, zero1024[c0], scale[c0]),
+                             weight_pair<T>(words[c1], 2 * jj, zero1024[c1], scale[c1]),
+                             weight_pair<T>(words[c0], 2 * jj + 1, zero1024[c0], scale[c0]),
+                             weight_pair<T>(words[c1], 2 * jj + 1, zero1024[c1], scale[c1])};
+      mma_16816<T>(acc[h], a, xb[2 * jj], xb[2 * jj + 1]);
+    }
+  }
+}
+
 template <typename T, bool NORM>
 __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params p, int tile_width) {
   extern __shared__ float smem[];
@@ -144,20 +165,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
         // B is zero past the batch and past the run (whose x is not staged), so whatever A holds there adds 0.
         uint4 xv = make_uint4(0, 0, 0, 0);
         if (g < p.batch && r < run_end) xv = *reinterpret_cast<const uint4*>(x_lane + 32 * s);
-        const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
-        const uint32_t xb[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-          for (int jj = 0; jj < 2; ++jj) {
-            const int c0 = 2 * h, c1 = 2 * h + 1;
-            const uint32_t a[4] = {weight_pair<T>(words[c0], 2 * jj, zero1024[c0], scale[c0]),
-                                   weight_pair<T>(words[c1], 2 * jj, zero1024[c1], scale[c1]),
-                                   weight_pair<T>(words[c0], 2 * jj + 1, zero1024[c0], scale[c0]),
-                                   weight_pair<T>(words[c1], 2 * jj + 1, zero1024[c1], scale[c1])};
-            mma_16816<T>(acc[h], a, xb[2 * jj], xb[2 * jj + 1]);
-          }
-        }
+        mma_chunk<T>(acc, chunk, xv, scale, zero1024);
       }
     }
   }

@@ -41,6 +41,7 @@
 #include <cstring>
 
 #include "int4_mma.cuh"
+#include "tma.cuh"
 
 namespace patcher {
 namespace {
@@ -90,45 +91,6 @@ __device__ __forceinline__ TileSplit stage_runs(const Int4Params& p, const TmaPl
   }
   return s;
 }
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void bar_init(uint64_t* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
-}
-
-__device__ __forceinline__ void bar_expect(uint64_t* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void bar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-__device__ __forceinline__ void bar_wait(uint64_t* bar, unsigned parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "wait:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-// The box of `map` at (inner, outer) into shared memory, completing on `bar`.
-__device__ __forceinline__ void tensor_copy(void* dst, const CUtensorMap* map, int inner, int outer, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
-          "r"(smem_addr(dst)),
-      "l"(map), "r"(inner), "r"(outer), "r"(smem_addr(bar))
-      : "memory");
-}
-#endif
 
 template <typename T, bool NORM>
 __global__ void __launch_bounds__(kTmaMaxWarps * 32, 1)
@@ -235,20 +197,7 @@ __global__ void __launch_bounds__(kTmaMaxWarps * 32, 1)
         gp.zeros = zeros[group * (tw / 8) + lane_col / 8] >> (4 * (lane_col % 8));
         group_halves(gp, p.zero_offset, scale, zero1024);
       }
-      const uint32_t words[4] = {chunk[j].x, chunk[j].y, chunk[j].z, chunk[j].w};
-      const uint32_t xb[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          const int c0 = 2 * h, c1 = 2 * h + 1;
-          const uint32_t a[4] = {weight_pair<T>(words[c0], 2 * jj, zero1024[c0], scale[c0]),
-                                 weight_pair<T>(words[c1], 2 * jj, zero1024[c1], scale[c1]),
-                                 weight_pair<T>(words[c0], 2 * jj + 1, zero1024[c0], scale[c0]),
-                                 weight_pair<T>(words[c1], 2 * jj + 1, zero1024[c1], scale[c1])};
-          mma_16816<T>(acc[h], a, xb[2 * jj], xb[2 * jj + 1]);
-        }
-      }
+      mma_chunk<T>(acc, chunk[j], xv[j], scale, zero1024);
     }
     __syncwarp();
     if (lane == 0) bar_arrive(&empty[slot]);  // the slot is free for the producer
