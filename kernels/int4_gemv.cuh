@@ -14,8 +14,8 @@
 //
 // Arithmetic. Every weight is formed exactly as the reference forms it, round_fp16(s * (q - z)), then multiplied
 // with x in fp32. Without act-order a word's 8 nibbles share one group, and two weights are made per instruction:
-// the 0x6400 trick turns nibbles into fp16 (1024 + q is exact), one __hsub2 leaves q - zero (exact), one __hmul2
-// applies the scale (the reference's rounding). With act-order (g_idx a permutation of the groups) every k has
+// dequantize_word (int4_tile.cuh) puts nibbles into fp16 mantissas, leaves q - zero exactly and applies the scale
+// with the reference's one rounding. With act-order (g_idx a permutation of the groups) every k has
 // its own group, and the weights are formed one at a time: correct, and slower.
 #pragma once
 #include <type_traits>
@@ -70,8 +70,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
 
   float acc[BMAX][4] = {};
   if (live) {
-    __half2 scale[4], zero1024[4];  // without act-order: the current group's, per column
-    group_halves(cur, p.zero_offset, scale, zero1024);
+    Dequant d = group_dequant(cur, p.zero_offset);  // without act-order: the current group's
     for (int64_t r0 = t_begin; r0 < t_end; r0 += kPreload) {
 #pragma unroll
       for (int j = 0; j < kPreload; ++j) {
@@ -85,13 +84,16 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
           if (r == group_end) {  // a new group: the prefetched parameters, and the next group's are loaded
             ++group;
             group_end += group_rows;
-            group_halves(next, p.zero_offset, scale, zero1024);
+            d = group_dequant(next, p.zero_offset);
             if (group_end < t_end) next = load_group(seg, group + 1, col);
           }
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
+            __half2 h[4];
+            dequantize_word(words[c], d, c, h);
             float2 q[4];
-            dequantize_word(words[c], zero1024[c], scale[c], q);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) q[j] = __half22float2(h[j]);
 #pragma unroll
             for (int b = 0; b < BMAX; ++b) {
               if (b < p.batch) {

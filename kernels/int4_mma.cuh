@@ -8,23 +8,26 @@
 // (Llama-3.1-8B gate/up 83.9 -> 54.7 us at batch 4, 148 -> 76 us at batch 8); batch 1 about even (whole-model
 // decode 3-4% faster).
 //
-// What batch 1 is still short of, measured: both kernels reach about 40% of HBM bandwidth on large matrices
-// (1.2 TB/s for a 29 MB matrix whatever its shape: 57 KB or 1.8 KB qweight rows alike, so not DRAM locality).
-// ncu stall sampling puts the warps on long-scoreboard waits for the weight chunks (8 steps ahead) and the group
-// parameters (1 group ahead). Tried and dropped: a 16-stage cp.async ring in shared memory for the chunks and a
-// 4-groups-ahead cp.async ring for the parameters (the stalls moved, the time did not: large matrices 5-10%
-// faster, small ones 10-20% slower, whole-model decode slower); 256-column tiles (no change).
+// What batch 1 is still short of, measured on the H100 (fp16, `python -m evals.ops --ops int4`, with parts of the
+// kernel switched off in throwaway builds): with no weight loads at all Llama-3.1-8B gate/up still took 32 us of its
+// 45 (the SASS had ~140 instructions per 4-row step: 64-bit index arithmetic, a shift, an AND and an OR per weight
+// pair), so the large ops were instruction-bound; dequantize_word (int4_tile.cuh) and int32 loop counts take a step
+// to about 85 (gate/up 45.1 -> 40.5 us, down 22.8 -> 21.1). For the small ops the fixed costs dominate: the K slices
+// meeting in the workspace costs 2-4 us an op (Pythia-2.8B dense 8.7 -> 5.0 us without it), the norm prologue about
+// 3 us (Pythia fused QKV). Tried and dropped: L2 prefetches of the rows ahead (bulk or per line: every op 2-15%
+// slower); 3 or 4 blocks per SM (spills; only gate/up faster); earlier, a 16-stage cp.async ring for the chunks and a
+// 4-groups-ahead ring for the parameters (large matrices 5-10% faster, small ones 10-20% slower); 256-column tiles.
 //
 // Layout. A warp owns 32 columns of the tile. In each step lane 4g + q loads the 16-byte chunk at qweight row
 // r0 + q, columns 4g .. 4g + 3 of the warp's 32, so a warp step is 4 rows x 32 columns (four 128-byte row
 // segments). The lane dequantizes its chunk exactly as the reference does (round_fp16(s * (q - z)); for bf16
-// activations then the reference's cast to bf16) into the pairs (k0,k4) (k1,k5) (k2,k6) (k3,k7) that the 0x6400
-// trick yields, and those pairs are its A fragments as they are: in MMA (h, jj), A row g is column 4g + 2h and
-// row g + 8 is column 4g + 2h + 1 (h picks 2 of the lane's 4 columns); k slots (2q, 2q+1) are pair 2jj of row
-// r0 + q and (2q+8, 2q+9) pair 2jj + 1. The order of k inside an MMA is free as long as B follows it, so x is
-// staged in shared memory with every 8 k stored in that pair order, and one 16-byte shared load gives a lane
-// its four B fragments (B column g = batch row g). The C fragments are columns x batch rows: lane (g, q) ends with
-// column 4g + 2h (c0, c1) and column 4g + 2h + 1 (c2, c3), for batch rows 2q and 2q + 1.
+// activations then the reference's cast to bf16) into the pairs (k0,k4) (k1,k5) (k2,k6) (k3,k7) that
+// dequantize_word yields, and those pairs are its A fragments as they are: in MMA (h, jj), A row g is column 4g + 2h
+// and row g + 8 is column 4g + 2h + 1 (h picks 2 of the lane's 4 columns); k slots (2q, 2q+1) are pair 2jj of row r0 +
+// q and (2q+8, 2q+9) pair 2jj + 1. The order of k inside an MMA is free as long as B follows it, so x is staged in
+// shared memory with every 8 k stored in that pair order, and one 16-byte shared load gives a lane its four B fragments
+// (B column g = batch row g). The C fragments are columns x batch rows: lane (g, q) ends with column 4g + 2h (c0, c1)
+// and column 4g + 2h + 1 (c2, c3), for batch rows 2q and 2q + 1.
 //
 // A block's warps are its tile's column warps times runs of the K slice (in whole steps of 4 rows); the runs and
 // the slices meet as in the CUDA-core kernel (int4_tile.cuh: finish_tile).
@@ -50,10 +53,9 @@ inline bool mma_applies(const Int4Params& p) {
   return !p.act_order && p.group_size % 32 == 0 && width % 32 == 0 && width <= kThreads;
 }
 
-// Weights j and j + 4 of a word as the A operand's two halves, in T.
+// Two fp16 weights as the A operand's halves in T: as they are, or for bf16 activations the reference's cast to bf16.
 template <typename T>
-__device__ __forceinline__ uint32_t weight_pair(uint32_t word, int j, __half2 zero1024, __half2 scale) {
-  const __half2 w = dequantize_pair(word, j, zero1024, scale);
+__device__ __forceinline__ uint32_t operand(__half2 w) {
   uint32_t bits;
   if constexpr (std::is_same_v<T, __half>) {
     memcpy(&bits, &w, 4);
@@ -81,19 +83,24 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
 // One step of a lane: its 16-byte qweight chunk (4 columns x 8 k, one group) dequantized into its A fragments and
 // multiplied with its x chunk (the B fragments of those 8 k) into acc[h], columns 4g + 2h and 4g + 2h + 1.
 template <typename T>
-__device__ __forceinline__ void mma_chunk(float (&acc)[2][4], const uint4& chunk, const uint4& xv,
-                                          const __half2 (&scale)[4], const __half2 (&zero1024)[4]) {
+__device__ __forceinline__ void mma_chunk(float (&acc)[2][4], const uint4& chunk, const uint4& xv, const Dequant& d) {
   const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
   const uint32_t xb[4] = {xv.x, xv.y, xv.z, xv.w};
+  uint32_t a_pairs[4][4];  // [column][pair (k_j, k_j+4)]
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    __half2 w[4];
+    dequantize_word(words[c], d, c, w);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a_pairs[c][j] = operand<T>(w[j]);
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj) {
       const int c0 = 2 * h, c1 = 2 * h + 1;
-      const uint32_t a[4] = {weight_pair<T>(words[c0], 2 * jj, zero1024[c0], scale[c0]),
-                             weight_pair<T>(words[c1], 2 * jj, zero1024[c1], scale[c1]),
-                             weight_pair<T>(words[c0], 2 * jj + 1, zero1024[c0], scale[c0]),
-                             weight_pair<T>(words[c1], 2 * jj + 1, zero1024[c1], scale[c1])};
+      const uint32_t a[4] = {a_pairs[c0][2 * jj], a_pairs[c1][2 * jj], a_pairs[c0][2 * jj + 1],
+                             a_pairs[c1][2 * jj + 1]};
       mma_16816<T>(acc[h], a, xb[2 * jj], xb[2 * jj + 1]);
     }
   }
@@ -113,25 +120,31 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
   const int64_t r_begin = min(rows, blockIdx.y * per_split), r_end = min(rows, r_begin + per_split);
   const int64_t per_run = (r_end - r_begin + 4 * runs - 1) / (4 * runs) * 4;
   const int64_t run_begin = min(r_end, r_begin + run * per_run), run_end = min(r_end, run_begin + per_run);
-  const int steps = static_cast<int>((run_end - run_begin + 3) / 4);
+  // The loop counts in int (a run is at most K/8 rows), since its bookkeeping is most of a step's instructions: the
+  // warp's steps, and this lane's rows of the run, q, q + 4, ... < run_rows (lane_rows - 4s > 0 at a step it has).
+  const int run_rows = static_cast<int>(run_end - run_begin), steps = (run_rows + 3) / 4, lane_rows = run_rows - q;
   const bool warp_live = warp_col < t.width, live = warp_col + 4 * g < t.width;
   const int64_t col = t.col0 + warp_col + 4 * g;
-  const int64_t row0 = run_begin + q;   // this lane's first row; then every 4th
-  const int64_t qw_stride = seg.n / 4;  // uint4 per qweight row
-  const uint4* qw = reinterpret_cast<const uint4*>(seg.qweight + col) + row0 * qw_stride;
+  const int64_t step_stride = seg.n / 4 * 4;  // uint4 from one of a lane's rows to the next (4 qweight rows)
+  const uint4* next_chunk = reinterpret_cast<const uint4*>(seg.qweight + col) + (run_begin + q) * (seg.n / 4);
 
   // Constant data before griddepcontrol.wait, as in the CUDA-core kernel: the first chunks, the first two groups.
   uint4 w[kMmaPreload] = {};
 #pragma unroll
   for (int j = 0; j < kMmaPreload; ++j) {
-    if (live && row0 + 4 * j < run_end) w[j] = __ldcs(qw + 4 * j * qw_stride);
+    if (live && 4 * j < lane_rows) w[j] = __ldcs(next_chunk + j * step_stride);
   }
-  const int64_t group_rows = p.group_size / 8;  // a multiple of 4 (mma_applies)
-  int64_t group = row0 / group_rows, group_end = (group + 1) * group_rows;
+  next_chunk += kMmaPreload * step_stride;
+  // Groups are whole steps (mma_applies) and runs start on a step, so the lanes of a warp change group together:
+  // at step `change`, then every group_steps steps. `next` holds group next_group once it is loaded.
+  const int64_t group_rows = p.group_size / 8;
+  const int group_steps = static_cast<int>(group_rows / 4);
+  int64_t next_group = run_begin / group_rows + 1;
+  int change = static_cast<int>((next_group * group_rows - run_begin) / 4);
   GroupParams cur{}, next{};  // zeros for dead lanes: their weights come out as zeros
-  if (live && row0 < run_end) {
-    cur = load_group(seg, group, col);
-    if (group_end < run_end) next = load_group(seg, group + 1, col);
+  if (live && lane_rows > 0) {
+    cur = load_group(seg, next_group - 1, col);
+    if (4 * change < run_rows) next = load_group(seg, next_group, col);
   }
   griddep_wait();
   griddep_launch_dependents();
@@ -145,27 +158,28 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
 
   float acc[2][4] = {};
   if (warp_live) {
-    __half2 scale[4], zero1024[4];
-    group_halves(cur, p.zero_offset, scale, zero1024);
-    const T* x_lane = xs + g * len + (row0 - r_begin) * 8;  // B column g is batch row g
+    Dequant d = group_dequant(cur, p.zero_offset);
+    const T* x_lane = xs + g * len + (run_begin + q - r_begin) * 8;  // B column g is batch row g
+    const bool x_row = g < p.batch;
     for (int s0 = 0; s0 < steps; s0 += kMmaPreload) {
 #pragma unroll
       for (int j = 0; j < kMmaPreload; ++j) {
         const int s = s0 + j;
-        if (s >= steps) break;
-        const int64_t r = row0 + 4 * s;
-        const uint4 chunk = w[j];
-        if (live && r + 4 * kMmaPreload < run_end) w[j] = __ldcs(qw + 4 * (s + kMmaPreload) * qw_stride);
-        if (r >= group_end) {  // the next group (never two: rows advance by 4, a group is a multiple of 4 rows)
-          ++group;
-          group_end += group_rows;
-          group_halves(next, p.zero_offset, scale, zero1024);
-          if (live && group_end < run_end) next = load_group(seg, group + 1, col);
+        if (s < steps) {
+          const uint4 chunk = w[j];
+          if (live && 4 * (s + kMmaPreload) < lane_rows) w[j] = __ldcs(next_chunk);
+          next_chunk += step_stride;
+          if (s == change) {  // the next group, whose parameters were loaded one group ahead
+            d = group_dequant(next, p.zero_offset);
+            change += group_steps;
+            ++next_group;
+            if (live && 4 * change < run_rows) next = load_group(seg, next_group, col);
+          }
+          // B is zero past the batch and past the run (whose x is not staged), so whatever A holds there adds 0.
+          uint4 xv = make_uint4(0, 0, 0, 0);
+          if (x_row && 4 * s < lane_rows) xv = *reinterpret_cast<const uint4*>(x_lane + 32 * s);
+          mma_chunk<T>(acc, chunk, xv, d);
         }
-        // B is zero past the batch and past the run (whose x is not staged), so whatever A holds there adds 0.
-        uint4 xv = make_uint4(0, 0, 0, 0);
-        if (g < p.batch && r < run_end) xv = *reinterpret_cast<const uint4*>(x_lane + 32 * s);
-        mma_chunk<T>(acc, chunk, xv, scale, zero1024);
       }
     }
   }

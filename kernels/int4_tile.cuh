@@ -92,22 +92,6 @@ __device__ __forceinline__ int64_t total_width(const Int4Params& p) {
   return n;
 }
 
-// Two weights of one word: nibbles j and j + 4 (k = j and j + 4 of the word's 8). OR-ing a nibble into the
-// mantissa of 1024 (0x6400) gives 1024 + q exactly; subtracting 1024 + zero leaves q - zero exactly; the fp16
-// multiply by the scale rounds as the reference's does.
-__device__ __forceinline__ __half2 dequantize_pair(uint32_t word, int j, __half2 zero1024, __half2 scale) {
-  const uint32_t bits = ((word >> (4 * j)) & 0x000F000Fu) | 0x64006400u;
-  __half2 h;
-  memcpy(&h, &bits, 4);
-  return __hmul2(__hsub2(h, zero1024), scale);
-}
-
-// The 8 weights of one word (k0..k7 of one column) as 4 float2: (k0,k4) (k1,k5) (k2,k6) (k3,k7).
-__device__ __forceinline__ void dequantize_word(uint32_t word, __half2 zero1024, __half2 scale, float2 (&out)[4]) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) out[j] = __half22float2(dequantize_pair(word, j, zero1024, scale));
-}
-
 __device__ __forceinline__ int zero_point(const Int4Segment& s, int64_t g, int64_t col, int offset) {
   const uint32_t word = static_cast<uint32_t>(s.qzeros[g * (s.n / 8) + col / 8]);
   return static_cast<int>((word >> (4 * (col % 8))) & 0xFu) + offset;
@@ -127,15 +111,54 @@ __device__ __forceinline__ GroupParams load_group(const Int4Segment& s, int64_t 
   return out;
 }
 
-// A group's parameters as dequantize_word takes them: the scale and 1024 + zero point, each in both halves.
-__device__ __forceinline__ void group_halves(const GroupParams& g, int zero_offset, __half2 (&scale)[4],
-                                             __half2 (&zero1024)[4]) {
+// A group's parameters for 4 adjacent columns c as dequantize_word takes them, each in both halves of a half2: the
+// scale, -(1024 + zero) and -(64 + zero). Zero points are 0 .. 16, so both sums are exact in fp16 and their bit
+// patterns are written directly (at 1024 fp16 steps by 1, at 64 by 1/16, that is 16 units of the last place).
+struct Dequant {
+  __half2 scale[4], minus_z1024[4], minus_z64[4];
+};
+
+__device__ __forceinline__ __half2 bits_half2(uint32_t half_bits) {
+  const uint32_t both = half_bits | (half_bits << 16);
+  __half2 h;
+  memcpy(&h, &both, 4);
+  return h;
+}
+
+__device__ __forceinline__ Dequant group_dequant(const GroupParams& g, int zero_offset) {
+  Dequant d;
   const __half* sh = reinterpret_cast<const __half*>(&g.scales);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    scale[c] = __half2half2(sh[c]);
-    zero1024[c] = __float2half2_rn(1024.f + static_cast<float>(((g.zeros >> (4 * c)) & 0xFu) + zero_offset));
+    const uint32_t z = ((g.zeros >> (4 * c)) & 0xFu) + static_cast<uint32_t>(zero_offset);
+    d.scale[c] = __half2half2(sh[c]);
+    d.minus_z1024[c] = bits_half2(0xE400u + z);      // -(1024 + z)
+    d.minus_z64[c] = bits_half2(0xD400u + 16u * z);  // -(64 + z)
   }
+  return d;
+}
+
+// (word & mask) | 0x64006400 in one instruction: the masked nibbles in the mantissas of two fp16 1024s.
+__device__ __forceinline__ __half2 nibbles_in_1024(uint32_t word, uint32_t mask) {
+  uint32_t bits;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(bits) : "r"(word), "r"(mask), "r"(0x64006400u));
+  __half2 h;
+  memcpy(&h, &bits, 4);
+  return h;
+}
+
+// The 8 weights of one word of column c (k0 .. k7), each round_fp16(scale * (q - zero)) as the reference forms it,
+// as the pairs (k0,k4) (k1,k5) (k2,k6) (k3,k7). Nibbles at bit 0 of a byte land in 1024's mantissa as 1024 + q,
+// those at bit 4 as 1024 + 16q, which a fused multiply by 1/16 brings to 64 + q. Subtracting 1024 + zero (or
+// 64 + zero) leaves q - zero exactly (small integers), so the multiply by the scale is the only rounding, as in the
+// reference. 13 instructions for 8 weights.
+__device__ __forceinline__ void dequantize_word(uint32_t word, const Dequant& d, int c, __half2 (&out)[4]) {
+  const __half2 sixteenth = __float2half2_rn(0.0625f);
+  const uint32_t high = word >> 8;  // k2, k3 | k6, k7 where k0, k1 | k4, k5 were
+  out[0] = __hmul2(__hadd2(nibbles_in_1024(word, 0x000F000Fu), d.minus_z1024[c]), d.scale[c]);
+  out[1] = __hmul2(__hfma2(nibbles_in_1024(word, 0x00F000F0u), sixteenth, d.minus_z64[c]), d.scale[c]);
+  out[2] = __hmul2(__hadd2(nibbles_in_1024(high, 0x000F000Fu), d.minus_z1024[c]), d.scale[c]);
+  out[3] = __hmul2(__hfma2(nibbles_in_1024(high, 0x00F000F0u), sixteenth, d.minus_z64[c]), d.scale[c]);
 }
 
 // Stages x[b, k0 : k0 + len] in shared memory through store(b, i, value) (the kernels keep it in their own layout);

@@ -184,8 +184,8 @@ __global__ void __launch_bounds__(kTmaMaxWarps * 32, 1)
         xv[j] = g < p.batch ? *reinterpret_cast<const uint4*>(x_stage + r * 8) : make_uint4(0, 0, 0, 0);
       }
     }
-    int current = -1;  // the group (within the stage) whose parameters scale / zero1024 hold
-    __half2 scale[4], zero1024[4];
+    int current = -1;  // the group (within the stage) whose parameters d holds
+    Dequant d;
 #pragma unroll
     for (int j = 0; j < kMaxSteps; ++j) {
       if (j >= steps) break;
@@ -195,9 +195,9 @@ __global__ void __launch_bounds__(kTmaMaxWarps * 32, 1)
         GroupParams gp;
         gp.scales = *reinterpret_cast<const uint2*>(scales + group * tw + lane_col);
         gp.zeros = zeros[group * (tw / 8) + lane_col / 8] >> (4 * (lane_col % 8));
-        group_halves(gp, p.zero_offset, scale, zero1024);
+        d = group_dequant(gp, p.zero_offset);
       }
-      mma_chunk<T>(acc, chunk[j], xv[j], scale, zero1024);
+      mma_chunk<T>(acc, chunk[j], xv[j], d);
     }
     __syncwarp();
     if (lane == 0) bar_arrive(&empty[slot]);  // the slot is free for the producer
