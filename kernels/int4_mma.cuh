@@ -15,8 +15,11 @@
 // to about 85 (gate/up 45.1 -> 40.5 us, down 22.8 -> 21.1). For the small ops the fixed costs dominate: the K slices
 // meeting in the workspace costs 2-4 us an op (Pythia-2.8B dense 8.7 -> 5.0 us without it), the norm prologue about
 // 3 us (Pythia fused QKV). Tried and dropped: L2 prefetches of the rows ahead (bulk or per line: every op 2-15%
-// slower); 3 or 4 blocks per SM (spills; only gate/up faster); earlier, a 16-stage cp.async ring for the chunks and a
-// 4-groups-ahead ring for the parameters (large matrices 5-10% faster, small ones 10-20% slower); 256-column tiles.
+// slower); 3 or 4 blocks per SM (spills; only gate/up faster); the K slices of a tile meeting in a thread-block
+// cluster through distributed shared memory instead of the workspace (clusters of up to 8 blocks: slower, Pythia fused
+// QKV 14.6 -> 22.2 us, Llama down 21.0 -> 35.9, int4 TPOT Pythia 1.85 -> 2.08 ms, Llama 3.54 -> 4.31); earlier, a
+// 16-stage cp.async ring for the chunks and a 4-groups-ahead ring for the parameters (large matrices 5-10% faster,
+// small ones 10-20% slower); 256-column tiles.
 //
 // Layout. A warp owns 32 columns of the tile. In each step lane 4g + q loads the 16-byte chunk at qweight row
 // r0 + q, columns 4g .. 4g + 3 of the warp's 32, so a warp step is 4 rows x 32 columns (four 128-byte row
