@@ -128,8 +128,8 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
   const int run_rows = static_cast<int>(run_end - run_begin), steps = (run_rows + 3) / 4, lane_rows = run_rows - q;
   const bool warp_live = warp_col < t.width, live = warp_col + 4 * g < t.width;
   const int64_t col = t.col0 + warp_col + 4 * g;
-  const int64_t step_stride = seg.n / 4 * 4;  // uint4 from one of a lane's rows to the next (4 qweight rows)
-  const uint4* next_chunk = reinterpret_cast<const uint4*>(seg.qweight + col) + (run_begin + q) * (seg.n / 4);
+  const int64_t row_stride = seg.n / 4, step_stride = 4 * row_stride;  // uint4 per qweight row; per lane step
+  const uint4* next_chunk = reinterpret_cast<const uint4*>(seg.qweight + col) + (run_begin + q) * row_stride;
 
   // Constant data before griddepcontrol.wait, as in the CUDA-core kernel: the first chunks, the first two groups.
   uint4 w[kMmaPreload] = {};
