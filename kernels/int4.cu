@@ -39,6 +39,15 @@ int64_t int4_tile_width(const Int4Params& p) {
 
 int64_t int4_partial_rows(const Int4Params& p) { return std::max<int64_t>(p.splits, p.k / kTmaStageK); }
 
+int64_t int4_group_stage_bytes(const Int4Params& p) {
+  if (p.act_order) return 0;
+  // A slice of `span` k starts at a multiple of span: on a group boundary when span is a multiple of the group
+  // size, else anywhere, spanning at most two groups more than span / group_size.
+  const int64_t span = mma_rows_per_split(p.k / 8, p.splits) * 8;
+  const int64_t groups = span % p.group_size == 0 ? span / p.group_size : span / p.group_size + 2;
+  return (groups * int4_tile_width(p) * 5 / 2 + 15) / 16 * 16;  // 2-byte scales, 4-bit zeros per column
+}
+
 int64_t int4_tiles(const Int4Params& p) {
   const int64_t width = int4_tile_width(p);
   int64_t tiles = 0;

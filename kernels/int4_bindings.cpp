@@ -102,13 +102,20 @@ void attach_workspace(patcher::Int4Params& p, Tensor& workspace) {
   p.partials = reinterpret_cast<float*>(workspace.data_ptr<int32_t>() + counters);
 }
 
+// Whether p.splits K slices fit the kernels' shared memory: the x stage (batch x K / splits at most 8192) and the
+// tensor-core kernel's scales and zero points of a slice (at most 40 KB).
+bool splits_fit(const patcher::Int4Params& p) {
+  const int64_t rows = p.k / 8, per_split = (rows + p.splits - 1) / p.splits;
+  return p.batch * per_split * 8 <= 8192 && patcher::int4_group_stage_bytes(p) <= 40 * 1024;
+}
+
 void check_splits(const patcher::Int4Params& p) {
   const int64_t rows = p.k / 8;
   TORCH_CHECK(p.splits >= 1 && p.splits <= rows, "patcher: splits must be in 1..", std::to_string(rows), ", got ",
               std::to_string(p.splits));
-  const int64_t per_split = (rows + p.splits - 1) / p.splits;
-  TORCH_CHECK(p.batch * per_split * 8 <= 8192, "patcher: batch x K / splits must be at most 8192 (the kernel's shared ",
-              "x stage); raise splits (patcher.ops.int4.splits_for)");
+  TORCH_CHECK(splits_fit(p), "patcher: ", std::to_string(p.splits), " K slices do not fit the int4 kernel's shared ",
+              "memory (batch x K / splits at most 8192, a slice's group parameters at most 40 KB); raise splits ",
+              "(patcher.ops.int4.splits_for)");
 }
 
 void check_int4_launch(cudaError_t err, const char* op) {
@@ -239,9 +246,8 @@ Tensor int4_linear(const Tensor& x, TensorList qweight, TensorList qzeros, Tenso
     p.act = patcher::kActNone;
     // A fixed split for this path (the decode step picks its own from the GPU's size): enough blocks for any GPU.
     const int64_t k_rows = K / 8;
-    int64_t splits = (k_rows + 63) / 64;
-    while (p.batch * ((k_rows + splits - 1) / splits) * 8 > 8192) ++splits;
-    p.splits = static_cast<int32_t>(splits);
+    p.splits = static_cast<int32_t>((k_rows + 63) / 64);
+    while (!splits_fit(p)) ++p.splits;
     Tensor out = at::empty(sizes, x.options());
     p.out = out.data_ptr();
     Tensor workspace =

@@ -150,7 +150,7 @@ cudaError_t launch_batch(const Int4Params& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(int4_tiles(p)), static_cast<unsigned>(p.splits));
   const int64_t rows = p.k / 8, per_split = (rows + p.splits - 1) / p.splits;
   size_t smem = 0;
-  const cudaError_t fits = launch_smem<T>(p, p.batch * per_split * 8 * 4, block.y, cols * block.y, tile_width, smem);
+  const cudaError_t fits = launch_smem<T>(p, p.batch * per_split * 8 * 4, 0, block.y, cols * block.y, tile_width, smem);
   if (fits != cudaSuccess) return fits;
   const bool norm = p.norm.weight != nullptr;
 #define PATCHER_INT4_LAUNCH(NORM, ACT) \

@@ -19,7 +19,11 @@
 // cluster through distributed shared memory instead of the workspace (clusters of up to 8 blocks: slower, Pythia fused
 // QKV 14.6 -> 22.2 us, Llama down 21.0 -> 35.9, int4 TPOT Pythia 1.85 -> 2.08 ms, Llama 3.54 -> 4.31); earlier, a
 // 16-stage cp.async ring for the chunks and a 4-groups-ahead ring for the parameters (large matrices 5-10% faster,
-// small ones 10-20% slower); 256-column tiles.
+// small ones 10-20% slower); 256-column tiles. And fewer blocks per SM (a split rule for 256 or 384 threads an SM
+// instead of 512), so that with programmatic dependent launch the next op's blocks could be resident and load their
+// weights during this op's tail: much slower (Pythia mlp_in 12.1 -> 21.4 us, int4 TPOT Pythia 1.81 -> 2.07-2.42 ms),
+// so the loads in flight per SM are what the ops need most; skipping the norm prologue's two block reductions
+// (a bound for statistics computed once elsewhere) saved only 0.5 us on Pythia's fused LN+QKV.
 //
 // Layout. A warp owns 32 columns of the tile. In each step lane 4g + q loads the 16-byte chunk at qweight row
 // r0 + q, columns 4g .. 4g + 3 of the warp's 32, so a warp step is 4 rows x 32 columns (four 128-byte row
@@ -47,6 +51,72 @@ constexpr int kMmaPreload = 8;  // 16-byte qweight chunks in flight per lane
 // qweight rows per K slice: whole steps of 4 rows, so that every lane's rows stay 4 apart across slices and runs.
 __host__ __device__ inline int64_t mma_rows_per_split(int64_t rows, int64_t splits) {
   return ((rows + splits - 1) / splits + 3) / 4 * 4;
+}
+
+// Bytes of the x stage (batch x slice in T), rounded to 16: the slice's group parameters follow it.
+__host__ __device__ inline int64_t mma_x_stage_bytes(const Int4Params& p, int64_t elem_bytes) {
+  return (p.batch * mma_rows_per_split(p.k / 8, p.splits) * 8 * elem_bytes + 15) / 16 * 16;
+}
+
+// The scales and zero points of a block's K slice and column tile, copied into shared memory before
+// griddepcontrol.wait (they are constant), so that a group change reads them there instead of waiting on a global
+// load issued one group (4 steps at group size 128) earlier: scales [groups][tile_width] fp16, then qzeros
+// [groups][tile_width / 8] words. kGroupStageBytes bounds it (int4_group_stage_bytes, int4.cu). Measured on the
+// H100 (fp16, batch 1, `evals.ops --ops int4`), alone: Llama-3.1-8B gate/up 40.3 -> 39.3 us, down 21.1 -> 20.7
+// (a bound, with no group changes at all: 38.6 and 20.3); with the acq_rel meeting (int4_tile.cuh: finish_tile),
+// every op 1-5% faster (gate/up 40.5 -> 39.5, Pythia-2.8B fused LN+QKV 14.6 -> 13.9) and int4 TPOT Pythia-2.8B
+// 1.85 -> 1.79 ms, Llama-3.1-8B 3.53 -> 3.43.
+struct SliceGroups {
+  const __half* scales;
+  const uint32_t* zeros;
+  int64_t first;  // group of the slice's first k
+  int tile_width;
+
+  // GroupParams of `group` for the 4 columns from tile column c (c % 4 == 0).
+  __device__ __forceinline__ GroupParams at(int64_t group, int c) const {
+    const int64_t i = group - first;
+    GroupParams g;
+    g.scales = *reinterpret_cast<const uint2*>(scales + i * tile_width + c);
+    g.zeros = zeros[i * (tile_width / 8) + c / 8] >> (4 * (c % 8));
+    return g;
+  }
+};
+
+__device__ __forceinline__ void cp_async_small(void* dst, const void* src, int bytes) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if (bytes == 8) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+  }
+}
+
+// Issues the copies of the groups of k_begin .. k_end (one cp.async group; the caller waits for it), columns of
+// the tile that exist only.
+__device__ SliceGroups stage_groups(const Int4Params& p, const Int4Segment& seg, const TileInfo& t, int tile_width,
+                                    int64_t k_begin, int64_t k_end, char* at) {
+  SliceGroups s;
+  s.first = k_begin / p.group_size;
+  s.tile_width = tile_width;
+  const int groups = k_end > k_begin ? static_cast<int>((k_end - 1) / p.group_size - s.first + 1) : 0;
+  __half* scales = reinterpret_cast<__half*>(at);
+  uint32_t* zeros = reinterpret_cast<uint32_t*>(scales + groups * tile_width);
+  const int quads = tile_width / 4, words = tile_width / 8;
+  for (int i = threadIdx.x; i < groups * quads; i += blockDim.x) {
+    const int g = i / quads, c = i % quads * 4;
+    if (c < t.width)
+      cp_async_small(scales + g * tile_width + c,
+                     static_cast<const __half*>(seg.scales) + (s.first + g) * seg.n + t.col0 + c, 8);
+  }
+  for (int i = threadIdx.x; i < groups * words; i += blockDim.x) {
+    const int g = i / words, c = i % words * 8;
+    if (c < t.width)
+      cp_async_small(zeros + g * words + c / 8, seg.qzeros + (s.first + g) * (seg.n / 8) + (t.col0 + c) / 8, 4);
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  s.scales = scales;
+  s.zeros = zeros;
+  return s;
 }
 
 // Whether the tensor-core kernel takes this op (launch_int4_gemv_typed checks the dtype): groups of whole steps
@@ -138,30 +208,31 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
     if (live && 4 * j < lane_rows) w[j] = __ldcs(next_chunk + j * step_stride);
   }
   next_chunk += kMmaPreload * step_stride;
-  // Groups are whole steps (mma_applies) and runs start on a step, so the lanes of a warp change group together:
-  // at step `change`, then every group_steps steps. `next` holds group next_group once it is loaded.
-  const int64_t group_rows = p.group_size / 8;
-  const int group_steps = static_cast<int>(group_rows / 4);
-  int64_t next_group = run_begin / group_rows + 1;
-  int change = static_cast<int>((next_group * group_rows - run_begin) / 4);
-  GroupParams cur{}, next{};  // zeros for dead lanes: their weights come out as zeros
-  if (live && lane_rows > 0) {
-    cur = load_group(seg, next_group - 1, col);
-    if (4 * change < run_rows) next = load_group(seg, next_group, col);
-  }
+  const int64_t k0 = r_begin * 8, len = (r_end - r_begin) * 8;
+  const SliceGroups groups = stage_groups(p, seg, t, tile_width, k0, k0 + len,
+                                          reinterpret_cast<char*>(smem) + mma_x_stage_bytes(p, sizeof(T)));
   griddep_wait();
   griddep_launch_dependents();
 
-  const int64_t k0 = r_begin * 8, len = (r_end - r_begin) * 8;
   T* xs = reinterpret_cast<T*>(smem);  // [batch][len], every 8 k in the pair order (0,4) (1,5) (2,6) (3,7)
   stage_x<T, NORM>(p, k0, len, blockIdx.x == 0, [=](int b, int64_t i, float v) {
     xs[b * len + (i & ~int64_t{7}) + 2 * (i & 3) + ((i >> 2) & 1)] = from_float<T>(v);
   });
+  asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
 
+  // Groups are whole steps (mma_applies) and runs start on a step, so the lanes of a warp change group together:
+  // at step `change` to group next_group, then every group_steps steps.
+  const int64_t group_rows = p.group_size / 8;
+  const int group_steps = static_cast<int>(group_rows / 4);
+  int64_t next_group = run_begin / group_rows + 1;
+  int change = static_cast<int>((next_group * group_rows - run_begin) / 4);
   float acc[2][4] = {};
   if (warp_live) {
-    Dequant d = group_dequant(cur, p.zero_offset);
+    const int tile_col = warp_col + 4 * g;
+    // Zeros for dead lanes (their weights come out as zeros) and for a run with no rows (nothing staged).
+    Dequant d =
+        group_dequant(live && lane_rows > 0 ? groups.at(next_group - 1, tile_col) : GroupParams{}, p.zero_offset);
     const T* x_lane = xs + g * len + (run_begin + q - r_begin) * 8;  // B column g is batch row g
     const bool x_row = g < p.batch;
     for (int s0 = 0; s0 < steps; s0 += kMmaPreload) {
@@ -172,11 +243,10 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
           const uint4 chunk = w[j];
           if (live && 4 * (s + kMmaPreload) < lane_rows) w[j] = __ldcs(next_chunk);
           next_chunk += step_stride;
-          if (s == change) {  // the next group, whose parameters were loaded one group ahead
-            d = group_dequant(next, p.zero_offset);
+          if (s == change) {  // the next group (a step the warp has lies in the slice, so its group is staged)
+            d = group_dequant(live ? groups.at(next_group, tile_col) : GroupParams{}, p.zero_offset);
             change += group_steps;
             ++next_group;
-            if (live && 4 * change < run_rows) next = load_group(seg, next_group, col);
           }
           // B is zero past the batch and past the run (whose x is not staged), so whatever A holds there adds 0.
           uint4 xv = make_uint4(0, 0, 0, 0);
@@ -209,12 +279,17 @@ cudaError_t launch_mma(const Int4Params& p, cudaStream_t stream) {
   const int col_warps = tile_width / 32, runs = kThreads / 32 / col_warps;
   const dim3 block(col_warps * runs * 32);
   const dim3 grid(static_cast<unsigned>(int4_tiles(p)), static_cast<unsigned>(p.splits));
-  const int64_t stage = p.batch * mma_rows_per_split(p.k / 8, p.splits) * 8 * static_cast<int64_t>(sizeof(T));
   size_t smem = 0;
-  const cudaError_t fits = launch_smem<T>(p, stage, runs, static_cast<int>(block.x), tile_width, smem);
+  const cudaError_t fits = launch_smem<T>(p, mma_x_stage_bytes(p, sizeof(T)), int4_group_stage_bytes(p), runs,
+                                          static_cast<int>(block.x), tile_width, smem);
   if (fits != cudaSuccess) return fits;
-  if (p.norm.weight) return launch_pdl(int4_mma_kernel<T, true>, grid, block, smem, stream, p, tile_width);
-  return launch_pdl(int4_mma_kernel<T, false>, grid, block, smem, stream, p, tile_width);
+  const auto kernel = p.norm.weight ? int4_mma_kernel<T, true> : int4_mma_kernel<T, false>;
+  if (smem + 1024 > 48 * 1024) {  // with the kernel's static shared memory, past the default limit
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  return launch_pdl(kernel, grid, block, smem, stream, p, tile_width);
 }
 
 }  // namespace

@@ -220,6 +220,9 @@ int64_t int4_tiles(const Int4Params& p);
 // Rows of partial sums the workspace holds: `splits` for the split kernels, and for the TMA kernel (int4_tma.cuh)
 // one per block that shares a tile, at most one per 256 k.
 int64_t int4_partial_rows(const Int4Params& p);
+// Shared memory the tensor-core kernel's scales and zero points of one K slice take (at most 40 KB: the split rule
+// raises splits until they fit); 0 with act-order. The Python side (patcher/ops/int4.py) mirrors it.
+int64_t int4_group_stage_bytes(const Int4Params& p);
 cudaError_t launch_int4_gemv(const Int4Params& p, cudaStream_t stream);
 
 // Dequantization for prefill (more than 8 rows): W [k, n] in the dtype of `out`, exactly the reference's values

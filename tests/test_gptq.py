@@ -22,6 +22,7 @@ from patcher.gptq import format as fmt
 from patcher.gptq.linear import GPTQLinear
 from patcher.gptq.pack import main as pack_main
 from patcher.gptq.pack import pack_model, quantize
+from patcher.ops import int4 as int4_ops
 
 
 def test_pack_and_unpack_round_trip_every_nibble():
@@ -94,6 +95,24 @@ def dense_reference(model):
             parent, _, child = name.rpartition(".")
             setattr(ref.get_submodule(parent), child, linear)
     return ref
+
+
+def test_split_rule_keeps_the_group_stage_within_the_kernel_limit():
+    """The decode-step split rule raises splits until a K slice's scales and zero points fit the tensor-core
+    kernel's shared memory (kernels/int4.cu: int4_group_stage_bytes): a Llama-70B-sized gate/up at group size 32
+    fills the SMs with one slice per tile, whose 256 groups would take 80 KB."""
+    meta = {"dtype": torch.int32, "device": "meta"}
+    lin = int4_ops.Int4Linear(
+        [torch.empty(1024, 28672, **meta)] * 2, [], [], [], [None, None], 32, False, 1
+    )  # K 8192, gate | up
+    assert int4_ops.group_stage_bytes(lin, 1) == 256 * 128 * 5 // 2
+    splits = int4_ops.splits_for(1, lin, multiprocessors=132)
+    assert splits == 2 and int4_ops.group_stage_bytes(lin, splits) <= int4_ops.GROUP_STAGE_BYTES
+    # A slice that does not start on a group boundary may span two groups more than its length holds.
+    odd = int4_ops.Int4Linear([torch.empty(300, 256, **meta)], [], [], [], [None], 64, False, 1)  # K 2400
+    assert int4_ops.group_stage_bytes(odd, 7) == (5 + 2) * 128 * 5 // 2  # slices of 44 rows: 352 k, 5.5 groups
+    act = int4_ops.Int4Linear([torch.empty(300, 256, **meta)], [], [], [], [None], 32, True, 1)
+    assert int4_ops.group_stage_bytes(act, 1) == 0  # act-order takes the CUDA-core kernel
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-pythia"])

@@ -211,6 +211,22 @@ def test_int4_gemv_hopper_work_split(k, widths, group_size, activation, batch, d
     assert int(workspace[:64].abs().sum()) == 0, "the tile counters must be left at zero"
 
 
+@pytest.mark.parametrize("dtype", DTYPES[:2])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_int4_gemv_largest_group_stage(batch, dtype, kernels):
+    """K slices whose scales and zero points fill the tensor-core kernel's 40 KB of shared memory (8192 k at group
+    size 32 in 2 slices of 128 groups; with batch 2's x stage past a block's default 48 KB), and the same op in one
+    slice, whose 256 groups would take 80 KB: rejected, naming the split rule."""
+    lin = gptq_linear(8192, [256], 32)
+    assert int4_ops.group_stage_bytes(lin, 2) == int4_ops.GROUP_STAGE_BYTES
+    workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, 2), dtype=torch.int32, device="cuda")
+    x, pro = prologue_args("add_rms", batch, 8192, dtype)
+    check_op("int4_gemv", (x, *pro, *lin.args(), "none", 2, workspace))
+    assert int(workspace[:64].abs().sum()) == 0, "the tile counters must be left at zero"
+    with pytest.raises(RuntimeError, match="splits_for"):
+        kernels.int4_gemv(x, *pro, *lin.args(), "none", 1, workspace)
+
+
 def _run_with_switch(variable: str):
     """The fp16/bf16 matrix-vector tests (dtype0, dtype1) in a process of their own with `variable`=1 (the int4
     kernel switches are read once per process)."""

@@ -15,6 +15,7 @@ import torch
 MAX_SEGMENTS = 3
 TILE = 128  # output columns per block of the int4 kernels (whole heads when RoPE follows: tile_width)
 STAGE_FLOATS = 8192  # batch x K/splits limit of the kernel's shared x stage
+GROUP_STAGE_BYTES = 40 * 1024  # limit of the tensor-core kernel's shared scales and zero points of one K slice
 TMA_STAGE_K = 256  # k per stage of the Hopper kernel (kernels/int4_tma.cuh): at most one row of partial sums each
 
 
@@ -123,9 +124,24 @@ def splits_for(batch: int, linear: Int4Linear, multiprocessors: int, head_dim: i
     rows = linear.in_features // 8
     resident = 512 // max(1, block_threads(tile_width(head_dim)))
     splits = max(1, min(max(1, rows // 16), resident * multiprocessors // tiles(linear, head_dim)))
-    while batch * math.ceil(rows / splits) * 8 > STAGE_FLOATS:
+    while (
+        batch * math.ceil(rows / splits) * 8 > STAGE_FLOATS
+        or group_stage_bytes(linear, splits, head_dim) > GROUP_STAGE_BYTES
+    ):
         splits += 1
     return min(splits, rows)
+
+
+def group_stage_bytes(linear: Int4Linear, splits: int, head_dim: int | None = None) -> int:
+    """Shared memory the tensor-core kernel's scales and zero points of one K slice take, as kernels/int4.cu's
+    int4_group_stage_bytes: slices of whole 4-row steps, each starting at a multiple of its span of k, so on a group
+    boundary when the span is a multiple of the group size, else spanning at most two groups more."""
+    if linear.act_order:
+        return 0
+    rows = linear.in_features // 8
+    span = (math.ceil(rows / splits) + 3) // 4 * 4 * 8
+    groups = span // linear.group_size + (0 if span % linear.group_size == 0 else 2)
+    return (groups * tile_width(head_dim) * 5 // 2 + 15) // 16 * 16
 
 
 def workspace_numel(batch: int, linear: Int4Linear, splits: int, head_dim: int | None = None) -> int:
