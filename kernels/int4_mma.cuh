@@ -22,8 +22,10 @@
 // small ones 10-20% slower); 256-column tiles. And fewer blocks per SM (a split rule for 256 or 384 threads an SM
 // instead of 512), so that with programmatic dependent launch the next op's blocks could be resident and load their
 // weights during this op's tail: much slower (Pythia mlp_in 12.1 -> 21.4 us, int4 TPOT Pythia 1.81 -> 2.07-2.42 ms),
-// so the loads in flight per SM are what the ops need most; skipping the norm prologue's two block reductions
-// (a bound for statistics computed once elsewhere) saved only 0.5 us on Pythia's fused LN+QKV.
+// so the warps per SM are what the ops need most; yet more 16-byte chunks in flight per lane (12 or 16 in the kernel
+// without the norm prologue, which has the registers for them since its group parameters moved to shared memory)
+// made decode no faster (int4 TPOT Pythia 1.80 -> 1.84-1.90 ms, Llama 3.43 -> 3.44-3.53); skipping the norm prologue's
+// two block reductions (a bound for statistics computed once elsewhere) saved only 0.5 us on Pythia's fused LN+QKV.
 //
 // Layout. A warp owns 32 columns of the tile. In each step lane 4g + q loads the 16-byte chunk at qweight row
 // r0 + q, columns 4g .. 4g + 3 of the warp's 32, so a warp step is 4 rows x 32 columns (four 128-byte row
