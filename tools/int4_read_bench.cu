@@ -19,9 +19,11 @@
 #include <cstdio>
 #include <vector>
 
+#include "bench_common.cuh"
+
 namespace {
 
-__device__ __forceinline__ unsigned mix(uint4 c) { return c.x ^ (c.y * 3u) ^ (c.z * 5u) ^ (c.w * 7u); }
+using bench::mix;
 
 template <int DEPTH, bool TILED>
 __global__ void __launch_bounds__(256)
@@ -53,27 +55,19 @@ __global__ void __launch_bounds__(256)
       if (row0 + 4 * s < r_end) acc ^= mix(chunk);
     }
   }
-  if (acc == 0x12345678u) *sink = acc;  // keeps the loads; practically never true
-}
-
-__global__ void __launch_bounds__(256) plain_read(const uint4* __restrict__ p, int64_t count, unsigned* sink) {
-  unsigned acc = 0;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; i < count;
-       i += static_cast<int64_t>(gridDim.x) * 256)
-    acc ^= mix(__ldcs(p + i));
-  if (acc == 0x12345678u) *sink = acc;
+  bench::keep(acc, sink);
 }
 
 // Mean microseconds of one launch over 50, rotating through the copies so that L2 holds none of them.
 template <typename Launch>
-float time_us(const std::vector<uint4*>& copies, Launch launch) {
-  for (int i = 0; i < 3; ++i) launch(copies[i % copies.size()]);
+float time_us(const std::vector<int32_t*>& copies, Launch launch) {
+  for (int i = 0; i < 3; ++i) launch(reinterpret_cast<const uint4*>(copies[i % copies.size()]));
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
   const int iters = 50;
   cudaEventRecord(start);
-  for (int i = 0; i < iters; ++i) launch(copies[i % copies.size()]);
+  for (int i = 0; i < iters; ++i) launch(reinterpret_cast<const uint4*>(copies[i % copies.size()]));
   cudaEventRecord(stop);
   cudaEventSynchronize(stop);
   float ms = 0.f;
@@ -84,7 +78,7 @@ float time_us(const std::vector<uint4*>& copies, Launch launch) {
 }
 
 template <int DEPTH, bool TILED>
-float time_pattern(const std::vector<uint4*>& copies, int64_t rows, int64_t n, int splits, unsigned* sink) {
+float time_pattern(const std::vector<int32_t*>& copies, int64_t rows, int64_t n, int splits, unsigned* sink) {
   const dim3 grid(static_cast<unsigned>(n / 256), static_cast<unsigned>(splits));
   return time_us(copies,
                  [&](const uint4* qw) { pattern_read<DEPTH, TILED><<<grid, 256>>>(qw, rows, n, splits, sink); });
@@ -93,32 +87,14 @@ float time_pattern(const std::vector<uint4*>& copies, int64_t rows, int64_t n, i
 }  // namespace
 
 int main() {
-  struct Shape {
-    const char* name;
-    int64_t k, n;
-  };
-  const Shape shapes[] = {
-      {"Pythia-2.8B qkv 2560x7680", 2560, 7680},        {"Pythia-2.8B mlp_in 2560x10240", 2560, 10240},
-      {"Pythia-2.8B mlp_out 10240x2560", 10240, 2560},  {"Llama-3.1-8B qkv 4096x6144", 4096, 6144},
-      {"Llama-3.1-8B gate/up 4096x28672", 4096, 28672}, {"Llama-3.1-8B down 14336x4096", 14336, 4096}};
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  unsigned* sink = nullptr;
-  cudaMalloc(&sink, sizeof(unsigned));
-  for (const Shape& s : shapes) {
+  return bench::for_each_shape([](const bench::Shape& s, const std::vector<int32_t*>& copies, size_t bytes, int sms,
+                                  unsigned* sink) {
     const int64_t rows = s.k / 8;
-    const size_t bytes = static_cast<size_t>(rows * s.n) * 4;
-    std::vector<uint4*> copies(static_cast<size_t>(400e6 / static_cast<double>(bytes)) + 1);
-    for (uint4*& c : copies) {
-      cudaMalloc(&c, bytes);
-      cudaMemset(c, 1, bytes);
-    }
-    const auto gbs = [&](float us) { return static_cast<double>(bytes) / us / 1e3; };
-    printf("%s, %.1f MB\n", s.name, static_cast<double>(bytes) / 1e6);
     for (int per_sm = 2; per_sm <= 8; per_sm *= 2) {
       const int blocks = per_sm * sms;
-      const float us = time_us(copies, [&](const uint4* p) { plain_read<<<blocks, 256>>>(p, bytes / 16, sink); });
-      printf("  plain, %d blocks/SM             %7.1f us %6.0f GB/s\n", per_sm, us, gbs(us));
+      const float us =
+          time_us(copies, [&](const uint4* p) { bench::plain_read<<<blocks, 256>>>(p, bytes / 16, sink); });
+      printf("  plain, %d blocks/SM             %7.1f us %6.0f GB/s\n", per_sm, us, bench::gbs(bytes, us));
     }
     const int tiles = static_cast<int>(s.n / 256);
     for (int scale = 1; scale <= 8; scale *= 2) {
@@ -129,11 +105,8 @@ int main() {
                           time_pattern<8, true>(copies, rows, s.n, splits, sink),
                           time_pattern<4, true>(copies, rows, s.n, splits, sink)};
       printf("  splits x%d (%3d): row-major depth 8 %6.0f GB/s, depth 4 %6.0f | tiled depth 8 %6.0f, depth 4 %6.0f\n",
-             scale, splits, gbs(t[0]), gbs(t[1]), gbs(t[2]), gbs(t[3]));
+             scale, splits, bench::gbs(bytes, t[0]), bench::gbs(bytes, t[1]), bench::gbs(bytes, t[2]),
+             bench::gbs(bytes, t[3]));
     }
-    for (uint4* c : copies) cudaFree(c);
-  }
-  const cudaError_t err = cudaGetLastError();
-  printf("%s\n", cudaGetErrorString(err));
-  return err == cudaSuccess ? 0 : 1;
+  });
 }

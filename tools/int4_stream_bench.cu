@@ -22,16 +22,16 @@
 #include <vector>
 
 #include "../kernels/tma.cuh"  // the mbarrier and copy PTX wrappers the int4 kernel uses
+#include "bench_common.cuh"
 
 namespace {
 
 using namespace patcher;
+using bench::mix;
 
 constexpr int kTileCols = 128;     // columns of a stage (512 bytes of a qweight row)
 constexpr int kConsumerWarps = 8;  // 4 column warps x 2 runs of rows
 constexpr int kThreads = 32 * (kConsumerWarps + 1);
-
-__device__ __forceinline__ unsigned mix(uint4 c) { return c.x ^ (c.y * 3u) ^ (c.z * 5u) ^ (c.w * 7u); }
 
 // How a stage reaches shared memory: one bulk copy per qweight row (512 bytes each), one 2-D tensor copy of the
 // whole stage (a tensor map over [K/8, N]), or one bulk copy of a stage stored contiguously (a repacked layout).
@@ -94,16 +94,8 @@ __global__ void __launch_bounds__(kThreads)
     __syncwarp();
     if (lane == 0) bar_arrive(&empty[slot]);
   }
-  if (acc == 0x12345678u) *sink = acc;  // keeps the loads; practically never true
+  bench::keep(acc, sink);
 #endif
-}
-
-__global__ void __launch_bounds__(256) plain_read(const uint4* __restrict__ p, int64_t count, unsigned* sink) {
-  unsigned acc = 0;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; i < count;
-       i += static_cast<int64_t>(gridDim.x) * 256)
-    acc ^= mix(__ldcs(p + i));
-  if (acc == 0x12345678u) *sink = acc;
 }
 
 #define CHECK(call)                                                                \
@@ -182,57 +174,35 @@ float time_stream(const std::vector<int32_t*>& copies, int64_t rows, int64_t n, 
 }  // namespace
 
 int main() {
-  struct Shape {
-    const char* name;
-    int64_t k, n;
-  };
-  const Shape shapes[] = {
-      {"Pythia-2.8B qkv 2560x7680", 2560, 7680},       {"Pythia-2.8B mlp_in 2560x10240", 2560, 10240},
-      {"Pythia-2.8B mlp_out 10240x2560", 10240, 2560}, {"Llama-3.1-8B qkv 4096x6144", 4096, 6144},
-      {"Llama-3.1-8B o_proj 4096x4096", 4096, 4096},   {"Llama-3.1-8B gate/up 4096x28672", 4096, 28672},
-      {"Llama-3.1-8B down 14336x4096", 14336, 4096}};
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  unsigned* sink = nullptr;
-  cudaMalloc(&sink, sizeof(unsigned));
-  for (const Shape& s : shapes) {
-    const int64_t rows = s.k / 8;
-    const size_t bytes = static_cast<size_t>(rows * s.n) * 4;
-    std::vector<int32_t*> copies(static_cast<size_t>(400e6 / static_cast<double>(bytes)) + 1);
-    for (int32_t*& c : copies) {
-      cudaMalloc(&c, bytes);
-      cudaMemset(c, 1, bytes);
-    }
-    const auto gbs = [&](float us) { return static_cast<double>(bytes) / us / 1e3; };
-    printf("%s, %.1f MB\n", s.name, static_cast<double>(bytes) / 1e6);
-    const int plain_blocks = 8 * sms;
-    const float plain = time_us(copies, [&](const int32_t* p, cudaStream_t st) {
-      plain_read<<<plain_blocks, 256, 0, st>>>(reinterpret_cast<const uint4*>(p), bytes / 16, sink);
-    });
-    printf("  plain, 8 blocks/SM                    %6.1f us %6.0f GB/s\n", plain, gbs(plain));
-    struct Variant {
-      const char* name;
-      float us;
-    };
-    const Variant variants[] = {
-        {"rows   32 x  4 stages, 1/SM", time_stream<32, 4, kRows>(copies, rows, s.n, sms, 1, sink)},
-        {"rows   32 x 12 stages, 1/SM", time_stream<32, 12, kRows>(copies, rows, s.n, sms, 1, sink)},
-        {"rows   32 x  6 stages, 2/SM", time_stream<32, 6, kRows>(copies, rows, s.n, sms, 2, sink)},
-        {"tensor 32 x  4 stages, 1/SM", time_stream<32, 4, kTensor>(copies, rows, s.n, sms, 1, sink)},
-        {"tensor 32 x  8 stages, 1/SM", time_stream<32, 8, kTensor>(copies, rows, s.n, sms, 1, sink)},
-        {"tensor 32 x 12 stages, 1/SM", time_stream<32, 12, kTensor>(copies, rows, s.n, sms, 1, sink)},
-        {"tensor 16 x 12 stages, 1/SM", time_stream<16, 12, kTensor>(copies, rows, s.n, sms, 1, sink)},
-        {"tensor 32 x  6 stages, 2/SM", time_stream<32, 6, kTensor>(copies, rows, s.n, sms, 2, sink)},
-        {"tensor 64 x  3 stages, 1/SM", time_stream<64, 3, kTensor>(copies, rows, s.n, sms, 1, sink)},
-        {"tensor 64 x  6 stages, 1/SM", time_stream<64, 6, kTensor>(copies, rows, s.n, sms, 1, sink)},
-        {"contig 32 x  4 stages, 1/SM", time_stream<32, 4, kContiguous>(copies, rows, s.n, sms, 1, sink)},
-        {"contig 32 x 12 stages, 1/SM", time_stream<32, 12, kContiguous>(copies, rows, s.n, sms, 1, sink)},
-        {"contig 32 x  6 stages, 2/SM", time_stream<32, 6, kContiguous>(copies, rows, s.n, sms, 2, sink)},
-    };
-    for (const Variant& v : variants) printf("  %-36s %6.1f us %6.0f GB/s\n", v.name, v.us, gbs(v.us));
-    for (int32_t* c : copies) cudaFree(c);
-  }
-  const cudaError_t err = cudaGetLastError();
-  printf("%s\n", cudaGetErrorString(err));
-  return err == cudaSuccess ? 0 : 1;
+  return bench::for_each_shape(
+      [](const bench::Shape& s, const std::vector<int32_t*>& copies, size_t bytes, int sms, unsigned* sink) {
+        const int64_t rows = s.k / 8;
+        const int plain_blocks = 8 * sms;
+        const float plain = time_us(copies, [&](const int32_t* p, cudaStream_t st) {
+          bench::plain_read<<<plain_blocks, 256, 0, st>>>(reinterpret_cast<const uint4*>(p), bytes / 16, sink);
+        });
+        printf("  plain, 8 blocks/SM                    %6.1f us %6.0f GB/s\n", plain, bench::gbs(bytes, plain));
+        // Which stage rows x ring stages x blocks per SM reads fastest, for each way a stage is copied.
+        struct Variant {
+          const char* name;
+          float us;
+        };
+        const Variant variants[] = {
+            {"rows   32 x  4 stages, 1/SM", time_stream<32, 4, kRows>(copies, rows, s.n, sms, 1, sink)},
+            {"rows   32 x 12 stages, 1/SM", time_stream<32, 12, kRows>(copies, rows, s.n, sms, 1, sink)},
+            {"rows   32 x  6 stages, 2/SM", time_stream<32, 6, kRows>(copies, rows, s.n, sms, 2, sink)},
+            {"tensor 32 x  4 stages, 1/SM", time_stream<32, 4, kTensor>(copies, rows, s.n, sms, 1, sink)},
+            {"tensor 32 x  8 stages, 1/SM", time_stream<32, 8, kTensor>(copies, rows, s.n, sms, 1, sink)},
+            {"tensor 32 x 12 stages, 1/SM", time_stream<32, 12, kTensor>(copies, rows, s.n, sms, 1, sink)},
+            {"tensor 16 x 12 stages, 1/SM", time_stream<16, 12, kTensor>(copies, rows, s.n, sms, 1, sink)},
+            {"tensor 32 x  6 stages, 2/SM", time_stream<32, 6, kTensor>(copies, rows, s.n, sms, 2, sink)},
+            {"tensor 64 x  3 stages, 1/SM", time_stream<64, 3, kTensor>(copies, rows, s.n, sms, 1, sink)},
+            {"tensor 64 x  6 stages, 1/SM", time_stream<64, 6, kTensor>(copies, rows, s.n, sms, 1, sink)},
+            {"contig 32 x  4 stages, 1/SM", time_stream<32, 4, kContiguous>(copies, rows, s.n, sms, 1, sink)},
+            {"contig 32 x 12 stages, 1/SM", time_stream<32, 12, kContiguous>(copies, rows, s.n, sms, 1, sink)},
+            {"contig 32 x  6 stages, 2/SM", time_stream<32, 6, kContiguous>(copies, rows, s.n, sms, 2, sink)},
+        };
+        for (const Variant& v : variants)
+          printf("  %-36s %6.1f us %6.0f GB/s\n", v.name, v.us, bench::gbs(bytes, v.us));
+      });
 }
