@@ -180,6 +180,26 @@ inline bool hopper_or_newer() {
   return major >= 9;
 }
 
+// Asynchronous copies global -> shared (sm_80+): 16 bytes bypassing L1, or 4 / 8 bytes (`bytes`, through L1); the
+// copies a thread issued complete at cp_async_wait_all, or for the ones before a cp_async_commit, at its wait.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async_small(void* smem, const void* gmem, int bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if (bytes == 8) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(gmem) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(gmem) : "memory");
+  }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // Launches `kernel` with programmatic stream serialization on GPUs that have it (sm_90+). PATCHER_DISABLE_PDL=1 in
 // the environment launches it plainly instead.
 template <typename... KernelArgs, typename... Args>

@@ -71,13 +71,6 @@ __device__ __forceinline__ void fetch_weights(Vec<T, V> (&w)[UNROLL][NW], const 
   }
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
-}
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
 // Where the prologue reads its row(s) and parameters: global memory, or the shared copies of the staged path.
 template <typename T>
 struct PrologueSource {

@@ -102,11 +102,12 @@ void attach_workspace(patcher::Int4Params& p, Tensor& workspace) {
   p.partials = reinterpret_cast<float*>(workspace.data_ptr<int32_t>() + counters);
 }
 
-// Whether p.splits K slices fit the kernels' shared memory: the x stage (batch x K / splits at most 8192) and the
-// tensor-core kernel's scales and zero points of a slice (at most 40 KB).
+// Whether p.splits K slices fit the kernels' shared memory: the x stage and the tensor-core kernel's scales and zero
+// points of a slice (launchers.h: kInt4StageElems, kInt4GroupStageBytes).
 bool splits_fit(const patcher::Int4Params& p) {
   const int64_t rows = p.k / 8, per_split = (rows + p.splits - 1) / p.splits;
-  return p.batch * per_split * 8 <= 8192 && patcher::int4_group_stage_bytes(p) <= 40 * 1024;
+  return p.batch * per_split * 8 <= patcher::kInt4StageElems &&
+         patcher::int4_group_stage_bytes(p) <= patcher::kInt4GroupStageBytes;
 }
 
 void check_splits(const patcher::Int4Params& p) {

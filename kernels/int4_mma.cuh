@@ -63,7 +63,7 @@ __host__ __device__ inline int64_t mma_x_stage_bytes(const Int4Params& p, int64_
 // The scales and zero points of a block's K slice and column tile, copied into shared memory before
 // griddepcontrol.wait (they are constant), so that a group change reads them there instead of waiting on a global
 // load issued one group (4 steps at group size 128) earlier: scales [groups][tile_width] fp16, then qzeros
-// [groups][tile_width / 8] words. kGroupStageBytes bounds it (int4_group_stage_bytes, int4.cu). Measured on the
+// [groups][tile_width / 8] words. kInt4GroupStageBytes (launchers.h) bounds it. Measured on the
 // H100 (fp16, batch 1, `evals.ops --ops int4`), alone: Llama-3.1-8B gate/up 40.3 -> 39.3 us, down 21.1 -> 20.7
 // (a bound, with no group changes at all: 38.6 and 20.3); with the acq_rel meeting (int4_tile.cuh: finish_tile),
 // every op 1-5% faster (gate/up 40.5 -> 39.5, Pythia-2.8B fused LN+QKV 14.6 -> 13.9) and int4 TPOT Pythia-2.8B
@@ -83,15 +83,6 @@ struct SliceGroups {
     return g;
   }
 };
-
-__device__ __forceinline__ void cp_async_small(void* dst, const void* src, int bytes) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  if (bytes == 8) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src) : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
-  }
-}
 
 // Issues the copies of the groups of k_begin .. k_end (one cp.async group; the caller waits for it), columns of
 // the tile that exist only.
@@ -115,7 +106,7 @@ __device__ SliceGroups stage_groups(const Int4Params& p, const Int4Segment& seg,
     if (c < t.width)
       cp_async_small(zeros + g * words + c / 8, seg.qzeros + (s.first + g) * (seg.n / 8) + (t.col0 + c) / 8, 4);
   }
-  asm volatile("cp.async.commit_group;" ::: "memory");
+  cp_async_commit();
   s.scales = scales;
   s.zeros = zeros;
   return s;
@@ -220,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
   stage_x<T, NORM>(p, k0, len, blockIdx.x == 0, [=](int b, int64_t i, float v) {
     xs[b * len + (i & ~int64_t{7}) + 2 * (i & 3) + ((i >> 2) & 1)] = from_float<T>(v);
   });
-  asm volatile("cp.async.wait_all;" ::: "memory");
+  cp_async_wait_all();
   __syncthreads();
 
   // Groups are whole steps (mma_applies) and runs start on a step, so the lanes of a warp change group together:

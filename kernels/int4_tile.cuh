@@ -19,12 +19,7 @@ namespace patcher {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kStageFloats = 8192;  // shared x stage: batch * slice length (32 KB); the split rule keeps to it
-constexpr int kNormElems = 32;          // norm prologue: row elements per thread held in registers (K <= 32 x threads)
-// The tensor-core kernel's scales and zero points of one K slice in shared memory (int4_mma.cuh: SliceGroups); the
-// split rule keeps to it (int4_group_stage_bytes). With the x stage and the tile values a block stays within 72 KB,
-// so three of Pythia's 160-thread blocks still fit an SM.
-constexpr int64_t kGroupStageBytes = 40 * 1024;
+constexpr int kNormElems = 32;  // norm prologue: row elements per thread held in registers (K <= 32 x threads)
 
 struct TileInfo {
   int seg;       // segment of this tile
@@ -424,7 +419,7 @@ cudaError_t launch_smem(const Int4Params& p, int64_t stage_bytes, int64_t group_
   const int64_t members = p.epilogue == kInt4SiluMul ? 2 : 1;
   const int64_t staged = stage_bytes + group_bytes;
   const int64_t bytes = (staged > reduce ? staged : reduce) + members * p.batch * tile_width * 4;
-  if (stage_bytes > kStageFloats * 4 || group_bytes > kGroupStageBytes || bytes - group_bytes > 48 * 1024)
+  if (stage_bytes > kInt4StageElems * 4 || group_bytes > kInt4GroupStageBytes || bytes - group_bytes > 48 * 1024)
     return cudaErrorInvalidConfiguration;
   if (!norm_fits<T>(p, threads)) return cudaErrorNotSupported;
   smem = static_cast<size_t>(bytes);

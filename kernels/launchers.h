@@ -220,8 +220,14 @@ int64_t int4_tiles(const Int4Params& p);
 // Rows of partial sums the workspace holds: `splits` for the split kernels, and for the TMA kernel (int4_tma.cuh)
 // one per block that shares a tile, at most one per 256 k.
 int64_t int4_partial_rows(const Int4Params& p);
-// Shared memory the tensor-core kernel's scales and zero points of one K slice take (at most 40 KB: the split rule
-// raises splits until they fit); 0 with act-order. The Python side (patcher/ops/int4.py) mirrors it.
+// The split rule's shared-memory limits, which the bindings check and patcher/ops/int4.py mirrors: x staged for a K
+// slice (batch x K / splits elements), and the tensor-core kernel's scales and zero points of one K slice (bytes;
+// int4_mma.cuh: SliceGroups). With the x stage and the tile values a block then stays within 72 KB, so three of
+// Pythia's 160-thread blocks still fit an SM.
+constexpr int64_t kInt4StageElems = 8192;
+constexpr int64_t kInt4GroupStageBytes = 40 * 1024;
+// Shared memory the tensor-core kernel's scales and zero points of one K slice take (the split rule raises splits
+// until they fit kInt4GroupStageBytes); 0 with act-order. The Python side (patcher/ops/int4.py) mirrors it.
 int64_t int4_group_stage_bytes(const Int4Params& p);
 cudaError_t launch_int4_gemv(const Int4Params& p, cudaStream_t stream);
 
