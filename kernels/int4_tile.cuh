@@ -368,7 +368,9 @@ __device__ void finish_from_partials(const Int4Params& p, const TileInfo& t, flo
 template <typename T>
 __device__ void finish_tile(const Int4Params& p, const TileInfo& t, float* smem, int runs, int tile_width,
                             const TileSplit& split, const Team& team) {
-  __shared__ int s_last;
+  // One flag per team barrier: two teams of a block (the TMA kernel's consumer warps and its finisher warp) may be
+  // finishing tiles at once.
+  __shared__ int s_last[3];
   team.sync();
   const int per_member = static_cast<int>(p.batch) * tile_width;
   float* fin = smem + runs * per_member;  // [members][batch][tile_width]
@@ -386,11 +388,11 @@ __device__ void finish_tile(const Int4Params& p, const TileInfo& t, float* smem,
   team.sync();
   if (team.tid == 0) {
     const int arrived = arrive_acq_rel(p.counters + t.group) + 1;
-    s_last = arrived == split.expected;
-    if (s_last) p.counters[t.group] = 0;  // every block of the group has counted: leave it zero
+    s_last[team.barrier] = arrived == split.expected;
+    if (s_last[team.barrier]) p.counters[t.group] = 0;  // every block of the group has counted: leave it zero
   }
   team.sync();
-  if (s_last) finish_from_partials<T>(p, t, fin, tile_width, split, team);
+  if (s_last[team.barrier]) finish_from_partials<T>(p, t, fin, tile_width, split, team);
 }
 
 // Whether the norm prologue (when there is one) takes this x in a block of `threads`: 16-byte vectors in
