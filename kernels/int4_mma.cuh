@@ -14,18 +14,25 @@
 // pair), so the large ops were instruction-bound; dequantize_word (int4_tile.cuh) and int32 loop counts take a step
 // to about 85 (gate/up 45.1 -> 40.5 us, down 22.8 -> 21.1). For the small ops the fixed costs dominate: the K slices
 // meeting in the workspace costs 2-4 us an op (Pythia-2.8B dense 8.7 -> 5.0 us without it), the norm prologue about
-// 3 us (Pythia fused QKV). Tried and dropped: L2 prefetches of the rows ahead (bulk or per line: every op 2-15%
-// slower); 3 or 4 blocks per SM (spills; only gate/up faster); the K slices of a tile meeting in a thread-block
-// cluster through distributed shared memory instead of the workspace (clusters of up to 8 blocks: slower, Pythia fused
-// QKV 14.6 -> 22.2 us, Llama down 21.0 -> 35.9, int4 TPOT Pythia 1.85 -> 2.08 ms, Llama 3.54 -> 4.31); earlier, a
-// 16-stage cp.async ring for the chunks and a 4-groups-ahead ring for the parameters (large matrices 5-10% faster,
-// small ones 10-20% slower); 256-column tiles. And fewer blocks per SM (a split rule for 256 or 384 threads an SM
-// instead of 512), so that with programmatic dependent launch the next op's blocks could be resident and load their
-// weights during this op's tail: much slower (Pythia mlp_in 12.1 -> 21.4 us, int4 TPOT Pythia 1.81 -> 2.07-2.42 ms),
-// so the warps per SM are what the ops need most; yet more 16-byte chunks in flight per lane (12 or 16 in the kernel
-// without the norm prologue, which has the registers for them since its group parameters moved to shared memory)
-// made decode no faster (int4 TPOT Pythia 1.80 -> 1.84-1.90 ms, Llama 3.43 -> 3.44-3.53); skipping the norm prologue's
-// two block reductions (a bound for statistics computed once elsewhere) saved only 0.5 us on Pythia's fused LN+QKV.
+// 3 us (Pythia fused QKV). A per-block timeline (globaltimer at each phase, throwaway build) then showed where: the
+// last block of a tile read the other slices' partial sums one L2 round trip per row, and the norm prologue's writing
+// blocks loaded the norm weights one round trip per element behind their global stores (int4_tile.cuh); with both
+// fixed, Pythia dense 8.2 -> 6.3 us, mlp_out 13.5 -> 11.3, fused LN+QKV 13.9 -> 12.7, Llama o_proj 10.1 -> 8.7. A
+// split without the meeting, one 512-thread block per 32- or 64-column tile over all of K, measured faster only for
+// the out projections (Pythia dense 6.2 -> 5.3 us, Llama o_proj 8.7 -> 7.8) and slower elsewhere (Llama gate/up
+// 39.7 -> 61.1, int4 TPOT Llama 3.42 -> 4.09 ms for every op): dropped. Tried and dropped: L2 prefetches of the rows
+// ahead (bulk or per line: every op 2-15% slower); 3 or 4 blocks per SM (spills; only gate/up faster); the K slices
+// of a tile meeting in a thread-block cluster through distributed shared memory instead of the workspace (clusters of
+// up to 8 blocks: slower, Pythia fused QKV 14.6 -> 22.2 us, Llama down 21.0 -> 35.9, int4 TPOT Pythia 1.85 -> 2.08 ms,
+// Llama 3.54 -> 4.31); earlier, a 16-stage cp.async ring for the chunks and a 4-groups-ahead ring for the parameters
+// (large matrices 5-10% faster, small ones 10-20% slower); 256-column tiles. And fewer blocks per SM (a split rule for
+// 256 or 384 threads an SM instead of 512), so that with programmatic dependent launch the next op's blocks could be
+// resident and load their weights during this op's tail: much slower (Pythia mlp_in 12.1 -> 21.4 us, int4 TPOT
+// Pythia 1.81 -> 2.07-2.42 ms), so the warps per SM are what the ops need most; yet more 16-byte chunks in flight per
+// lane (12 or 16 in the kernel without the norm prologue, which has the registers for them since its group parameters
+// moved to shared memory) made decode no faster (int4 TPOT Pythia 1.80 -> 1.84-1.90 ms, Llama 3.43 -> 3.44-3.53);
+// skipping the norm prologue's two block reductions (a bound for statistics computed once elsewhere) saved only 0.5 us
+// on Pythia's fused LN+QKV.
 //
 // Layout. A warp owns 32 columns of the tile. In each step lane 4g + q loads the 16-byte chunk at qweight row
 // r0 + q, columns 4g .. 4g + 3 of the warp's 32, so a warp step is 4 rows x 32 columns (four 128-byte row
