@@ -88,11 +88,13 @@ void check_x(const Tensor& x, int64_t K, const char* name) {
               "in_features ", std::to_string(K));
 }
 
-// The workspace of a split-K launch: [counters (tiles, padded to 64) | partials (splits * batch * N floats)].
+// The workspace of a split-K launch: [counters (kInt4Counters) | partials (splits * batch * N floats)].
 void attach_workspace(patcher::Int4Params& p, Tensor& workspace) {
   int64_t n_total = 0;
   for (int s = 0; s < p.num_segments; ++s) n_total += p.seg[s].n;
-  const int64_t counters = (patcher::int4_tiles(p) + 63) / 64 * 64;
+  const int64_t counters = patcher::kInt4Counters;
+  TORCH_CHECK(patcher::int4_tiles(p) <= counters, "patcher: ", std::to_string(patcher::int4_tiles(p)),
+              " column tiles exceed the int4 workspace's ", std::to_string(counters), " counters");
   const int64_t needed = counters + patcher::int4_partial_rows(p) * p.batch * n_total;
   TORCH_CHECK(workspace.is_cuda() && workspace.scalar_type() == at::kInt && workspace.is_contiguous() &&
                   workspace.numel() >= needed,
@@ -251,9 +253,8 @@ Tensor int4_linear(const Tensor& x, TensorList qweight, TensorList qzeros, Tenso
     while (!splits_fit(p)) ++p.splits;
     Tensor out = at::empty(sizes, x.options());
     p.out = out.data_ptr();
-    Tensor workspace =
-        at::zeros({(patcher::int4_tiles(p) + 63) / 64 * 64 + patcher::int4_partial_rows(p) * p.batch * n_total},
-                  x.options().dtype(at::kInt));
+    Tensor workspace = at::zeros({patcher::kInt4Counters + patcher::int4_partial_rows(p) * p.batch * n_total},
+                                 x.options().dtype(at::kInt));
     attach_workspace(p, workspace);
     check_launch(patcher::launch_int4_gemv(p, c10::cuda::getCurrentCUDAStream()), "int4_linear");
     return out;

@@ -210,9 +210,13 @@ struct Int4Params {
   // each column tile (found with `counters`, zero on entry and left zero) finishes it. With splits == 1 and one
   // segment per tile, neither is used.
   int32_t splits;
-  int32_t* counters;  // [tiles]
-  float* partials;    // [int4_partial_rows, batch, sum of n]
+  int32_t* counters;  // [tiles], the first of the workspace's kInt4Counters
+  float* partials;    // [int4_partial_rows, batch, sum of n], after the counters
 };
+// Tile counters at the front of an int4 workspace, the same number for every op: the decode step runs all its int4
+// ops on one workspace, each leaving its counters zero and its partial sums behind, so an op with more tiles than
+// another must not find that op's partial sums where its counters are (as when the region was sized per op).
+constexpr int64_t kInt4Counters = 4096;
 // Column tile width: 128, or for kInt4RopeCache the fewest whole heads that make whole warps (one head where that
 // exceeds 256 columns). The Python side (patcher/ops/int4.py) sizes the workspace with the same rule.
 int64_t int4_tile_width(const Int4Params& p);

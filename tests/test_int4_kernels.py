@@ -109,7 +109,28 @@ def test_int4_gemv(shape, splits, activation, prologue, batch, dtype):
     # The residual sum mirrors torch's rounding, so it must be equal bit for bit; h2 is LayerNorm's output.
     assert torch.equal(total, total_ref)
     assert (h2.numel() > 0) == (prologue == "add2_dual_layer") and (total.numel() > 0) == prologue.startswith("add")
-    assert int(workspace[:64].abs().sum()) == 0, "the tile counters must be left at zero"
+    assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0, "the tile counters must be left at zero"
+
+
+def test_int4_ops_sharing_a_workspace():
+    """The decode step runs all its int4 ops on one workspace: an op with more column tiles than the one before it
+    (Llama's gate | up: 224 tiles, after o_proj's 32) must not take that op's leftover partial sums for its tile
+    counters. Before the counters had a fixed region, the second op's tiles past the first's 64 finished early."""
+    from patcher.ops import KERNELS, reference
+
+    small, large = gptq_linear(4096, [4096]), gptq_linear(4096, [14336, 14336])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = {id(lin): int4_ops.splits_for(1, lin, sms) for lin in (small, large)}
+    numel = max(int4_ops.workspace_numel(1, lin, splits[id(lin)]) for lin in (small, large))
+    workspace = torch.zeros(numel, dtype=torch.int32, device="cuda")
+    x = torch.randn(1, 4096, device="cuda").half()
+    none = (None, None, None, None, None, None, 0.0, False)
+    for lin in (small, large, small, large):
+        args = (x, *none, *lin.args(), "none", splits[id(lin)], workspace)
+        got = KERNELS.int4_gemv(*args)[0]
+        ref64 = reference.int4_gemv(x.double(), *none, *lin.args(), "none", 1, None)[0]
+        low = reference.int4_gemv(*args)[0]
+        assert_within_torch_error(got, low, ref64, f"{sum(lin.widths)} columns")
 
 
 ARCHS = {  # heads q, kv, head_dim, rotary dim, interleaved, q/k/v as separate segments, bias
@@ -162,7 +183,7 @@ def test_int4_qkv_rope_cache(prologue, batch, arch, dtype):
     assert torch.equal(total, total_ref) and h2.shape == h2_ref.shape
     if h2.numel():  # LayerNorm's second output, computed as launch_norm computes it
         assert max_err(h2, h2_ref) <= 1e-2 * max(1.0, h2_ref.abs().max().item())
-    assert int(workspace[:64].abs().sum()) == 0
+    assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0
 
 
 def test_int4_opcheck_and_bad_inputs(kernels):
@@ -208,7 +229,7 @@ def test_int4_gemv_hopper_work_split(k, widths, group_size, activation, batch, d
     workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits), dtype=torch.int32, device="cuda")
     x, pro = prologue_args("add_rms", batch, k, dtype)
     check_op("int4_gemv", (x, *pro, *lin.args(), activation, splits, workspace))
-    assert int(workspace[:64].abs().sum()) == 0, "the tile counters must be left at zero"
+    assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0, "the tile counters must be left at zero"
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:2])
@@ -222,7 +243,7 @@ def test_int4_gemv_largest_group_stage(batch, dtype, kernels):
     workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, 2), dtype=torch.int32, device="cuda")
     x, pro = prologue_args("add_rms", batch, 8192, dtype)
     check_op("int4_gemv", (x, *pro, *lin.args(), "none", 2, workspace))
-    assert int(workspace[:64].abs().sum()) == 0, "the tile counters must be left at zero"
+    assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0, "the tile counters must be left at zero"
     with pytest.raises(RuntimeError, match="splits_for"):
         kernels.int4_gemv(x, *pro, *lin.args(), "none", 1, workspace)
 

@@ -17,6 +17,10 @@ TILE = 128  # output columns per block of the int4 kernels (whole heads when RoP
 STAGE_FLOATS = 8192  # batch x K/splits limit of the kernel's shared x stage
 GROUP_STAGE_BYTES = 40 * 1024  # limit of the tensor-core kernel's shared scales and zero points of one K slice
 TMA_STAGE_K = 256  # k per stage of the Hopper kernel (kernels/int4_tma.cuh): at most one row of partial sums each
+# Tile counters at the front of every workspace, the same number for every op (kernels/launchers.h: kInt4Counters):
+# the ops of a decode step share one workspace, and an op with more tiles must not read another's partial sums as
+# its counters.
+COUNTERS = 4096
 
 
 @dataclass
@@ -145,8 +149,8 @@ def group_stage_bytes(linear: Int4Linear, splits: int, head_dim: int | None = No
 
 
 def workspace_numel(batch: int, linear: Int4Linear, splits: int, head_dim: int | None = None) -> int:
-    """int32 elements of the workspace (counters, then fp32 partial sums), as kernels/int4_bindings.cpp checks:
-    rows of partial sums for `splits` K slices, or for the Hopper kernel one per block sharing a tile (at most one
-    per 256 k), whichever is more (kernels/int4.cu: int4_partial_rows)."""
+    """int32 elements of the workspace (COUNTERS counters, then fp32 partial sums), as kernels/int4_bindings.cpp
+    checks: rows of partial sums for `splits` K slices, or for the Hopper kernel one per block sharing a tile (at
+    most one per 256 k), whichever is more (kernels/int4.cu: int4_partial_rows)."""
     rows = max(splits, linear.in_features // TMA_STAGE_K)
-    return math.ceil(tiles(linear, head_dim) / 64) * 64 + rows * batch * sum(linear.widths)
+    return COUNTERS + rows * batch * sum(linear.widths)
