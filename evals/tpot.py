@@ -11,7 +11,9 @@ Modes:
                            (torch.compile, CUDA graphs) by itself; HF's best mode
   patched-eager            patch_model(model), HF's generate loop and dynamic cache, our kernels in every layer
   patched                  patch_model(model) and plain generate: the default a user gets (the graph-captured
-                           decode path when the model qualifies)
+                           decode path when the model qualifies; for a GPTQ int4 model on Hopper, every layer in
+                           one persistent kernel)
+  patched-per-op           the same with every layer op by op (the persistent int4 step kernel off)
   patched-static-compiled  patch_model(model) + HF's static cache and auto-compile (torch.compile compatibility)
 
 With no model argument it runs Pythia-2.8B-shaped random weights on a GPU, a tiny model on a CPU.
@@ -29,7 +31,8 @@ from tqdm import tqdm
 
 from . import common
 
-ALL_MODES = ["hf-eager", "hf-static-compiled", "patched-eager", "patched", "patched-static-compiled"]
+GPU_MODES = ["hf-eager", "hf-static-compiled", "patched-eager", "patched", "patched-static-compiled"]  # the default
+ALL_MODES = [*GPU_MODES, "patched-per-op"]
 CPU_MODES = ["hf-eager", "patched-eager", "patched"]
 
 
@@ -117,7 +120,11 @@ def mode_setup(model, mode: str):
     patched = mode.startswith("patched")
     if patched:
         patcher.patch_model(model)
-        patcher.set_fast_generate(model, mode == "patched")
+        patcher.set_fast_generate(model, mode in ("patched", "patched-per-op"))
+        if mode == "patched-per-op":
+            from patcher.decode import DecodeRunner
+
+            model._patcher_state.runner = DecodeRunner(model, use_step_kernel=False)
     if mode.endswith("compiled"):
         model.__dict__.pop("_compiled_call", None)  # HF caches its compiled forward on the model
         torch._dynamo.reset()
@@ -169,6 +176,14 @@ def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True)
             "ttft_ms": statistics.median(t1s) * 1e3,
         }
         row["tokens_per_s"] = prompt.shape[0] / (row["tpot_ms"] / 1e3)
+        if mode.startswith("patched"):
+            from patcher.decode import generate_path
+
+            path = generate_path(model)
+            row["decode_path"] = path.get("path")
+            if path.get("step_kernel") is not None:
+                row["step_kernel"] = path["step_kernel"]
+                row["step_kernel_reason"] = path.get("step_kernel_reason")
         if device.type == "cuda":
             row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
             if profile:
@@ -264,7 +279,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     device, dtype = common.resolve(args)
-    modes = args.modes.split(",") if args.modes else (ALL_MODES if device.type == "cuda" else CPU_MODES)
+    modes = args.modes.split(",") if args.modes else (GPU_MODES if device.type == "cuda" else CPU_MODES)
     unknown = set(modes) - set(ALL_MODES)
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {ALL_MODES}")

@@ -72,21 +72,23 @@ __device__ __forceinline__ Vec<T, N> vec_or_zero(const T* src, int64_t i) {
 }
 
 // The residual sum of one vector of the stream, in place: s = x + delta, or (delta2 + delta) + x (GPT-NeoX's
-// parallel residual), each add rounded to T as HF's adds round. delta2 may be nullptr. Shared by launch_norm and
-// the int4 norm prologue.
+// parallel residual), each add rounded to T as HF's adds round; from vectors already loaded (d2 read only where
+// has_d2). Shared by launch_norm and the GEMV and int4 norm prologues.
 template <typename T, int N>
-__device__ __forceinline__ void add_residual(float (&s)[N], const T* delta, const T* delta2) {
-  float d[N];
-  load_vec<T, N>(d, delta);
-  if (delta2) {
-    float d2[N];
-    load_vec<T, N>(d2, delta2);
+__device__ __forceinline__ void add_residual(float (&s)[N], const Vec<T, N>& d, const Vec<T, N>& d2, bool has_d2) {
+  if (has_d2) {
 #pragma unroll
-    for (int e = 0; e < N; ++e) s[e] = round_to<T>(round_to<T>(d2[e] + d[e]) + s[e]);
+    for (int e = 0; e < N; ++e) s[e] = round_to<T>(round_to<T>(to_float(d2.data[e]) + to_float(d.data[e])) + s[e]);
   } else {
 #pragma unroll
-    for (int e = 0; e < N; ++e) s[e] = round_to<T>(s[e] + d[e]);
+    for (int e = 0; e < N; ++e) s[e] = round_to<T>(s[e] + to_float(d.data[e]));
   }
+}
+
+// The same, loading delta and delta2 (which may be nullptr).
+template <typename T, int N>
+__device__ __forceinline__ void add_residual(float (&s)[N], const T* delta, const T* delta2) {
+  add_residual<T, N>(s, *reinterpret_cast<const Vec<T, N>*>(delta), vec_or_zero<T, N>(delta2, 0), delta2 != nullptr);
 }
 
 // One element of a norm's output before its final rounding to T, as HF computes it (shared by launch_norm and the

@@ -291,30 +291,6 @@ __global__ void __launch_bounds__(kTmaMaxWarps * 32, 1)
 
 // ---- host side ----------------------------------------------------------------------------------------------
 
-// A 2-D tensor map over a row-major [outer, inner] tensor of `elem` bytes per element, boxes of box_outer x
-// box_inner. False where the driver rejects it (the op then takes the tensor-core kernel).
-inline bool encode_map(CUtensorMap& map, CUtensorMapDataType type, int elem, const void* base, int64_t inner,
-                       int64_t outer, int box_inner, int box_outer,
-                       CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
-  static const auto encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      fn = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  if (!encode || !aligned16(base)) return false;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner * elem)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_outer)};
-  const cuuint32_t unit[2] = {1, 1};
-  return encode(&map, type, 2, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 inline int align128(int64_t bytes) { return static_cast<int>((bytes + 127) / 128 * 128); }
 inline int align1024(int64_t bytes) { return static_cast<int>((bytes + 1023) / 1024 * 1024); }
 

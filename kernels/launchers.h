@@ -5,6 +5,7 @@
 // returns the CUDA error of its launch (cudaSuccess when nothing had to be launched).
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (the decode-step kernel's weight maps)
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -250,3 +251,157 @@ struct Int4DequantParams {
 cudaError_t launch_int4_dequantize(const Int4DequantParams& p, cudaStream_t stream);
 
 }  // namespace patcher
+
+namespace patcher {
+
+// ---- The int4 decode step: one persistent kernel for every decoder layer (step.cuh) -----------------------------
+// The decode step of a model whose decoder linears are all GPTQ int4 runs as one cooperative kernel of one block
+// per SM: the layers' stages (add + norm + GEMVs, attention, GEMVs) meet at grid-wide barriers, and each block's
+// producer warp streams its share of every stage's weights through a shared-memory ring with the copy engine,
+// without waiting for the barriers, so HBM keeps streaming while the blocks meet. The host describes the step
+// (StepDesc), plans it (plan_step: sizes and whether it fits), fills the device arrays (fill_step) and launches it
+// (launch_step); the torch glue is step_bindings.cpp.
+
+// One int4 linear of a layer as the host hands it over: the segments of one logical output (q | k | v, gate | up).
+struct StepLinearDesc {
+  Int4Segment seg[kInt4MaxSegments];
+  int num_segments;
+};
+
+struct StepLayerDesc {
+  StepLinearDesc qkv, out, mlp_in, mlp_out;
+  const void* norm_weight[2];  // the input norm, the post-attention norm (GPT-NeoX: the two LayerNorms)
+  const void* norm_bias[2];    // or nullptr
+  void* k_cache;               // [batch, kv_heads, capacity, head_dim] of this layer
+  void* v_cache;
+};
+
+struct StepDesc {
+  DType dtype;  // of activations, norms and caches: fp16 or bf16
+  int64_t batch, hidden, num_layers;
+  const StepLayerDesc* layers;
+  int64_t group_size;  // of every linear (no act-order); >= in_features for one group
+  int32_t zero_offset;
+  bool parallel_residual, rms;
+  float eps;
+  int32_t mlp_act;  // kActSiluMul (gate | up), kActGelu or kActGeluTanh
+  int64_t num_q_heads, num_kv_heads, head_dim, rotary_dim, capacity, table_len;
+  bool interleaved;  // GPT-NeoX's [head][q | k | v] projection layout
+  float scale;
+  int32_t attention_splits;  // most key shares per (row, kv head); 1..16
+  const void* cos;           // [table_len, rotary_dim]
+  const void* sin;
+  const int64_t* slot;  // [1] device
+  const int64_t* pad;   // [batch] device
+  // The step's activation buffers (contiguous, dtype): resid[i] [batch, hidden] (resid[0] holds the embeddings
+  // on entry), delta[0] the attention output projection, delta[1] the MLP's, qkv [batch, qkv width],
+  // attn [batch, q_heads * head_dim], act [batch, intermediate].
+  void* resid[2];
+  void* delta[2];
+  void* qkv;
+  void* attn;
+  void* act;
+};
+
+// A linear as the kernel reads it. Its output columns are cut into strips of 128 (4 column warps of 32; gate | up:
+// 64 gate and the 64 up columns of the same outputs), and K into units of 256 (32 qweight rows): a unit is one
+// strip x 256 k, one copy into the ring.
+struct StepLinear {  // aligned as CUtensorMap (the copy engine reads the maps in place)
+  CUtensorMap qweight[kInt4MaxSegments];  // [k / 8, n] int32, boxes of 32 rows x 32 columns (128-byte swizzle)
+  CUtensorMap scales[kInt4MaxSegments];   // [groups, n] fp16, boxes of groups_per_unit x box_columns
+  CUtensorMap zeros[kInt4MaxSegments];    // [groups, n / 8] int32, boxes of groups_per_unit x box_columns / 8
+  const void* bias[kInt4MaxSegments];     // fp16 [n], or nullptr
+  int32_t n[kInt4MaxSegments];
+  int32_t strips_before[kInt4MaxSegments + 1];  // strips of the segments before each (gate | up: of the gate)
+  int32_t num_segments, strips;
+  int32_t silu;             // gate | up, out = silu(gate) * up
+  int32_t act;              // kActNone, kActGelu, kActGeluTanh
+  int32_t x;                // the stage's staged input it reads: 0 or 1
+  int32_t zero_offset;      // 1 for GPTQ v1
+  int32_t group_shift;      // k >> group_shift is the group (>= 30: one group)
+  int32_t groups_per_unit;  // rows of a unit's scale and zero boxes
+  int32_t box_columns;      // columns of a scale box: 128, or 64 for gate | up (a box per half)
+  int32_t scale_bytes, zero_bytes;  // of one box in the ring, 128-byte aligned
+  int32_t slots;            // rows of partial sums a strip needs at most (blocks that share it)
+  void* out;                // [batch, out_width]
+  int32_t out_width;
+  float* partials;  // [slots, batch, strips * 128]
+  int32_t* counters;  // [strips], zero between stages
+};
+
+struct StepNorm {
+  const void* resid;   // [batch, hidden]: the residual stream before this add
+  const void* delta;   // or nullptr (first layer)
+  const void* delta2;  // or nullptr
+  void* resid_out;     // the sum, written by block 0 where delta is set
+  const void* weight;
+  const void* bias;
+  const void* weight2;  // GPT-NeoX's second LayerNorm, or nullptr
+  const void* bias2;
+};
+
+struct StepAttention {
+  void* k_cache;  // this layer's
+  void* v_cache;
+};
+
+constexpr int kStepMaxLinears = 2;  // per stage (GPT-NeoX: QKV and the MLP's first linear read the same sum)
+
+// One stage between two grid barriers: the attention of a layer (reading `qkv`, writing `attn`) and/or up to two
+// linears over the same K, their inputs staged from a plain buffer or by the stage's add + norm.
+struct StepStage {
+  int32_t attention;  // 1: the attention runs first
+  StepAttention ad;
+  int32_t num_linears;
+  int32_t linear[kStepMaxLinears];  // indices into StepPlan::linears
+  int32_t k, k_units, units;        // K, units of 256 k, units of the stage (all its linears' strips x k_units)
+  int32_t norm;                     // 0: x[0] is a buffer; 1: x0 = norm; 2: x0, x1 = GPT-NeoX's two LayerNorms
+  StepNorm nd;
+  const void* x;                    // the plain input [batch, k] when norm == 0
+};
+
+// What a launch reads (passed by value); the stages and linears live in device memory (fill_step).
+struct StepPlan {
+  DType dtype;
+  int32_t batch, num_stages, blocks, ring_slots, slot_bytes;
+  int32_t x_offset, red_offset, attn_offset, smem_bytes;  // dynamic shared memory, from a 1024-byte boundary
+  const StepStage* stages;
+  const StepLinear* linears;
+  int32_t rms;
+  float eps;
+  int32_t num_q_heads, num_kv_heads, head_dim, rotary_dim, interleaved, splits, qkv_width;
+  int64_t capacity, table_len;
+  float scale;
+  const void* cos;
+  const void* sin;
+  const int64_t* slot;
+  const int64_t* pad;
+  const void* qkv;
+  void* attn;
+  float* attn_partials;    // [batch, q_heads, splits, head_dim + 2]
+  int32_t* attn_counters;  // [batch, q_heads]
+  unsigned long long* barrier;  // [arrivals, epoch]
+  // nullptr, or [blocks][stages][kStepMarks] %globaltimer readings of each block's thread 0 (step_timeline).
+  unsigned long long* timeline;
+};
+// A stage's timeline marks: its start (after the barrier), after the attention, after the inputs are staged,
+// after the linears' units (the arrival at the next barrier); then the nanoseconds of the units' phase spent
+// waiting for weights in the ring, and in the strips' meetings.
+constexpr int kStepMarks = 6;
+
+// The plan's sizes, or why the step kernel cannot take this model (reason set, cudaErrorNotSupported).
+struct StepLayout {
+  StepPlan plan;
+  int64_t array_bytes;      // the stages and linears (device)
+  int64_t workspace_bytes;  // barrier, counters and partial sums (device, zeroed once)
+  int32_t final_resid;      // the resid buffer that holds the residual stream after the last layer
+  const char* reason;
+};
+cudaError_t plan_step(const StepDesc& d, StepLayout& layout);
+// Fills `host` (array_bytes, aligned as StepLinear) with the stages and linears as they will sit at `device_arrays`,
+// with the workspace at `workspace`; the caller copies it there. Completes layout.plan.
+cudaError_t fill_step(const StepDesc& d, StepLayout& layout, void* host, void* device_arrays, void* workspace);
+cudaError_t launch_step(const StepPlan& plan, cudaStream_t stream);
+
+}  // namespace patcher
+

@@ -1,8 +1,11 @@
 // Hopper's asynchronous copies into shared memory and the mbarriers they complete on (sm_90 PTX), shared by the
-// int4 copy-engine kernel (int4_tma.cuh) and the standalone tools/int4_stream_bench.cu. No torch, no driver API:
-// a CUtensorMap (cuda.h) is only passed through.
+// int4 copy-engine kernel (int4_tma.cuh), the decode-step kernel (step.cuh) and the standalone
+// tools/int4_stream_bench.cu; and encode_map, which makes a tensor map on the host through the runtime's driver
+// entry point (no link against the driver library).
 #pragma once
-#include <cuda.h>  // CUtensorMap
+#include <cuda.h>          // CUtensorMap
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -54,5 +57,32 @@ __device__ __forceinline__ void tensor_copy(void* dst, const CUtensorMap* map, i
       : "memory");
 }
 #endif
+
+// ---- host ----
+
+// A 2-D tensor map over a row-major [outer, inner] tensor of `elem` bytes per element, boxes of box_outer x
+// box_inner. False where the driver rejects it or the base is not 16-byte aligned (the caller then takes another
+// kernel).
+inline bool encode_map(CUtensorMap& map, CUtensorMapDataType type, int elem, const void* base, int64_t inner,
+                       int64_t outer, int box_inner, int box_outer,
+                       CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (!encode || (reinterpret_cast<uintptr_t>(base) & 15u) != 0) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner * elem)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_outer)};
+  const cuuint32_t unit[2] = {1, 1};
+  return encode(&map, type, 2, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
 
 }  // namespace patcher

@@ -9,6 +9,7 @@
 #   tools/gpu_run.sh int4        GPTQ int4 kernel tests, per-op benchmark, whole-model int4 TPOT against fp16
 #   tools/gpu_run.sh smollm2     SmolLM2 GPU tests, int4 g128 perplexity, fp32/bf16 perplexity
 #   tools/gpu_run.sh multi-gpu   a model split over two GPUs (accelerate device_map), patched
+#   tools/gpu_run.sh step        the int4 decode-step kernel: its tests, int4 TPOT against the per-op step and fp16
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/patcher-out}
@@ -105,8 +106,25 @@ case "${1:-}" in
         --dtype $dt --json "$OUT/perplexity_smollm2_$dt.json" 2>&1 | grep -v "it/s\|Converting\|Loading" | tail -5
     done
     ;;
+  step)  # the persistent int4 decode-step kernel (kernels/step.cuh)
+    step build
+    /usr/bin/time -f "build wall %e s" python3 -c "from patcher.ops import extension; extension.load()" 2>&1 | tail -2
+    step "step kernel tests"
+    timeout 300 python3 -m pytest -q -rf tests/test_step.py 2>&1 | tee "$OUT/test_step.log" | grep -E "^E  |passed|failed" | tail -15
+    for m in pythia-2.8b llama-3.1-8b; do
+      step "step kernel timeline $m int4 g128"
+      timeout 120 python3 -m evals.step_profile --random-config $m --int4-random 128 \
+        --json "$OUT/step_profile_$m.json" 2>&1 | grep -v "it/s" | tail -12
+    done
+    [ -n "${STEP_TPOT:-}" ] || exit 0
+    for m in pythia-2.8b llama-3.1-8b; do
+      step "TPOT $m int4 g128: the step kernel and the per-op step"
+      timeout 200 python3 -m evals.tpot --random-config $m --int4-random 128 --modes patched,patched-per-op \
+        --new-tokens 64 --repeats 3 --kernel-table --json "$OUT/tpot_${m}_int4_step.json" 2>&1 | grep -v "it/s" | tail -24
+    done
+    ;;
   *)
-    echo "usage: tools/gpu_run.sh tests|verify|quick-tpot|measure|int4|smollm2|multi-gpu" >&2
+    echo "usage: tools/gpu_run.sh tests|verify|quick-tpot|measure|int4|smollm2|multi-gpu|step" >&2
     exit 2
     ;;
 esac

@@ -10,6 +10,10 @@ On CUDA the step is captured once per batch size and cache size and replayed for
 token, no host sync (the loop checks for EOS every few steps). The cache position lives in a device tensor, so
 the same graph serves every step. On the CPU (tests, reference backend) the same step runs eagerly.
 
+Where every decoder linear is GPTQ int4 (on a Hopper GPU), all layers of the step run as one persistent kernel
+instead (step.py, kernels/step.cuh); the runner keeps the per-op step where that kernel cannot take the model and
+says why (`step_kernel_reason`).
+
 GPT-NeoX's parallel residual makes the MLP independent of the attention (both read LayerNorms of the same sum), so
 on CUDA its two GEMVs run on a second stream, beside QKV -> attention -> output projection (the graph captures the
 two as parallel branches): HBM keeps streaming MLP weights while the attention, which reads little, runs.
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 
 from ..ops import decode_attention_workspace, int4
 from ..registry import REGISTRY
+from .step import StepKernel, StepKernelUnavailable
 
 EOS_CHECK_EVERY = 16  # decode steps between host checks for "every row has finished"
 # From this batch size on, the step's linears use cuBLAS (tensor cores) instead of our GEMV: measured on an H100,
@@ -123,15 +128,26 @@ class StepState:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_sampling: Sampling | None = None
         self.graph_has_eos = False
+        # Every layer in one persistent kernel (int4 models on Hopper), or the reason it is not used.
+        self.step_kernel: StepKernel | None = None
+        self.step_kernel_reason: str | None = None
+        if runner.use_step_kernel:
+            try:
+                self.step_kernel = StepKernel(runner, self, timeline=runner.step_timeline)
+            except StepKernelUnavailable as e:
+                self.step_kernel_reason = str(e)
+        else:
+            self.step_kernel_reason = "turned off (DecodeRunner.use_step_kernel)"
 
     @property
     def nbytes(self) -> int:
         buffers = (self.k, self.v, self.tokens, self.workspace, self.int4_workspace, self.branch_int4_workspace)
-        return sum(t.numel() * t.element_size() for t in buffers)
+        step = self.step_kernel.nbytes if self.step_kernel is not None else 0
+        return sum(t.numel() * t.element_size() for t in buffers) + step
 
 
 class DecodeRunner:
-    def __init__(self, model, use_graphs: bool = True):
+    def __init__(self, model, use_graphs: bool = True, use_step_kernel: bool = True, step_timeline: bool = False):
         config = model.config
         entry = REGISTRY[config.model_type]
         spec = entry.spec
@@ -171,6 +187,8 @@ class DecodeRunner:
         self.hidden = self.lm_weight.shape[1]
         self.device, self.dtype = self.lm_weight.device, self.lm_weight.dtype
         self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.use_step_kernel = use_step_kernel and self.device.type == "cuda"
+        self.step_timeline = step_timeline  # the step kernel records its timeline (step.timeline_summary)
         self.rms = spec.norm == "rms"
         # Every GPTQ int4 linear of the step: id -> (Int4Linear, head_dim when its epilogue is RoPE, else None).
         self.int4 = {}
@@ -214,6 +232,11 @@ class DecodeRunner:
 
     def memory_bytes(self) -> int:
         return sum(s.nbytes for s in self.states.values())
+
+    def step_kernel_reason(self, batch: int) -> str | None:
+        """None where the decode step of this batch size runs as one persistent kernel, else why not."""
+        state = self.states.get(batch)
+        return "no decode step of this batch size yet" if state is None else state.step_kernel_reason
 
     # ---- one decode step ------------------------------------------------------------------------------------
     # Every linear that reads a norm's output takes that add + norm as its prologue (norm_gemv,
@@ -311,12 +334,8 @@ class DecodeRunner:
                                         st.workspace)  # fmt: skip
         return self._linear(out, a.out_weight, a.out_bias, "none", st, a.out_int4)
 
-    def logits(self, st: StepState) -> torch.Tensor:
-        """The next-token logits [B, V] of the current tokens (st.tokens[:, slot]); K/V land in the cache.
-
-        The stream is carried as (residual, delta, delta2): each layer's first op adds the previous layer's
-        output(s) into the residual as part of its norm prologue, and the final norm's add is the lm_head's."""
-        x = self.embed(st.tokens.index_select(1, st.slot).squeeze(1))
+    def _layers(self, x, st: StepState) -> tuple:
+        """Every layer of the step, op by op: (residual, delta, delta2) for the final add + norm."""
         residual, delta, delta2 = x, None, None
         branch = self.branch_stream if PARALLEL_BRANCH else None
         for i, layer in enumerate(self.layers):
@@ -347,6 +366,18 @@ class DecodeRunner:
                     residual, pro, layer.separate_norms[1], m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4
                 )
                 delta, delta2 = self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4), None
+        return residual, delta, delta2
+
+    def logits(self, st: StepState) -> torch.Tensor:
+        """The next-token logits [B, V] of the current tokens (st.tokens[:, slot]); K/V land in the cache.
+
+        The stream is carried as (residual, delta, delta2): each layer's first op adds the previous layer's
+        output(s) into the residual as part of its norm prologue, and the final norm's add is the lm_head's."""
+        x = self.embed(st.tokens.index_select(1, st.slot).squeeze(1))
+        if st.step_kernel is not None:
+            residual, delta, delta2 = st.step_kernel.run(x)
+        else:
+            residual, delta, delta2 = self._layers(x, st)
         pro = self._prologue(delta, delta2, self.final_norm)
         # The lm_head never takes the final norm as its prologue on a GPU: its vocab / 8 blocks would each
         # recompute the norm (H100, SmolLM2-135M: 42.8 us for the fused op, ~2 + 19 us for the two kernels).

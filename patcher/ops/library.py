@@ -217,3 +217,17 @@ _define(
     ref.int4_qkv_rope_cache,
     _int4_qkv_fake,
 )
+
+
+# The int4 decode step as one persistent kernel (kernels/step.cuh), for the decode runner (patcher/decode/step.py).
+# CUDA only: its pure-torch reference is the runner's per-op step, which the GPU tests compare it against. The plan
+# holds pointers into the tensors it is built from; int4_step writes the caches and buffers of that plan.
+_lib.define(
+    "int4_step_plan(Tensor[] qweight, Tensor[] qzeros, Tensor[] scales, Tensor?[] bias, int[] segments,"
+    " int group_size, int zero_offset, Tensor[] norm_weight, Tensor?[] norm_bias, float eps, bool rms,"
+    " bool parallel_residual, str mlp_act, int num_q_heads, int num_kv_heads, int head_dim, bool interleaved,"
+    " float scale, int splits, Tensor cos, Tensor sin, Tensor slot, Tensor pad, Tensor k_cache, Tensor v_cache,"
+    " Tensor resid, Tensor delta, Tensor qkv, Tensor attn, Tensor act, Tensor? timeline=None)"
+    " -> (Tensor, Tensor, Tensor, int)"
+)
+_lib.define("int4_step(Tensor header, Tensor arrays, Tensor(a!) workspace) -> ()")

@@ -1,0 +1,425 @@
+// The host side of the int4 decode-step kernel (step.cuh): the stages of a model's step, the work split, the tensor
+// maps and the shared-memory layout. The kernel itself is built per dtype (step_half.cu, step_bf16.cu).
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "step.cuh"
+
+namespace patcher {
+
+cudaError_t launch_step_half(const StepPlan& plan, cudaStream_t stream);
+cudaError_t launch_step_bf16(const StepPlan& plan, cudaStream_t stream);
+
+namespace {
+
+constexpr int kMinSlots = 4;  // ring slots a plan needs (fewer: not enough weights in flight to hide a barrier)
+
+int64_t align_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+
+// One linear of the step before its maps are made: the segments, what it computes and where it writes.
+struct LinearPlan {
+  const StepLinearDesc* desc;
+  bool silu;
+  int32_t act, x;
+  void* out;
+  int32_t out_width;
+  int64_t k;
+  int32_t strips, slots;
+  int32_t region;  // workspace region of its counters and partial sums: its place in the stage (0 or 1)
+};
+
+struct StagePlan {
+  bool attention;
+  int layer;
+  int num_linears;
+  int linear[kStepMaxLinears];
+  int64_t k;
+  int norm;
+  StepNorm nd;
+  const void* x;
+  int32_t units;
+};
+
+int32_t strips_of(const StepLinearDesc& l, bool silu) {
+  if (silu) return static_cast<int32_t>((l.seg[0].n + 63) / 64);
+  int32_t strips = 0;
+  for (int s = 0; s < l.num_segments; ++s) strips += static_cast<int32_t>((l.seg[s].n + 127) / 128);
+  return strips;
+}
+
+int64_t width_of(const StepLinearDesc& l) {
+  int64_t n = 0;
+  for (int s = 0; s < l.num_segments; ++s) n += l.seg[s].n;
+  return n;
+}
+
+// step.cuh: unit_owner.
+int unit_owner_host(int units, int blocks, int u) {
+  const int q = units / blocks, r = units % blocks;
+  return u < r * (q + 1) ? u / (q + 1) : r + (u - r * (q + 1)) / q;
+}
+
+// Why the kernel cannot read this linear, or nullptr.
+const char* linear_reason(const StepLinearDesc& l, int64_t k, bool silu, int64_t group_size) {
+  if (l.num_segments < 1 || l.num_segments > kInt4MaxSegments) return "a linear with no or too many segments";
+  if (silu && (l.num_segments != 2 || l.seg[0].n != l.seg[1].n))
+    return "gate and up must be two segments of equal width";
+  for (int s = 0; s < l.num_segments; ++s) {
+    const Int4Segment& seg = l.seg[s];
+    if (seg.n % (silu ? 64 : 32)) return "output widths must be multiples of 32 (gate and up: 64)";
+    for (const void* ptr : {static_cast<const void*>(seg.qweight), static_cast<const void*>(seg.qzeros), seg.scales}) {
+      if (reinterpret_cast<uintptr_t>(ptr) & 15u) return "GPTQ tensors must be 16-byte aligned";
+    }
+  }
+  if (k % 8) return "in_features must be a multiple of 8";
+  if (group_size < k && (group_size < 64 || (group_size & (group_size - 1))))
+    return "the group size must be a power of two of at least 64, or the whole of K";
+  return nullptr;
+}
+
+struct Built {
+  std::vector<LinearPlan> linears;
+  std::vector<StagePlan> stages;
+  int final_resid;
+};
+
+// The stages of the step (launchers.h: StepDesc; step.cuh: the stage list) and the buffers they pass along.
+Built build(const StepDesc& d) {
+  Built out;
+  const bool silu = d.mlp_act == kActSiluMul;
+  const int32_t mlp_act = silu ? kActNone : d.mlp_act;
+  const int64_t qkv_width = (d.num_q_heads + 2 * d.num_kv_heads) * d.head_dim;
+  const int64_t attn_width = d.num_q_heads * d.head_dim;
+  int cur = 0;  // the resid buffer that holds the residual stream
+  const auto linear = [&](const StepLinearDesc& l, bool is_silu, int32_t act, int32_t x, void* o, int64_t width,
+                          int64_t k, int region) {
+    out.linears.push_back({&l, is_silu, act, x, o, static_cast<int32_t>(width), k, strips_of(l, is_silu), 0, region});
+    return static_cast<int>(out.linears.size() - 1);
+  };
+  const auto norm = [&](int layer, int which, const void* delta, const void* delta2, bool dual) {
+    const StepLayerDesc& L = d.layers[layer];
+    StepNorm nd{};
+    nd.resid = d.resid[cur];
+    nd.delta = delta;
+    nd.delta2 = delta2;
+    if (delta) {
+      nd.resid_out = d.resid[cur ^ 1];
+      cur ^= 1;
+    }
+    nd.weight = L.norm_weight[which];
+    nd.bias = L.norm_bias[which];
+    if (dual) {
+      nd.weight2 = L.norm_weight[1];
+      nd.bias2 = L.norm_bias[1];
+    }
+    return nd;
+  };
+  for (int i = 0; i < d.num_layers; ++i) {
+    const StepLayerDesc& L = d.layers[i];
+    const bool first = i == 0;
+    StagePlan a{};
+    a.layer = i;
+    a.k = d.hidden;
+    if (d.parallel_residual) {
+      // A: x + attn + mlp, both LayerNorms; QKV and the MLP's first linear. B: attention, the MLP's second linear.
+      // C: the attention output projection.
+      a.norm = 2;
+      a.nd = norm(i, 0, first ? nullptr : d.delta[0], first ? nullptr : d.delta[1], true);
+      a.num_linears = 2;
+      a.linear[0] = linear(L.qkv, false, kActNone, 0, d.qkv, qkv_width, d.hidden, 0);
+      a.linear[1] =
+          linear(L.mlp_in, silu, mlp_act, 1, d.act, silu ? L.mlp_in.seg[0].n : width_of(L.mlp_in), d.hidden, 1);
+      out.stages.push_back(a);
+      StagePlan b{};
+      b.layer = i;
+      b.attention = true;
+      b.num_linears = 1;
+      b.k = width_of(L.mlp_in) / (silu ? 2 : 1);
+      b.x = d.act;
+      b.linear[0] = linear(L.mlp_out, false, kActNone, 0, d.delta[1], d.hidden, b.k, 0);
+      out.stages.push_back(b);
+      StagePlan c{};
+      c.layer = i;
+      c.num_linears = 1;
+      c.k = attn_width;
+      c.x = d.attn;
+      c.linear[0] = linear(L.out, false, kActNone, 0, d.delta[0], d.hidden, attn_width, 0);
+      out.stages.push_back(c);
+    } else {
+      // A: x + mlp, the input norm, QKV. B: attention. C: output projection. D: + attn, the post-attention norm,
+      // the MLP's first linear. E: its second.
+      a.norm = 1;
+      a.nd = norm(i, 0, first ? nullptr : d.delta[1], nullptr, false);
+      a.num_linears = 1;
+      a.linear[0] = linear(L.qkv, false, kActNone, 0, d.qkv, qkv_width, d.hidden, 0);
+      out.stages.push_back(a);
+      StagePlan b{};
+      b.layer = i;
+      b.attention = true;
+      out.stages.push_back(b);
+      StagePlan c{};
+      c.layer = i;
+      c.num_linears = 1;
+      c.k = attn_width;
+      c.x = d.attn;
+      c.linear[0] = linear(L.out, false, kActNone, 0, d.delta[0], d.hidden, attn_width, 0);
+      out.stages.push_back(c);
+      StagePlan dd{};
+      dd.layer = i;
+      dd.k = d.hidden;
+      dd.norm = 1;
+      dd.nd = norm(i, 1, d.delta[0], nullptr, false);
+      dd.num_linears = 1;
+      dd.linear[0] =
+          linear(L.mlp_in, silu, mlp_act, 0, d.act, silu ? L.mlp_in.seg[0].n : width_of(L.mlp_in), d.hidden, 0);
+      out.stages.push_back(dd);
+      StagePlan e{};
+      e.layer = i;
+      e.num_linears = 1;
+      e.k = width_of(L.mlp_in) / (silu ? 2 : 1);
+      e.x = d.act;
+      e.linear[0] = linear(L.mlp_out, false, kActNone, 0, d.delta[1], d.hidden, e.k, 0);
+      out.stages.push_back(e);
+    }
+  }
+  out.final_resid = cur;
+  return out;
+}
+
+int k_units_of(int64_t k) { return static_cast<int>((k + 255) / 256); }
+
+// Sizes of the workspace regions (counters and partial sums per place in a stage).
+struct Regions {
+  int64_t counters[kStepMaxLinears] = {0, 0};
+  int64_t partials[kStepMaxLinears] = {0, 0};
+};
+
+// The work split: each stage's units in equal runs over `blocks`; the rows of partial sums each linear needs (the
+// most blocks whose runs share one of its strips), and the workspace regions they take.
+Regions split_units(Built& built, int blocks, int64_t batch) {
+  Regions r;
+  for (StagePlan& st : built.stages) {
+    if (!st.num_linears) continue;
+    const int ku = k_units_of(st.k);
+    int strips = 0;
+    for (int j = 0; j < st.num_linears; ++j) strips += built.linears[st.linear[j]].strips;
+    st.units = strips * ku;
+    int before = 0;
+    for (int j = 0; j < st.num_linears; ++j) {
+      LinearPlan& lp = built.linears[st.linear[j]];
+      lp.slots = 1;
+      for (int t = 0; t < lp.strips; ++t) {
+        const int g = before + t;
+        lp.slots = std::max(lp.slots, unit_owner_host(st.units, blocks, g * ku + ku - 1) -
+                                          unit_owner_host(st.units, blocks, g * ku) + 1);
+      }
+      before += lp.strips;
+      r.counters[lp.region] = std::max<int64_t>(r.counters[lp.region], lp.strips);
+      r.partials[lp.region] =
+          std::max<int64_t>(r.partials[lp.region], static_cast<int64_t>(lp.slots) * batch * lp.strips * 128);
+    }
+  }
+  return r;
+}
+
+}  // namespace
+
+cudaError_t plan_step(const StepDesc& d, StepLayout& layout) {
+  layout = StepLayout{};
+  const auto fail = [&](const char* reason) {
+    layout.reason = reason;
+    return cudaErrorNotSupported;
+  };
+  int device = 0, major = 0, sms = 0, smem_optin = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (major != 9) return fail("the step kernel needs a Hopper GPU (sm_90: copy engine, mbarriers)");
+  if (d.dtype != DType::kFloat16 && d.dtype != DType::kBFloat16) return fail("the step kernel takes fp16 or bf16");
+  if (d.batch < 1 || d.batch > 8) return fail("the step kernel takes batch 1 to 8");
+  if (d.num_layers < 1) return fail("no layers");
+  if (d.hidden % 8 || d.hidden > 8192) return fail("hidden size must be a multiple of 8, at most 8192");
+  if (d.head_dim != 64 && d.head_dim != 80 && d.head_dim != 128) return fail("head_dim must be 64, 80 or 128");
+  if (d.num_kv_heads < 1 || d.num_q_heads % d.num_kv_heads) return fail("query heads must be a multiple of kv heads");
+  if (d.rotary_dim % 2 || d.rotary_dim > d.head_dim) return fail("bad rotary dims");
+  if (d.attention_splits < 1 || d.attention_splits > 16) return fail("attention splits must be 1..16");
+  if (d.interleaved && d.num_q_heads != d.num_kv_heads) return fail("interleaved qkv needs as many kv as q heads");
+  const bool silu = d.mlp_act == kActSiluMul;
+  for (int i = 0; i < d.num_layers; ++i) {
+    const StepLayerDesc& L = d.layers[i];
+    const int64_t inter = width_of(L.mlp_in) / (silu ? 2 : 1);
+    const char* reason = linear_reason(L.qkv, d.hidden, false, d.group_size);
+    if (!reason) reason = linear_reason(L.out, d.num_q_heads * d.head_dim, false, d.group_size);
+    if (!reason) reason = linear_reason(L.mlp_in, d.hidden, silu, d.group_size);
+    if (!reason) reason = linear_reason(L.mlp_out, inter, false, d.group_size);
+    if (reason) return fail(reason);
+    if (width_of(L.qkv) != (d.num_q_heads + 2 * d.num_kv_heads) * d.head_dim) return fail("qkv width != heads");
+    if (width_of(L.out) != d.hidden || width_of(L.mlp_out) != d.hidden) return fail("projections must give hidden");
+  }
+  Built built = build(d);
+  const Regions regions = split_units(built, sms, d.batch);
+  int64_t max_x = 0;
+  for (const StagePlan& st : built.stages) {
+    if (st.num_linears)
+      max_x = std::max<int64_t>(max_x, (st.norm == 2 ? 2 : 1) * d.batch * (k_units_of(st.k) * 256 + 8) * 2);
+  }
+  const int64_t counters = align_up(regions.counters[0], 64) + align_up(regions.counters[1], 64);
+  // Shared memory: the ring, x, the sums (two halves and the finished values), the attention's arrays.
+  int slot_bytes = 0;
+  for (const LinearPlan& lp : built.linears) {
+    const int64_t gpu = d.group_size >= lp.k || d.group_size >= 256 ? 1 : 256 / d.group_size;
+    const int64_t columns = lp.silu ? 64 : 128, boxes = lp.silu ? 2 : 1;
+    const int64_t params = boxes * (align_up(gpu * columns * 2, 128) + align_up(gpu * columns / 2, 128));
+    slot_bytes = std::max(slot_bytes, static_cast<int>(align_up(kStepQBytes + params, 1024)));
+  }
+  const int64_t x_bytes = align_up(max_x, 128);
+  const int64_t red_bytes = align_up(3 * d.batch * 128 * 4, 128);
+  const int64_t attn_bytes = align_up(sizeof(AttnScratch), 128);
+  const int64_t budget = smem_optin - 1024 /* static */ - 1024 /* alignment */;
+  const int64_t rest = x_bytes + red_bytes + attn_bytes;
+  const int64_t slots = std::min<int64_t>(kStepMaxSlots, (budget - rest) / slot_bytes);
+  if (slots < kMinSlots) return fail("the step's inputs do not leave the weight ring enough shared memory");
+
+  StepPlan& P = layout.plan;
+  P.dtype = d.dtype;
+  P.batch = static_cast<int32_t>(d.batch);
+  P.num_stages = static_cast<int32_t>(built.stages.size());
+  P.blocks = sms;
+  P.ring_slots = static_cast<int32_t>(slots);
+  P.slot_bytes = slot_bytes;
+  P.x_offset = static_cast<int32_t>(slots * slot_bytes);
+  P.red_offset = static_cast<int32_t>(P.x_offset + x_bytes);
+  P.attn_offset = static_cast<int32_t>(P.red_offset + red_bytes);
+  P.smem_bytes = static_cast<int32_t>(P.attn_offset + attn_bytes);
+  layout.array_bytes = align_up(static_cast<int64_t>(built.stages.size() * sizeof(StepStage)), alignof(StepLinear)) +
+                       static_cast<int64_t>(built.linears.size() * sizeof(StepLinear));
+  const int64_t attn_partials = d.batch * d.num_q_heads * d.attention_splits * (d.head_dim + 2);
+  // Workspace: the barrier [arrivals, epoch], attention counters, the linears' counters, partial sums.
+  layout.workspace_bytes = 64 + align_up(d.batch * d.num_q_heads * 4, 256) + counters * 4 +
+                           (regions.partials[0] + regions.partials[1] + attn_partials) * 4;
+  layout.final_resid = built.final_resid;
+  return cudaSuccess;
+}
+
+cudaError_t fill_step(const StepDesc& d, StepLayout& layout, void* host, void* device_arrays, void* workspace) {
+  Built built = build(d);
+  StepPlan& P = layout.plan;
+  const int blocks = P.blocks;
+  std::memset(host, 0, static_cast<size_t>(layout.array_bytes));
+  const int64_t stages_bytes =
+      align_up(static_cast<int64_t>(built.stages.size() * sizeof(StepStage)), alignof(StepLinear));
+  auto* stages = static_cast<StepStage*>(host);
+  auto* linears = reinterpret_cast<StepLinear*>(static_cast<char*>(host) + stages_bytes);
+  P.stages = static_cast<const StepStage*>(device_arrays);
+  P.linears = reinterpret_cast<const StepLinear*>(static_cast<char*>(device_arrays) + stages_bytes);
+
+  // The workspace, in plan_step's order.
+  char* ws = static_cast<char*>(workspace);
+  P.barrier = reinterpret_cast<unsigned long long*>(ws);
+  ws += 64;
+  P.attn_counters = reinterpret_cast<int32_t*>(ws);
+  ws += align_up(d.batch * d.num_q_heads * 4, 256);
+  const Regions regions = split_units(built, blocks, d.batch);
+  int32_t* counters[kStepMaxLinears];
+  counters[0] = reinterpret_cast<int32_t*>(ws);
+  counters[1] = counters[0] + align_up(regions.counters[0], 64);
+  ws += (align_up(regions.counters[0], 64) + align_up(regions.counters[1], 64)) * 4;
+  float* partials[kStepMaxLinears];
+  partials[0] = reinterpret_cast<float*>(ws);
+  partials[1] = partials[0] + regions.partials[0];
+  P.attn_partials = partials[1] + regions.partials[1];
+
+  for (size_t i = 0; i < built.linears.size(); ++i) {
+    const LinearPlan& lp = built.linears[i];
+    StepLinear& L = linears[i];
+    const StepLinearDesc& ld = *lp.desc;
+    const int64_t groups = d.group_size >= lp.k ? 1 : (lp.k + d.group_size - 1) / d.group_size;
+    L.group_shift = 30;
+    if (d.group_size < lp.k) {
+      L.group_shift = 0;
+      while ((int64_t{1} << L.group_shift) < d.group_size) ++L.group_shift;
+    }
+    L.groups_per_unit = d.group_size >= lp.k || d.group_size >= 256 ? 1 : static_cast<int32_t>(256 / d.group_size);
+    L.box_columns = lp.silu ? 64 : 128;
+    L.scale_bytes = static_cast<int32_t>(align_up(L.groups_per_unit * L.box_columns * 2, 128));
+    L.zero_bytes = static_cast<int32_t>(align_up(L.groups_per_unit * L.box_columns / 2, 128));
+    L.num_segments = ld.num_segments;
+    L.strips = lp.strips;
+    L.silu = lp.silu ? 1 : 0;
+    L.act = lp.act;
+    L.x = lp.x;
+    L.zero_offset = d.zero_offset;
+    L.slots = lp.slots;
+    L.out = lp.out;
+    L.out_width = lp.out_width;
+    L.partials = partials[lp.region];
+    L.counters = counters[lp.region];
+    int strips = 0;
+    for (int s = 0; s < ld.num_segments; ++s) {
+      const Int4Segment& seg = ld.seg[s];
+      L.n[s] = static_cast<int32_t>(seg.n);
+      L.bias[s] = seg.bias;
+      L.strips_before[s] = strips;
+      strips += static_cast<int32_t>((seg.n + 127) / 128);
+      if (!encode_map(L.qweight[s], CU_TENSOR_MAP_DATA_TYPE_INT32, 4, seg.qweight, seg.n, lp.k / 8, 32, 32,
+                      CU_TENSOR_MAP_SWIZZLE_128B) ||
+          !encode_map(L.scales[s], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, seg.scales, seg.n, groups, L.box_columns,
+                      L.groups_per_unit) ||
+          !encode_map(L.zeros[s], CU_TENSOR_MAP_DATA_TYPE_INT32, 4, seg.qzeros, seg.n / 8, groups, L.box_columns / 8,
+                      L.groups_per_unit)) {
+        layout.reason = "the driver rejected a tensor map of the GPTQ tensors";
+        return cudaErrorNotSupported;
+      }
+    }
+    L.strips_before[ld.num_segments] = strips;
+  }
+  for (size_t i = 0; i < built.stages.size(); ++i) {
+    const StagePlan& sp = built.stages[i];
+    StepStage& st = stages[i];
+    st.attention = sp.attention ? 1 : 0;
+    st.ad.k_cache = d.layers[sp.layer].k_cache;
+    st.ad.v_cache = d.layers[sp.layer].v_cache;
+    st.num_linears = sp.num_linears;
+    for (int j = 0; j < sp.num_linears; ++j) st.linear[j] = sp.linear[j];
+    st.k = static_cast<int32_t>(sp.k);
+    st.k_units = k_units_of(sp.k);
+    st.units = sp.units;
+    st.norm = sp.norm;
+    st.nd = sp.nd;
+    st.x = sp.x;
+  }
+  P.rms = d.rms ? 1 : 0;
+  P.eps = d.eps;
+  P.num_q_heads = static_cast<int32_t>(d.num_q_heads);
+  P.num_kv_heads = static_cast<int32_t>(d.num_kv_heads);
+  P.head_dim = static_cast<int32_t>(d.head_dim);
+  P.rotary_dim = static_cast<int32_t>(d.rotary_dim);
+  P.interleaved = d.interleaved ? 1 : 0;
+  P.splits = d.attention_splits;
+  P.qkv_width = static_cast<int32_t>((d.num_q_heads + 2 * d.num_kv_heads) * d.head_dim);
+  P.capacity = d.capacity;
+  P.table_len = d.table_len;
+  P.scale = d.scale;
+  P.cos = d.cos;
+  P.sin = d.sin;
+  P.slot = d.slot;
+  P.pad = d.pad;
+  P.qkv = d.qkv;
+  P.attn = d.attn;
+  return cudaSuccess;
+}
+
+cudaError_t launch_step(const StepPlan& plan, cudaStream_t stream) {
+  switch (plan.dtype) {
+    case DType::kFloat16:
+      return launch_step_half(plan, stream);
+    case DType::kBFloat16:
+      return launch_step_bf16(plan, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace patcher

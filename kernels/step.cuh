@@ -1,0 +1,960 @@
+// The int4 decode step as one persistent kernel: every decoder layer of a GPTQ int4 model in one launch.
+//
+// Why. At batch 1 an int4 layer reads 4x fewer weight bytes than fp16, so the per-kernel costs that the fp16 step
+// hides behind its bytes (launch, ramp-up, the split-K meeting, the tail; 3-9 us an op, measured on the H100 for the
+// op-per-kernel int4 path, int4_mma.cuh) dominate: that path decodes Pythia-2.8B in ~1.6 ms against a 0.53 ms byte
+// floor. Here the grid (one block per SM, launched cooperatively so that every block is resident) runs the layers'
+// stages one after another, and stages meet at grid-wide barriers instead of kernel boundaries:
+//   parallel residual (GPT-NeoX)  A: add + both LayerNorms, QKV and the MLP's first linear (one input sum)
+//                                 B: attention (RoPE, K/V into the cache) and the MLP's second linear
+//                                 C: the attention output projection
+//   sequential (LLaMA, Qwen2)     A: add + norm, QKV   B: attention   C: output projection
+//                                 D: add + norm, gate | up with SiLU * up   E: down projection
+// The weights do not depend on the activations, so each block's producer warp streams its share of every stage's
+// weights into a ring of shared-memory slots with the copy engine (one 2-D tensor copy per 32 rows x 32 columns of
+// qweight, plus the group scales and zero points), running ahead across barriers as far as the ring allows: HBM
+// keeps streaming while the blocks meet, normalize or attend.
+//
+// Work split of a linear stage. Output columns come in strips of 128 (4 column warps; gate | up: 64 gate columns
+// and the same 64 up columns), K in units of 256 (32 qweight rows). The stage's units (every strip of its linears x
+// every K unit, strip-major) are cut into equal runs, one per block, so every block carries the same bytes. A strip
+// whose units lie in several blocks' runs is finished by the last of them to arrive (partial sums in the workspace,
+// in block order, so the sums are deterministic); a block takes the strip at the end of its run first and the one at
+// its start second, so that both blocks that share a strip meet early in the stage, not at its end.
+//
+// Arithmetic. Lane 4g + q of a column warp reads a 16-byte chunk (4 columns x 8 k of one qweight row) of the
+// swizzled box and dequantizes it to the exact integers q - zero (small integers, exact in fp16 and bf16: no
+// scale, 2 instructions per pair of weights), which mma.sync m16n8k16 multiplies with x in fp32; the group's scale
+// multiplies the fp32 sums once per group and column. So a weight costs about a third of the instructions of the
+// op-per-kernel path's round(scale * (q - zero)) (int4_tile.cuh: dequantize_word), and the result differs from the
+// reference's (weights rounded to the dtype first) by that rounding only. Groups must be 64 k or more (a step of
+// the mma spans 64 k, int4_tma.cuh: stage_row) or the whole of K.
+//
+// Attention as decode_attention.cu, per (row, kv head, query head pair, key share), with the RoPE of the current
+// token's q and k done by the block itself from the raw projection (the share that comes first writes K and V into
+// the cache; every share takes the current key from shared memory), so no other stage waits for the cache write.
+#pragma once
+#include <cuda.h>
+
+#include "int4_tma.cuh"  // the swizzled qweight boxes (stage_row), mma_16816, the mbarrier and copy wrappers
+
+namespace patcher {
+namespace {
+
+constexpr int kStepConsumers = 8;                        // compute warps: 4 column warps x 2 halves of a unit
+constexpr int kStepThreads = (kStepConsumers + 1) * 32;  // and the producer warp
+constexpr int kStepMaxSlots = 16;                        // ring slots at most
+constexpr int kStepBoxBytes = 32 * 128;                  // one column warp's 32 qweight rows x 32 columns
+constexpr int kStepQBytes = 4 * kStepBoxBytes;           // a unit's qweight: 4 column warps
+constexpr int kStepMaxHeadDim = 128;
+constexpr unsigned long long kBarrierTimeoutNs = 10ull * 1000 * 1000 * 1000;  // a stuck grid barrier traps
+
+// The attention's shared memory (decode_attention.cu's arrays, and the current token's q, k, v).
+struct AttnScratch {
+  float m[kStepConsumers][2], l[kStepConsumers][2];
+  float acc[kStepConsumers][2][kStepMaxHeadDim];
+  float block_max[2], block_sum[2];
+  float factor[2][16], share_sum[2][16], denominator[2];
+  float raw[4][kStepMaxHeadDim];  // the projection's q (up to 2 heads), k, v of the current token
+  float rot[4][kStepMaxHeadDim];  // the same after RoPE, rounded to the dtype
+  int last;
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+
+// The compute warps meet at named barrier 1 (the producer warp never joins them).
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kStepConsumers * 32) : "memory");
+}
+
+__device__ __forceinline__ float consumers_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  consumers_sync();  // earlier readers of scratch are done
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  consumers_sync();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kStepConsumers; ++w) total += scratch[w];
+  return total;
+}
+
+// A value another block wrote in this launch: from L2 (the SM's L1 is not coherent with other SMs).
+template <typename T>
+__device__ __forceinline__ T load_cg(const T* p) {
+  static_assert(sizeof(T) == 2, "16-bit element");
+  const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
+  T v;
+  memcpy(&v, &bits, 2);
+  return v;
+}
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Every block's compute warps arrive; the step's barriers count up from the epoch the previous launch left
+// (barrier[1]), so the counter never needs resetting. One thread per block arrives (release: the block's writes
+// before it, ordered by the named barrier, become visible) and polls (acquire).
+__device__ void grid_barrier(unsigned long long* counter, unsigned long long target) {
+  consumers_sync();
+  if (threadIdx.x == 0) {
+    asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(counter) : "memory");
+    const unsigned long long start = global_ns();
+    for (unsigned spins = 1;; ++spins) {
+      unsigned long long seen;
+      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(counter) : "memory");
+      if (seen >= target) break;
+      if (spins % 1024 == 0 && global_ns() - start > kBarrierTimeoutNs) __trap();  // never hang the GPU
+    }
+  }
+  consumers_sync();
+}
+
+// ---- the work split (mirrored by patcher/decode/step.py: run_start, unit_owner, unit_at) ----
+// Block b's run is [run_start(b), run_start(b + 1)): units / blocks each, one more for the first units % blocks, so
+// the blocks that hold the units of a strip are consecutive (where units < blocks, the last blocks hold none).
+__device__ __forceinline__ int run_start(int units, int blocks, int block) {
+  const int q = units / blocks, r = units % blocks;
+  return block * q + (block < r ? block : r);
+}
+// The block whose run holds unit u.
+__device__ __forceinline__ int unit_owner(int units, int blocks, int u) {
+  const int q = units / blocks, r = units % blocks;
+  return u < r * (q + 1) ? u / (q + 1) : r + (u - r * (q + 1)) / q;
+}
+// The i-th unit a block takes of its run [u0, u1): the units of the run's last strip first, then the rest in order.
+__device__ __forceinline__ int unit_at(int u0, int u1, int k_units, int i) {
+  const int s0 = u0 / k_units, s1 = (u1 - 1) / k_units;
+  if (s0 == s1) return u0 + i;
+  const int tail = u1 - s1 * k_units;
+  return i < tail ? s1 * k_units + i : u0 + (i - tail);
+}
+
+// Where column warp w (0..3) of strip t reads: its segment and first column, col < 0 where the strip has none (a
+// segment's last strip may be narrower). Gate | up: warps 0, 1 on gate, 2, 3 on up, for the same 64 outputs.
+struct WarpCols {
+  int seg, col;
+};
+
+__device__ __forceinline__ WarpCols warp_cols(const StepLinear& L, int t, int w) {
+  WarpCols c;
+  if (L.silu) {
+    c.seg = w >> 1;
+    c.col = 64 * t + 32 * (w & 1);
+  } else {
+    c.seg = 0;
+    while (c.seg + 1 < L.num_segments && t >= L.strips_before[c.seg + 1]) ++c.seg;
+    c.col = (t - L.strips_before[c.seg]) * 128 + 32 * w;
+  }
+  if (c.col >= L.n[c.seg]) c.col = -1;
+  return c;
+}
+
+__device__ __forceinline__ int segment_start(const StepLinear& L, int seg) {
+  int start = 0;
+  for (int s = 0; s < seg; ++s) start += L.n[s];
+  return start;
+}
+
+// ---- producer ----
+// Unit (strip t, K unit ku) of L into a ring slot: the qweight box of each column warp the strip has, and per
+// parameter box (one, or gate and up) the scales and zero points of the groups the unit meets.
+__device__ void issue_unit(const StepLinear& L, int t, int ku, unsigned char* dst, uint64_t* full) {
+  const int boxes = L.silu ? 2 : 1;
+  const int first_group = (ku * 256) >> L.group_shift;
+  WarpCols c[4];
+  unsigned bytes = static_cast<unsigned>(boxes * L.groups_per_unit * L.box_columns * 5 / 2);  // fp16 + 4 bits
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    c[w] = warp_cols(L, t, w);
+    bytes += c[w].col >= 0 ? kStepBoxBytes : 0;
+  }
+  bar_expect(full, bytes);
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    if (c[w].col >= 0) tensor_copy(dst + w * kStepBoxBytes, &L.qweight[c[w].seg], c[w].col, ku * 32, full);
+  }
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    if (b >= boxes) break;
+    const WarpCols& first = c[2 * b];  // the box's first column warp (gate | up: 0 and 2), always present
+    unsigned char* p = dst + kStepQBytes + b * (L.scale_bytes + L.zero_bytes);
+    tensor_copy(p, &L.scales[first.seg], first.col, first_group, full);
+    tensor_copy(p + L.scale_bytes, &L.zeros[first.seg], first.col / 8, first_group, full);
+  }
+}
+
+__device__ void produce(const StepPlan& P, unsigned char* ring, uint64_t* full, uint64_t* empty) {
+  const int blocks = static_cast<int>(gridDim.x), block = static_cast<int>(blockIdx.x);
+  const int S = P.ring_slots;
+  int slot = 0;
+  unsigned issued = 0;
+  for (int si = 0; si < P.num_stages; ++si) {
+    const StepStage& st = P.stages[si];
+    if (st.num_linears == 0) continue;
+    const int u0 = run_start(st.units, blocks, block), u1 = run_start(st.units, blocks, block + 1);
+    const int ku = st.k_units, first_strips = P.linears[st.linear[0]].strips;
+    for (int i = 0; i < u1 - u0; ++i) {
+      const int u = unit_at(u0, u1, ku, i), strip = u / ku;
+      const int li = strip >= first_strips ? 1 : 0;
+      const StepLinear& L = P.linears[st.linear[li]];
+      if (issued >= static_cast<unsigned>(S)) bar_wait(&empty[slot], ((issued / S) - 1) & 1u);
+      issue_unit(L, strip - li * first_strips, u % ku, ring + slot * P.slot_bytes, &full[slot]);
+      ++issued;
+      if (++slot == S) slot = 0;
+    }
+  }
+}
+
+// ---- the inputs of a linear stage, in shared memory in the mma pair order (int4_mma.cuh) ----
+// 8 consecutive k as one 16-byte word of [x0 x4 x1 x5 x2 x6 x3 x7]: a lane's four B fragments in one load.
+__device__ __forceinline__ uint4 pair_order(const uint4 v) {
+  return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632), __byte_perm(v.y, v.w, 0x5410),
+                    __byte_perm(v.y, v.w, 0x7632));
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack_pair_order(const float (&h)[8]) {
+  Vec<T, 8> v;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v.data[e] = from_float<T>(h[e]);
+  uint4 bits;
+  memcpy(&bits, &v, 16);
+  return pair_order(bits);
+}
+
+// x [batch, k] (written by another block) into xs [batch][stride], zeros up to the stage's whole K units.
+template <typename T>
+__device__ void stage_plain(const T* x, int k, int k_units, int batch, T* xs, int stride) {
+  const int vectors = k_units * 32;
+  for (int i = static_cast<int>(threadIdx.x); i < batch * vectors; i += kStepConsumers * 32) {
+    const int b = i / vectors, v = i % vectors;
+    uint4 word = make_uint4(0, 0, 0, 0);
+    if (v * 8 < k) word = pair_order(__ldcg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(b) * k + v * 8)));
+    *reinterpret_cast<uint4*>(xs + b * stride + v * 8) = word;
+  }
+}
+
+// The stage's add + norm, as launch_norm computes it: s = resid + delta (+ delta2), rounded as HF's adds round;
+// x0 = norm(s) (and x1 = GPT-NeoX's second LayerNorm of s); block 0 writes s as the next residual stream. Each thread
+// holds its vectors of a row in registers, so the statistics cost one pass of loads.
+template <typename T>
+__device__ void stage_norm(const StepPlan& P, const StepStage& st, T* xs0, T* xs1, int stride, float* scratch) {
+  constexpr int kPer = 4;  // vectors of 8 per thread: hidden <= 8192 (plan_step)
+  const StepNorm& nd = st.nd;
+  const int tid = static_cast<int>(threadIdx.x), k = st.k, vectors = k / 8;
+  const bool writer = blockIdx.x == 0 && nd.resid_out;
+  const T* w = static_cast<const T*>(nd.weight);
+  const T* w2 = static_cast<const T*>(nd.weight2);
+  for (int b = 0; b < P.batch; ++b) {
+    const int64_t row = static_cast<int64_t>(b) * k;
+    const T* resid = static_cast<const T*>(nd.resid) + row;
+    const T* d = nd.delta ? static_cast<const T*>(nd.delta) + row : nullptr;
+    const T* d2 = nd.delta2 ? static_cast<const T*>(nd.delta2) + row : nullptr;
+    uint4 xr[kPer], dr[kPer], d2r[kPer];  // every load issued before the first use
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int v = tid + j * kStepConsumers * 32;
+      const bool in = v < vectors;
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      xr[j] = in ? __ldcg(reinterpret_cast<const uint4*>(resid + v * 8)) : zero;
+      dr[j] = in && d ? __ldcg(reinterpret_cast<const uint4*>(d + v * 8)) : zero;
+      d2r[j] = in && d2 ? __ldcg(reinterpret_cast<const uint4*>(d2 + v * 8)) : zero;
+    }
+    float s[kPer][8];
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      Vec<T, 8> xe, de, d2e;
+      memcpy(&xe, &xr[j], 16);
+      memcpy(&de, &dr[j], 16);
+      memcpy(&d2e, &d2r[j], 16);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s[j][e] = to_float(xe.data[e]);
+      if (d) add_residual<T, 8>(s[j], de, d2e, d2 != nullptr);
+      if (tid + j * kStepConsumers * 32 < vectors) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc += P.rms ? s[j][e] * s[j][e] : s[j][e];
+      }
+    }
+    const float inv_n = 1.f / static_cast<float>(k);
+    const float total = consumers_sum(acc, scratch);
+    float mean = 0.f, rstd;
+    if (P.rms) {
+      rstd = rsqrtf(total * inv_n + P.eps);
+    } else {
+      mean = total * inv_n;
+      float m2 = 0.f;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        if (tid + j * kStepConsumers * 32 >= vectors) break;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) m2 += (s[j][e] - mean) * (s[j][e] - mean);
+      }
+      rstd = rsqrtf(consumers_sum(m2, scratch) * inv_n + P.eps);
+    }
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int v = tid + j * kStepConsumers * 32;
+      if (v >= vectors) break;
+      const Vec<T, 8> wv = *reinterpret_cast<const Vec<T, 8>*>(w + v * 8);
+      const Vec<T, 8> bv = vec_or_zero<T, 8>(static_cast<const T*>(nd.bias), v * 8);
+      float h[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) h[e] = norm_value<T>(s[j][e], mean, rstd, wv.data[e], bv.data[e], P.rms != 0);
+      *reinterpret_cast<uint4*>(xs0 + b * stride + v * 8) = pack_pair_order<T>(h);
+      if (xs1) {
+        const Vec<T, 8> w2v = *reinterpret_cast<const Vec<T, 8>*>(w2 + v * 8);
+        const Vec<T, 8> b2v = vec_or_zero<T, 8>(static_cast<const T*>(nd.bias2), v * 8);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) h[e] = norm_value<T>(s[j][e], mean, rstd, w2v.data[e], b2v.data[e], false);
+        *reinterpret_cast<uint4*>(xs1 + b * stride + v * 8) = pack_pair_order<T>(h);
+      }
+      if (writer) store_vec<T, 8>(static_cast<T*>(nd.resid_out) + row + v * 8, s[j]);
+    }
+    for (int v = vectors + tid; v < st.k_units * 32; v += kStepConsumers * 32) {  // past K: zeros
+      *reinterpret_cast<uint4*>(xs0 + b * stride + v * 8) = make_uint4(0, 0, 0, 0);
+      if (xs1) *reinterpret_cast<uint4*>(xs1 + b * stride + v * 8) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// ---- a unit's arithmetic ----
+// -(zero) in the form dequantize_zeros subtracts, per column of a lane's 4: fp16 -(1024 + z) and -(64 + z)
+// (int4_tile.cuh: group_dequant), bf16 -(128 + z) (bf16 steps by 1 from 128 to 256).
+struct ZeroTerms {
+  uint32_t a[4], b[4];
+};
+
+template <typename T>
+__device__ __forceinline__ ZeroTerms zero_terms(uint32_t zeros, int zero_offset) {
+  ZeroTerms t;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const uint32_t z = ((zeros >> (4 * c)) & 0xFu) + static_cast<uint32_t>(zero_offset);
+    if constexpr (std::is_same_v<T, __half>) {
+      t.a[c] = (0xE400u + z) * 0x10001u;        // -(1024 + z) in both halves
+      t.b[c] = (0xD400u + 16u * z) * 0x10001u;  // -(64 + z)
+    } else {
+      t.a[c] = (0xC300u + z) * 0x10001u;  // -(128 + z)
+      t.b[c] = t.a[c];
+    }
+  }
+  return t;
+}
+
+__device__ __forceinline__ uint32_t lop_or(uint32_t word, uint32_t mask, uint32_t magic) {
+  uint32_t bits;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(bits) : "r"(word), "r"(mask), "r"(magic));
+  return bits;
+}
+
+// The 8 weights of one word of column c as exact q - zero in T, as the pairs (k0,k4) (k1,k5) (k2,k6) (k3,k7).
+// fp16: nibbles at bit 0 of a byte land in 1024's mantissa (1024 + q), those at bit 4 as 1024 + 16q, brought to
+// 64 + q by a fused multiply by 1/16 (int4_tile.cuh: dequantize_word); bf16: each nibble shifted to bit 0 lands in
+// 128's mantissa. Subtracting (magic + zero) leaves q - zero exactly.
+template <typename T>
+__device__ __forceinline__ void dequantize_zeros(uint32_t word, const ZeroTerms& z, int c, uint32_t (&out)[4]) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 sixteenth = __float2half2_rn(0.0625f);
+    __half2 za, zb, v;
+    memcpy(&za, &z.a[c], 4);
+    memcpy(&zb, &z.b[c], 4);
+    const uint32_t high = word >> 8;
+    const uint32_t n[4] = {lop_or(word, 0x000F000Fu, 0x64006400u), lop_or(word, 0x00F000F0u, 0x64006400u),
+                           lop_or(high, 0x000F000Fu, 0x64006400u), lop_or(high, 0x00F000F0u, 0x64006400u)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      memcpy(&v, &n[j], 4);
+      v = (j & 1) ? __hfma2(v, sixteenth, zb) : __hadd2(v, za);
+      memcpy(&out[j], &v, 4);
+    }
+  } else {
+    __nv_bfloat162 za, v;
+    memcpy(&za, &z.a[c], 4);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t n = lop_or(word >> (4 * j), 0x000F000Fu, 0x43004300u);
+      memcpy(&v, &n, 4);
+      v = __hadd2(v, za);
+      memcpy(&out[j], &v, 4);
+    }
+  }
+}
+
+// One 4-row step of a lane: its chunk (4 columns x 8 k) against its x chunk, into part[h] (columns 4g + 2h, + 1).
+template <typename T>
+__device__ __forceinline__ void step_mma(float (&part)[2][4], const uint4& chunk, const uint4& xv, const ZeroTerms& z) {
+  const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+  const uint32_t xb[4] = {xv.x, xv.y, xv.z, xv.w};
+  uint32_t a_pairs[4][4];  // [column][pair (k_j, k_j+4)]
+#pragma unroll
+  for (int c = 0; c < 4; ++c) dequantize_zeros<T>(words[c], z, c, a_pairs[c]);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      const uint32_t a[4] = {a_pairs[2 * h][2 * jj], a_pairs[2 * h + 1][2 * jj], a_pairs[2 * h][2 * jj + 1],
+                             a_pairs[2 * h + 1][2 * jj + 1]};
+      mma_16816<T>(part[h], a, xb[2 * jj], xb[2 * jj + 1]);
+    }
+  }
+}
+
+// This warp's share of a unit: column warp w, half `half` (rows 16 half .. 16 half + 15, 128 k), 4 steps; the sums of
+// each group, times its scales, into acc.
+template <typename T>
+__device__ __forceinline__ void unit_compute(const StepLinear& L, const WarpCols& mine, int ku,
+                                             const unsigned char* src, const T* xs, int stride, int batch,
+                                             float (&acc)[2][4]) {
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int g = lane / 4, q = lane % 4, w = warp & 3, half = warp >> 2;
+  if (mine.col < 0) return;
+  const unsigned char* box = src + w * kStepBoxBytes;
+  const int pbox = L.silu ? w >> 1 : 0;
+  const int col = (L.silu ? (w & 1) * 32 : w * 32) + 4 * g;  // the lane's first column in its parameter box
+  const __half* scales = reinterpret_cast<const __half*>(src + kStepQBytes + pbox * (L.scale_bytes + L.zero_bytes));
+  const uint32_t* zeros =
+      reinterpret_cast<const uint32_t*>(reinterpret_cast<const unsigned char*>(scales) + L.scale_bytes);
+  const int k0 = ku * 256, first_group = k0 >> L.group_shift;
+  float part[2][4] = {};
+  float scale[4] = {};
+  ZeroTerms z{};
+  int current = -1;
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {
+    // Steps 4 half + 2p and + 1 read rows 8 (2 half + p) .. + 7 (stage_row): 64 k of one group.
+    const int group = ((k0 + 64 * (2 * half + p)) >> L.group_shift) - first_group;
+    if (group != current) {
+      if (current >= 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc[h][i] += scale[2 * h + (i >> 1)] * part[h][i];
+            part[h][i] = 0.f;
+          }
+        }
+      }
+      current = group;
+      const uint2 sv = *reinterpret_cast<const uint2*>(scales + group * L.box_columns + col);
+      const __half* sh = reinterpret_cast<const __half*>(&sv);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) scale[c] = __half2float(sh[c]);
+      z = zero_terms<T>(zeros[group * (L.box_columns / 8) + col / 8] >> (4 * (col % 8)), L.zero_offset);
+    }
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int r = stage_row(4 * half + 2 * p + t, q);
+      const uint4 chunk = *reinterpret_cast<const uint4*>(box + r * 128 + ((g ^ (r & 7)) << 4));
+      const uint4 xv =
+          g < batch ? *reinterpret_cast<const uint4*>(xs + g * stride + k0 + r * 8) : make_uint4(0, 0, 0, 0);
+      step_mma<T>(part, chunk, xv, z);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[h][i] += scale[2 * h + (i >> 1)] * part[h][i];
+  }
+}
+
+// The end of this block's piece of strip t: the two halves' sums added; where the strip lies in several blocks'
+// runs (nslots), partial sums meet in the workspace and the last block to arrive goes on. Then the values are
+// rounded as F.linear rounds its output, the bias added in the dtype (GPTQLinear), and the epilogue stores them.
+template <typename T>
+__device__ void finish_piece(const StepPlan& P, const StepLinear& L, const WarpCols& mine, int t, int slot_row,
+                             int nslots, float (&acc)[2][4], float* red, int* flag) {
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int g = lane / 4, q = lane % 4, w = warp & 3, half = warp >> 2;
+  const int B = P.batch;
+  float* fin = red + 2 * B * 128;  // [batch][128]
+  if (mine.col >= 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int b = 2 * q + (i & 1);
+        if (b < B) red[(half * B + b) * 128 + w * 32 + 4 * g + 2 * h + (i >> 1)] = acc[h][i];
+      }
+    }
+  }
+  consumers_sync();
+  const int64_t width = static_cast<int64_t>(L.strips) * 128;
+  for (int e = tid; e < B * 128; e += kStepConsumers * 32) {
+    const int b = e / 128, c = e % 128;
+    const float v = red[b * 128 + c] + red[(B + b) * 128 + c];
+    if (nslots == 1) {
+      fin[e] = v;
+    } else {
+      L.partials[(static_cast<int64_t>(slot_row) * B + b) * width + t * 128 + c] = v;
+    }
+  }
+  if (nslots > 1) {
+    // The block's stores are ordered before thread 0's arrival by the barrier; the acq_rel arrival releases them
+    // and acquires the other blocks' (int4_tile.cuh: finish_tile).
+    consumers_sync();
+    if (tid == 0) {
+      const int arrived = arrive_acq_rel(L.counters + t) + 1;
+      *flag = arrived == nslots;
+      if (*flag) L.counters[t] = 0;  // every block of the strip has counted: zero for the next stage
+    }
+    consumers_sync();
+    if (!*flag) return;
+    for (int e = tid; e < B * 128; e += kStepConsumers * 32) {
+      const int b = e / 128, c = e % 128;
+      const float* sums = L.partials + static_cast<int64_t>(b) * width + t * 128 + c;
+      float rows[4];
+      float v = 0.f;
+      for (int r0 = 0; r0 < nslots; r0 += 4) {  // in block order: the same sums whichever block finishes
+#pragma unroll
+        for (int j = 0; j < 4; ++j) rows[j] = r0 + j < nslots ? __ldcg(sums + (r0 + j) * B * width) : 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v += rows[j];
+      }
+      fin[e] = v;
+    }
+  }
+  for (int e = tid; e < B * 128; e += kStepConsumers * 32) {
+    const int c = e % 128;
+    const WarpCols wc = warp_cols(L, t, c / 32);
+    if (wc.col < 0) continue;
+    const int seg = wc.seg, col = wc.col + c % 32;
+    float y = round_to<T>(fin[e]);
+    if (L.bias[seg]) y = round_to<T>(y + round_to<T>(__half2float(static_cast<const __half*>(L.bias[seg])[col])));
+    fin[e] = y;
+  }
+  consumers_sync();
+  T* out = static_cast<T*>(L.out);
+  if (L.silu) {
+    for (int e = tid; e < B * 64; e += kStepConsumers * 32) {
+      const int b = e / 64, c = e % 64;
+      const WarpCols wc = warp_cols(L, t, c / 32);
+      if (wc.col < 0) continue;
+      const float gate = fin[b * 128 + c], up = fin[b * 128 + 64 + c];
+      out[static_cast<int64_t>(b) * L.out_width + wc.col + c % 32] = from_float<T>(round_to<T>(silu(gate)) * up);
+    }
+  } else {
+    for (int e = tid; e < B * 128; e += kStepConsumers * 32) {
+      const int b = e / 128, c = e % 128;
+      const WarpCols wc = warp_cols(L, t, c / 32);
+      if (wc.col < 0) continue;
+      float y = fin[e];
+      if (L.act != kActNone) y = gelu(y, L.act == kActGeluTanh);
+      out[static_cast<int64_t>(b) * L.out_width + segment_start(L, wc.seg) + wc.col + c % 32] = from_float<T>(y);
+    }
+  }
+}
+
+// ---- attention (decode_attention.cu, with the current token's RoPE and cache write) ----
+__device__ __forceinline__ int qkv_column(const StepPlan& P, int part, int head, int d) {
+  if (P.interleaved) return (head * 3 + part) * P.head_dim + d;
+  const int slot = part == 0 ? head : (part == 1 ? P.num_q_heads + head : P.num_q_heads + P.num_kv_heads + head);
+  return slot * P.head_dim + d;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename T, int D, int GMAX>
+__device__ void attention_item(const StepPlan& P, const StepAttention& A, int b, int kvh, int first, int split,
+                               AttnScratch& S) {
+  constexpr int kWarps = kStepConsumers;
+  constexpr int kActive = D / 8;
+  constexpr int kLanes = kActive <= 8 ? 8 : 16;
+  constexpr int kGroups = kWarps * (32 / kLanes);
+  constexpr int kUnroll = 4;
+  constexpr int kStep = kGroups * kUnroll;
+  const int hq = P.num_q_heads, hkv = P.num_kv_heads, group_size = hq / hkv;
+  const int G = group_size - first < GMAX ? group_size - first : GMAX;
+  const int head0 = kvh * group_size + first;
+  const int64_t last_key = *P.slot, start = P.pad[b];
+  const int64_t count = last_key + 1 - start;
+  const int64_t wanted = (count + kStep - 1) / kStep;
+  const int shares = static_cast<int>(wanted < P.splits ? (wanted > 1 ? wanted : 1) : P.splits);
+  if (split >= shares) return;  // no keys for this share at this context length
+  const int64_t chunk = (count + shares - 1) / shares;
+  const int64_t lo = start + split * chunk;
+  const int64_t hi = lo + chunk < last_key + 1 ? lo + chunk : last_key + 1;
+  const int tid = static_cast<int>(threadIdx.x);
+  consumers_sync();  // the previous item's readers of S are done
+
+  // The current token's q (G heads), k and v from the projection, then RoPE as rope_qkv_cache computes it.
+  const T* qkv = static_cast<const T*>(P.qkv) + static_cast<int64_t>(b) * P.qkv_width;
+  for (int i = tid; i < (G + 2) * D; i += kWarps * 32) {
+    const int r = i / D, d = i % D;
+    const int part = r < G ? 0 : r - G + 1, head = r < G ? head0 + r : kvh;
+    S.raw[r][d] = to_float(load_cg(qkv + qkv_column(P, part, head, d)));
+  }
+  consumers_sync();
+  int64_t pos = last_key - P.pad[b];
+  pos = pos < 0 ? 0 : (pos >= P.table_len ? P.table_len - 1 : pos);
+  const T* cos = static_cast<const T*>(P.cos) + pos * P.rotary_dim;
+  const T* sin = static_cast<const T*>(P.sin) + pos * P.rotary_dim;
+  const int R = P.rotary_dim, half_r = R / 2;
+  const bool writer = split == 0 && first == 0;
+  const int64_t cache_row = ((static_cast<int64_t>(b) * hkv + kvh) * P.capacity + last_key) * D;
+  for (int i = tid; i < (G + 2) * D; i += kWarps * 32) {
+    const int r = i / D, d = i % D;
+    const int part = r < G ? 0 : r - G + 1;
+    float y = S.raw[r][d];
+    if (part != 2 && d < R) {
+      const float rotated = d < half_r ? -S.raw[r][d + half_r] : S.raw[r][d - half_r];
+      // __fmul_rn/__fadd_rn keep fp32 from contracting into an FMA: torch rounds each product separately.
+      y = round_to<T>(
+          __fadd_rn(round_to<T>(__fmul_rn(y, to_float(cos[d]))), round_to<T>(__fmul_rn(rotated, to_float(sin[d])))));
+    }
+    S.rot[r][d] = y;
+    if (writer && part != 0) static_cast<T*>(part == 1 ? A.k_cache : A.v_cache)[cache_row + d] = from_float<T>(y);
+  }
+  consumers_sync();
+
+  const int lane = tid & 31;
+  const int sub = lane % kLanes;
+  const int group = (tid >> 5) * (32 / kLanes) + lane / kLanes;
+  const bool active = sub < kActive;
+  const int d0 = sub * 8;
+  const int64_t head_offset = (static_cast<int64_t>(b) * hkv + kvh) * P.capacity * D;
+  const T* k_base = static_cast<const T*>(A.k_cache) + head_offset + d0;
+  const T* v_base = static_cast<const T*>(A.v_cache) + head_offset + d0;
+  float q[GMAX][8];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) q[g][j] = g < G && active ? S.rot[g][d0 + j] * P.scale * kLog2e : 0.f;
+  }
+  float m[GMAX], l[GMAX], acc[GMAX][8];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
+  }
+  for (int64_t base = lo; base < hi; base += kStep) {
+    float kv[kUnroll][8], vv[kUnroll][8];
+    bool valid[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t t = base + u * kGroups + group;
+      valid[u] = t < hi;
+      if (valid[u] && active && t != last_key) {
+        load_vec<T, 8>(kv[u], k_base + t * D);  // written by earlier launches (or the prefill)
+        load_vec<T, 8>(vv[u], v_base + t * D);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          kv[u][j] = valid[u] && active ? S.rot[G][d0 + j] : 0.f;  // the current token's key and value
+          vv[u][j] = valid[u] && active ? S.rot[G + 1][d0 + j] : 0.f;
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      if (g >= G) break;
+      float sc[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        float dot = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) dot += q[g][j] * kv[u][j];
+#pragma unroll
+        for (int offset = kLanes / 2; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+        sc[u] = valid[u] ? dot : -INFINITY;
+      }
+      float mx = m[g];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) mx = fmaxf(mx, sc[u]);
+      if (mx == -INFINITY) continue;
+      const float alpha = exp2f(m[g] - mx);
+      l[g] *= alpha;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[g][j] *= alpha;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const float prob = exp2f(sc[u] - mx);
+        l[g] += prob;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[g][j] += prob * vv[u][j];
+      }
+      m[g] = mx;
+    }
+  }
+#pragma unroll
+  for (int offset = kLanes; offset < 32; offset <<= 1) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      if (g >= G) break;
+      const float other_m = __shfl_xor_sync(0xffffffffu, m[g], offset);
+      const float other_l = __shfl_xor_sync(0xffffffffu, l[g], offset);
+      const float mx = fmaxf(m[g], other_m);
+      const float mine = m[g] == -INFINITY ? 0.f : exp2f(m[g] - mx);
+      const float theirs = other_m == -INFINITY ? 0.f : exp2f(other_m - mx);
+      l[g] = l[g] * mine + other_l * theirs;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float other_acc = __shfl_xor_sync(0xffffffffu, acc[g][j], offset);
+        acc[g][j] = acc[g][j] * mine + other_acc * theirs;
+      }
+      m[g] = mx;
+    }
+  }
+  const int warp = tid >> 5;
+  if (lane < kLanes) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      if (g >= G) break;
+      if (sub == 0) {
+        S.m[warp][g] = m[g];
+        S.l[warp][g] = l[g];
+      }
+      if (active) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) S.acc[warp][g][d0 + j] = acc[g][j];
+      }
+    }
+  }
+  consumers_sync();
+  if (tid < G) {
+    const int g = tid;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < kWarps; ++r) mx = fmaxf(mx, S.m[r][g]);
+    float sum = 0.f;
+#pragma unroll
+    for (int r = 0; r < kWarps; ++r) {
+      const float f = S.l[r][g] > 0.f ? exp2f(S.m[r][g] - mx) : 0.f;
+      S.l[r][g] *= f;
+      S.m[r][g] = f;
+      sum += S.l[r][g];
+    }
+    S.block_max[g] = mx;
+    S.block_sum[g] = sum;
+  }
+  consumers_sync();
+  T* out = static_cast<T*>(P.attn) + (static_cast<int64_t>(b) * hq + head0) * D;
+  float* partials = P.attn_partials + ((static_cast<int64_t>(b) * hq + head0) * P.splits) * (D + 2);
+  for (int i = tid; i < G * D; i += kWarps * 32) {
+    const int g = i / D, d = i % D;
+    float weighted = 0.f;
+#pragma unroll
+    for (int r = 0; r < kWarps; ++r) weighted += S.acc[r][g][d] * S.m[r][g];
+    if (shares == 1) {
+      out[i] = from_float<T>(weighted / S.block_sum[g]);
+    } else {
+      float* part = partials + (static_cast<int64_t>(g) * P.splits + split) * (D + 2);
+      part[d] = weighted;
+      if (d == 0) {
+        part[D] = S.block_max[g];
+        part[D + 1] = S.block_sum[g];
+      }
+    }
+  }
+  if (shares == 1) return;
+  __threadfence();
+  consumers_sync();
+  if (tid == 0) {
+    const int done = atomicAdd(P.attn_counters + b * hq + head0, 1);
+    S.last = done == shares - 1;
+  }
+  consumers_sync();
+  if (!S.last) return;
+  __threadfence();
+  for (int i = tid; i < G * shares; i += kWarps * 32) {
+    const int g = i / shares, sh = i % shares;
+    const float* part = partials + (static_cast<int64_t>(g) * P.splits + sh) * (D + 2);
+    S.factor[g][sh] = __ldcg(part + D);
+    S.share_sum[g][sh] = __ldcg(part + D + 1);
+  }
+  consumers_sync();
+  if (tid < G) {
+    const int g = tid;
+    float mx = -INFINITY;
+    for (int sh = 0; sh < shares; ++sh) mx = fmaxf(mx, S.factor[g][sh]);
+    float denominator = 0.f;
+    for (int sh = 0; sh < shares; ++sh) {
+      const float f = S.share_sum[g][sh] > 0.f ? exp2f(S.factor[g][sh] - mx) : 0.f;
+      S.factor[g][sh] = f;
+      denominator += S.share_sum[g][sh] * f;
+    }
+    S.denominator[g] = denominator;
+  }
+  consumers_sync();
+  for (int i = tid; i < G * D; i += kWarps * 32) {
+    const int g = i / D, d = i % D;
+    const float* part = partials + static_cast<int64_t>(g) * P.splits * (D + 2) + d;
+    float weighted = 0.f;
+    for (int sh = 0; sh < shares; ++sh) weighted += __ldcg(part + sh * (D + 2)) * S.factor[g][sh];
+    out[i] = from_float<T>(weighted / S.denominator[g]);
+  }
+  if (tid == 0) P.attn_counters[b * hq + head0] = 0;  // for the next layer
+}
+
+template <typename T>
+__device__ void run_attention(const StepPlan& P, const StepAttention& A, AttnScratch& S) {
+  const int group_size = P.num_q_heads / P.num_kv_heads;
+  const int gmax = group_size > 1 ? 2 : 1;
+  const int head_groups = (group_size + gmax - 1) / gmax;
+  const int items = P.batch * P.num_kv_heads * head_groups * P.splits;
+  for (int item = static_cast<int>(blockIdx.x); item < items; item += static_cast<int>(gridDim.x)) {
+    // Shares fastest: at short contexts only the first shares of a head have keys, spread over the grid.
+    const int split = item % P.splits;
+    int rest = item / P.splits;
+    const int first = rest % head_groups * gmax;
+    rest /= head_groups;
+    const int kvh = rest % P.num_kv_heads, b = rest / P.num_kv_heads;
+#define PATCHER_ATTENTION_ITEM(DIM)                           \
+  if (gmax == 1) {                                            \
+    attention_item<T, DIM, 1>(P, A, b, kvh, first, split, S); \
+  } else {                                                    \
+    attention_item<T, DIM, 2>(P, A, b, kvh, first, split, S); \
+  }
+    if (P.head_dim == 64) {
+      PATCHER_ATTENTION_ITEM(64)
+    } else if (P.head_dim == 80) {
+      PATCHER_ATTENTION_ITEM(80)
+    } else {
+      PATCHER_ATTENTION_ITEM(128)
+    }
+#undef PATCHER_ATTENTION_ITEM
+  }
+}
+
+// ---- the compute warps ----
+template <typename T>
+__device__ void consume(const StepPlan& P, unsigned char* ring, uint64_t* full, uint64_t* empty, unsigned char* base,
+                        float* scratch, int* flag) {
+  const int blocks = static_cast<int>(gridDim.x), block = static_cast<int>(blockIdx.x);
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  T* xs_area = reinterpret_cast<T*>(base + P.x_offset);
+  float* red = reinterpret_cast<float*>(base + P.red_offset);
+  AttnScratch& attn = *reinterpret_cast<AttnScratch*>(base + P.attn_offset);
+  unsigned long long epoch = 0;
+  if (threadIdx.x == 0) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(epoch) : "l"(P.barrier + 1));
+  int slot = 0;
+  unsigned consumed = 0;
+  // The stage's marks on the timeline, when one is asked for (thread 0's readings of %globaltimer), and the time
+  // thread 0 spent waiting for weights and in the strips' meetings.
+  const bool timed = P.timeline && threadIdx.x == 0;
+  const auto record = [&](int si, int k, unsigned long long value) {
+    if (timed) P.timeline[(static_cast<int64_t>(block) * P.num_stages + si) * kStepMarks + k] = value;
+  };
+  const auto mark = [&](int si, int k) { record(si, k, timed ? global_ns() : 0); };
+  unsigned long long waited = 0, met = 0, since = 0;
+  for (int si = 0; si < P.num_stages; ++si) {
+    if (si > 0) grid_barrier(P.barrier, epoch + static_cast<unsigned long long>(si) * blocks);
+    const StepStage& st = P.stages[si];
+    mark(si, 0);
+    if (st.attention) run_attention<T>(P, st.ad, attn);
+    mark(si, 1);
+    if (st.num_linears == 0) {
+      mark(si, 2);
+      mark(si, 3);
+      continue;
+    }
+    const int ku = st.k_units, stride = ku * 256 + 8;  // 16 bytes of padding: batch rows in different banks
+    T* xs0 = xs_area;
+    T* xs1 = xs_area + P.batch * stride;
+    if (st.norm) {
+      stage_norm<T>(P, st, xs0, st.norm == 2 ? xs1 : nullptr, stride, scratch);
+    } else {
+      stage_plain<T>(static_cast<const T*>(st.x), st.k, ku, P.batch, xs0, stride);
+    }
+    consumers_sync();
+    mark(si, 2);
+    const int u0 = run_start(st.units, blocks, block), u1 = run_start(st.units, blocks, block + 1);
+    const int first_strips = P.linears[st.linear[0]].strips;
+    float acc[2][4] = {};
+    for (int i = 0; i < u1 - u0; ++i) {
+      const int u = unit_at(u0, u1, ku, i), strip = u / ku;
+      const int li = strip >= first_strips ? 1 : 0;
+      const StepLinear& L = P.linears[st.linear[li]];
+      const int t = strip - li * first_strips;
+      const WarpCols mine = warp_cols(L, t, static_cast<int>(threadIdx.x >> 5) & 3);
+      if (timed) since = global_ns();
+      bar_wait(&full[slot], (consumed / P.ring_slots) & 1u);
+      if (timed) waited += global_ns() - since;
+      unit_compute<T>(L, mine, u % ku, ring + slot * P.slot_bytes, L.x ? xs1 : xs0, stride, P.batch, acc);
+      __syncwarp();
+      if (lane == 0) bar_arrive(&empty[slot]);  // the slot is free for the producer
+      ++consumed;
+      if (++slot == P.ring_slots) slot = 0;
+      if (i == u1 - u0 - 1 || unit_at(u0, u1, ku, i + 1) / ku != strip) {  // this block's piece of the strip ends
+        const int owner = unit_owner(st.units, blocks, strip * ku);
+        const int nslots = unit_owner(st.units, blocks, strip * ku + ku - 1) - owner + 1;
+        if (timed) since = global_ns();
+        finish_piece<T>(P, L, mine, t, block - owner, nslots, acc, red, flag);
+        if (timed) met += global_ns() - since;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[h][e] = 0.f;
+        }
+      }
+    }
+    mark(si, 3);
+    record(si, 4, waited);
+    record(si, 5, met);
+    waited = met = 0;
+  }
+  // Every block has passed the last barrier once block 0 has: the next launch counts from here.
+  if (block == 0 && threadIdx.x == 0 && P.num_stages > 1) {
+    const unsigned long long next = epoch + static_cast<unsigned long long>(P.num_stages - 1) * blocks;
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(P.barrier + 1), "l"(next) : "memory");
+  }
+}
+
+#endif  // __CUDA_ARCH__ >= 900
+
+template <typename T>
+__global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_constant__ StepPlan P) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char dynamic[];
+  // The ring, then x, the sums and the attention's arrays (StepPlan offsets), from a 1024-byte boundary: the
+  // 128-byte swizzle of the qweight boxes is a function of the address.
+  unsigned char* base = dynamic + ((1024u - (smem_addr(dynamic) & 1023u)) & 1023u);
+  __shared__ uint64_t full[kStepMaxSlots], empty[kStepMaxSlots];
+  __shared__ float scratch[kStepConsumers];
+  __shared__ int flag;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < P.ring_slots; ++s) {
+      bar_init(&full[s], 1);
+      bar_init(&empty[s], kStepConsumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x / 32 == kStepConsumers) {
+    if (threadIdx.x % 32 == 0) produce(P, base, full, empty);
+    return;
+  }
+  consume<T>(P, base, full, empty, base, scratch, &flag);
+#endif
+}
+
+template <typename T>
+cudaError_t launch_step_typed(const StepPlan& P, cudaStream_t stream) {
+  // The dynamic shared memory limit of the kernel, raised where a plan needs more than before.
+  static std::atomic<int> raised{0};
+  const int smem = P.smem_bytes + 1024;  // + the alignment of the ring
+  if (smem > raised.load()) {
+    const cudaError_t err = cudaFuncSetAttribute(step_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    raised.store(smem);
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(P.blocks));
+  config.blockDim = dim3(kStepThreads);
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeCooperative;  // every block resident at once, or the launch fails
+  attribute[0].val.cooperative = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, step_kernel<T>, P);
+}
+
+}  // namespace
+}  // namespace patcher
