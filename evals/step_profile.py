@@ -50,7 +50,7 @@ def main(argv=None) -> int:
 
     model, _, name = common.load_model(args, device, dtype)
     patcher.patch_model(model)
-    runner = DecodeRunner(model, use_graphs=False, step_timeline=True)
+    runner = DecodeRunner(model, use_graphs=False, use_step_kernel=True, step_timeline=True)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=g).to(device)
     runner.generate(prompt, torch.ones_like(prompt), args.steps + 1, Sampling(), eos=[], pad_token_id=0)

@@ -11,9 +11,9 @@ Modes:
                            (torch.compile, CUDA graphs) by itself; HF's best mode
   patched-eager            patch_model(model), HF's generate loop and dynamic cache, our kernels in every layer
   patched                  patch_model(model) and plain generate: the default a user gets (the graph-captured
-                           decode path when the model qualifies; for a GPTQ int4 model on Hopper, every layer in
-                           one persistent kernel)
-  patched-per-op           the same with every layer op by op (the persistent int4 step kernel off)
+                           decode path when the model qualifies)
+  patched-step-kernel      the same with the layers of a GPTQ int4 model in one persistent kernel (Hopper; opt-in
+                           elsewhere: PATCHER_STEP_KERNEL=1)
   patched-static-compiled  patch_model(model) + HF's static cache and auto-compile (torch.compile compatibility)
 
 With no model argument it runs Pythia-2.8B-shaped random weights on a GPU, a tiny model on a CPU.
@@ -32,7 +32,7 @@ from tqdm import tqdm
 from . import common
 
 GPU_MODES = ["hf-eager", "hf-static-compiled", "patched-eager", "patched", "patched-static-compiled"]  # the default
-ALL_MODES = [*GPU_MODES, "patched-per-op"]
+ALL_MODES = [*GPU_MODES, "patched-step-kernel"]
 CPU_MODES = ["hf-eager", "patched-eager", "patched"]
 
 
@@ -120,11 +120,11 @@ def mode_setup(model, mode: str):
     patched = mode.startswith("patched")
     if patched:
         patcher.patch_model(model)
-        patcher.set_fast_generate(model, mode in ("patched", "patched-per-op"))
-        if mode == "patched-per-op":
+        patcher.set_fast_generate(model, mode in ("patched", "patched-step-kernel"))
+        if mode == "patched-step-kernel":
             from patcher.decode import DecodeRunner
 
-            model._patcher_state.runner = DecodeRunner(model, use_step_kernel=False)
+            model._patcher_state.runner = DecodeRunner(model, use_step_kernel=True)
     if mode.endswith("compiled"):
         model.__dict__.pop("_compiled_call", None)  # HF caches its compiled forward on the model
         torch._dynamo.reset()

@@ -305,28 +305,35 @@ struct StepDesc {
 
 // A linear as the kernel reads it. Its output columns are cut into strips of 128 (4 column warps of 32; gate | up:
 // 64 gate and the 64 up columns of the same outputs), and K into units of 256 (32 qweight rows): a unit is one
-// strip x 256 k, one copy into the ring.
-struct StepLinear {  // aligned as CUtensorMap (the copy engine reads the maps in place)
-  CUtensorMap qweight[kInt4MaxSegments];  // [k / 8, n] int32, boxes of 32 rows x 32 columns (128-byte swizzle)
-  CUtensorMap scales[kInt4MaxSegments];   // [groups, n] fp16, boxes of groups_per_unit x box_columns
-  CUtensorMap zeros[kInt4MaxSegments];    // [groups, n / 8] int32, boxes of groups_per_unit x box_columns / 8
-  const void* bias[kInt4MaxSegments];     // fp16 [n], or nullptr
+// strip x 256 k, one copy into the ring. The scalar fields (StepLinearInfo) are copied into shared memory at the
+// start of each stage that runs the linear, so the unit loop reads none of them from global memory.
+struct StepLinearInfo {
+  const void* bias[kInt4MaxSegments];  // fp16 [n], or nullptr
+  void* out;                           // [batch, out_width]
+  float* partials;                     // [slots, batch, strips * 128]: a block's sums of a strip shared with others
+  unsigned* flags;                     // [strips, slots]: set to the stage's tag once those partial sums are stored
   int32_t n[kInt4MaxSegments];
   int32_t strips_before[kInt4MaxSegments + 1];  // strips of the segments before each (gate | up: of the gate)
   int32_t num_segments, strips;
+  int32_t k, k_units;       // K, and units of 256 k (the last one may be partly past K)
+  int32_t unit_begin;       // its first unit in the stage's sequence (the linears' units one after the other)
   int32_t silu;             // gate | up, out = silu(gate) * up
   int32_t act;              // kActNone, kActGelu, kActGeluTanh
-  int32_t x;                // the stage's staged input it reads: 0 or 1
+  int32_t x_offset, x_stride;  // its input in the stage's x area (elements): row b at x_offset + b * x_stride
   int32_t zero_offset;      // 1 for GPTQ v1
   int32_t group_shift;      // k >> group_shift is the group (>= 30: one group)
   int32_t groups_per_unit;  // rows of a unit's scale and zero boxes
   int32_t box_columns;      // columns of a scale box: 128, or 64 for gate | up (a box per half)
   int32_t scale_bytes, zero_bytes;  // of one box in the ring, 128-byte aligned
   int32_t slots;            // rows of partial sums a strip needs at most (blocks that share it)
-  void* out;                // [batch, out_width]
   int32_t out_width;
-  float* partials;  // [slots, batch, strips * 128]
-  int32_t* counters;  // [strips], zero between stages
+};
+
+struct StepLinear {  // aligned as CUtensorMap (the copy engine reads the maps in place)
+  CUtensorMap qweight[kInt4MaxSegments];  // [k / 8, n] int32, boxes of 32 rows x 32 columns (128-byte swizzle)
+  CUtensorMap scales[kInt4MaxSegments];   // [groups, n] fp16, boxes of groups_per_unit x box_columns
+  CUtensorMap zeros[kInt4MaxSegments];    // [groups, n / 8] int32, boxes of groups_per_unit x box_columns / 8
+  StepLinearInfo info;
 };
 
 struct StepNorm {
@@ -345,26 +352,27 @@ struct StepAttention {
   void* v_cache;
 };
 
-constexpr int kStepMaxLinears = 2;  // per stage (GPT-NeoX: QKV and the MLP's first linear read the same sum)
+constexpr int kStepMaxLinears = 2;  // per stage
 
-// One stage between two grid barriers: the attention of a layer (reading `qkv`, writing `attn`) and/or up to two
-// linears over the same K, their inputs staged from a plain buffer or by the stage's add + norm.
+// One stage between two grid barriers: the attention of a layer (reading `qkv`, writing `attn`), or up to two
+// linears, their inputs staged from plain buffers or by the stage's add + norm (over the hidden size).
 struct StepStage {
-  int32_t attention;  // 1: the attention runs first
+  int32_t attention;  // 1: the stage is the attention
   StepAttention ad;
   int32_t num_linears;
   int32_t linear[kStepMaxLinears];  // indices into StepPlan::linears
-  int32_t k, k_units, units;        // K, units of 256 k, units of the stage (all its linears' strips x k_units)
-  int32_t norm;                     // 0: x[0] is a buffer; 1: x0 = norm; 2: x0, x1 = GPT-NeoX's two LayerNorms
+  int32_t units;                    // of all its linears
+  int32_t norm;                     // 0: inputs are buffers (x); 1: x0 = norm; 2: x0, x1 = GPT-NeoX's two LayerNorms
   StepNorm nd;
-  const void* x;                    // the plain input [batch, k] when norm == 0
+  const void* x[kStepMaxLinears];   // the plain input [batch, k] of the linear reading x index i, when norm == 0
 };
 
 // What a launch reads (passed by value); the stages and linears live in device memory (fill_step).
 struct StepPlan {
   DType dtype;
-  int32_t batch, num_stages, blocks, ring_slots, slot_bytes;
-  int32_t x_offset, red_offset, attn_offset, smem_bytes;  // dynamic shared memory, from a 1024-byte boundary
+  int32_t batch, hidden, num_stages, blocks, ring_slots, slot_bytes;
+  // dynamic shared memory, from a 1024-byte boundary: the ring, then these
+  int32_t x_offset, norm_offset, red_offset, attn_offset, smem_bytes;
   const StepStage* stages;
   const StepLinear* linears;
   int32_t rms;
@@ -380,9 +388,12 @@ struct StepPlan {
   void* attn;
   float* attn_partials;    // [batch, q_heads, splits, head_dim + 2]
   int32_t* attn_counters;  // [batch, q_heads]
-  unsigned long long* barrier;  // [arrivals, epoch]
+  unsigned long long* barrier;  // [arrivals, epoch, launches]
   // nullptr, or [blocks][stages][kStepMarks] %globaltimer readings of each block's thread 0 (step_timeline).
   unsigned long long* timeline;
+  // Bounds for the timeline (PATCHER_STEP_BOUNDS; the results are then wrong): 1 skips the units' arithmetic,
+  // 2 the weight copies (the producer only arrives), 3 both.
+  int32_t bounds;
 };
 // A stage's timeline marks: its start (after the barrier), after the attention, after the inputs are staged,
 // after the linears' units (the arrival at the next barrier); then the nanoseconds of the units' phase spent

@@ -17,16 +17,18 @@ constexpr int kMinSlots = 4;  // ring slots a plan needs (fewer: not enough weig
 
 int64_t align_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
 
-// One linear of the step before its maps are made: the segments, what it computes and where it writes.
+int k_units_of(int64_t k) { return static_cast<int>((k + 255) / 256); }
+
+// One linear of the step before its maps are made: the segments, what it computes, what it reads and writes.
 struct LinearPlan {
   const StepLinearDesc* desc;
   bool silu;
-  int32_t act, x;
+  int32_t act;
   void* out;
   int32_t out_width;
   int64_t k;
-  int32_t strips, slots;
-  int32_t region;  // workspace region of its counters and partial sums: its place in the stage (0 or 1)
+  int32_t strips, slots, unit_begin;
+  int32_t x_offset, x_stride;
 };
 
 struct StagePlan {
@@ -34,10 +36,9 @@ struct StagePlan {
   int layer;
   int num_linears;
   int linear[kStepMaxLinears];
-  int64_t k;
   int norm;
   StepNorm nd;
-  const void* x;
+  const void* x[kStepMaxLinears];
   int32_t units;
 };
 
@@ -54,7 +55,7 @@ int64_t width_of(const StepLinearDesc& l) {
   return n;
 }
 
-// step.cuh: unit_owner.
+// step.cuh: StageSplit::owner.
 int unit_owner_host(int units, int blocks, int u) {
   const int q = units / blocks, r = units % blocks;
   return u < r * (q + 1) ? u / (q + 1) : r + (u - r * (q + 1)) / q;
@@ -84,7 +85,13 @@ struct Built {
   int final_resid;
 };
 
-// The stages of the step (launchers.h: StepDesc; step.cuh: the stage list) and the buffers they pass along.
+// The stages of the step and the buffers they pass along:
+//   parallel residual   A: x + attn + mlp, both LayerNorms; QKV (x0) and the MLP's first linear (x1)
+//                       B: attention
+//                       C: the attention output projection (x0 = attn) and the MLP's second linear (x1 = act)
+//   sequential          A: x + mlp, the input norm, QKV   B: attention   C: output projection
+//                       D: + attn, the post-attention norm, the MLP's first linear   E: its second
+// The attention stage streams no weights of its own: the ring fills with the next stage's meanwhile.
 Built build(const StepDesc& d) {
   Built out;
   const bool silu = d.mlp_act == kActSiluMul;
@@ -92,10 +99,19 @@ Built build(const StepDesc& d) {
   const int64_t qkv_width = (d.num_q_heads + 2 * d.num_kv_heads) * d.head_dim;
   const int64_t attn_width = d.num_q_heads * d.head_dim;
   int cur = 0;  // the resid buffer that holds the residual stream
-  const auto linear = [&](const StepLinearDesc& l, bool is_silu, int32_t act, int32_t x, void* o, int64_t width,
-                          int64_t k, int region) {
-    out.linears.push_back({&l, is_silu, act, x, o, static_cast<int32_t>(width), k, strips_of(l, is_silu), 0, region});
-    return static_cast<int>(out.linears.size() - 1);
+  const auto linear = [&](StagePlan& st, const StepLinearDesc& l, bool is_silu, int32_t act, void* o, int64_t width,
+                          int64_t k, const void* x) {
+    LinearPlan lp{};
+    lp.desc = &l;
+    lp.silu = is_silu;
+    lp.act = act;
+    lp.out = o;
+    lp.out_width = static_cast<int32_t>(width);
+    lp.k = k;
+    lp.strips = strips_of(l, is_silu);
+    out.linears.push_back(lp);
+    st.x[st.num_linears] = x;
+    st.linear[st.num_linears++] = static_cast<int>(out.linears.size() - 1);
   };
   const auto norm = [&](int layer, int which, const void* delta, const void* delta2, bool dual) {
     const StepLayerDesc& L = d.layers[layer];
@@ -115,109 +131,89 @@ Built build(const StepDesc& d) {
     }
     return nd;
   };
+  const auto stage = [&](int layer) {
+    StagePlan st{};
+    st.layer = layer;
+    return st;
+  };
   for (int i = 0; i < d.num_layers; ++i) {
     const StepLayerDesc& L = d.layers[i];
     const bool first = i == 0;
-    StagePlan a{};
-    a.layer = i;
-    a.k = d.hidden;
+    const int64_t inter = width_of(L.mlp_in) / (silu ? 2 : 1);
+    StagePlan attention = stage(i);
+    attention.attention = true;
     if (d.parallel_residual) {
-      // A: x + attn + mlp, both LayerNorms; QKV and the MLP's first linear. B: attention, the MLP's second linear.
-      // C: the attention output projection.
+      StagePlan a = stage(i);
       a.norm = 2;
       a.nd = norm(i, 0, first ? nullptr : d.delta[0], first ? nullptr : d.delta[1], true);
-      a.num_linears = 2;
-      a.linear[0] = linear(L.qkv, false, kActNone, 0, d.qkv, qkv_width, d.hidden, 0);
-      a.linear[1] =
-          linear(L.mlp_in, silu, mlp_act, 1, d.act, silu ? L.mlp_in.seg[0].n : width_of(L.mlp_in), d.hidden, 1);
+      linear(a, L.qkv, false, kActNone, d.qkv, qkv_width, d.hidden, nullptr);
+      linear(a, L.mlp_in, silu, mlp_act, d.act, inter, d.hidden, nullptr);
       out.stages.push_back(a);
-      StagePlan b{};
-      b.layer = i;
-      b.attention = true;
-      b.num_linears = 1;
-      b.k = width_of(L.mlp_in) / (silu ? 2 : 1);
-      b.x = d.act;
-      b.linear[0] = linear(L.mlp_out, false, kActNone, 0, d.delta[1], d.hidden, b.k, 0);
-      out.stages.push_back(b);
-      StagePlan c{};
-      c.layer = i;
-      c.num_linears = 1;
-      c.k = attn_width;
-      c.x = d.attn;
-      c.linear[0] = linear(L.out, false, kActNone, 0, d.delta[0], d.hidden, attn_width, 0);
+      out.stages.push_back(attention);
+      StagePlan c = stage(i);
+      linear(c, L.out, false, kActNone, d.delta[0], d.hidden, attn_width, d.attn);
+      linear(c, L.mlp_out, false, kActNone, d.delta[1], d.hidden, inter, d.act);
       out.stages.push_back(c);
     } else {
-      // A: x + mlp, the input norm, QKV. B: attention. C: output projection. D: + attn, the post-attention norm,
-      // the MLP's first linear. E: its second.
+      StagePlan a = stage(i);
       a.norm = 1;
       a.nd = norm(i, 0, first ? nullptr : d.delta[1], nullptr, false);
-      a.num_linears = 1;
-      a.linear[0] = linear(L.qkv, false, kActNone, 0, d.qkv, qkv_width, d.hidden, 0);
+      linear(a, L.qkv, false, kActNone, d.qkv, qkv_width, d.hidden, nullptr);
       out.stages.push_back(a);
-      StagePlan b{};
-      b.layer = i;
-      b.attention = true;
-      out.stages.push_back(b);
-      StagePlan c{};
-      c.layer = i;
-      c.num_linears = 1;
-      c.k = attn_width;
-      c.x = d.attn;
-      c.linear[0] = linear(L.out, false, kActNone, 0, d.delta[0], d.hidden, attn_width, 0);
+      out.stages.push_back(attention);
+      StagePlan c = stage(i);
+      linear(c, L.out, false, kActNone, d.delta[0], d.hidden, attn_width, d.attn);
       out.stages.push_back(c);
-      StagePlan dd{};
-      dd.layer = i;
-      dd.k = d.hidden;
-      dd.norm = 1;
-      dd.nd = norm(i, 1, d.delta[0], nullptr, false);
-      dd.num_linears = 1;
-      dd.linear[0] =
-          linear(L.mlp_in, silu, mlp_act, 0, d.act, silu ? L.mlp_in.seg[0].n : width_of(L.mlp_in), d.hidden, 0);
-      out.stages.push_back(dd);
-      StagePlan e{};
-      e.layer = i;
-      e.num_linears = 1;
-      e.k = width_of(L.mlp_in) / (silu ? 2 : 1);
-      e.x = d.act;
-      e.linear[0] = linear(L.mlp_out, false, kActNone, 0, d.delta[1], d.hidden, e.k, 0);
+      StagePlan e = stage(i);
+      e.norm = 1;
+      e.nd = norm(i, 1, d.delta[0], nullptr, false);
+      linear(e, L.mlp_in, silu, mlp_act, d.act, inter, d.hidden, nullptr);
       out.stages.push_back(e);
+      StagePlan f = stage(i);
+      linear(f, L.mlp_out, false, kActNone, d.delta[1], d.hidden, inter, d.act);
+      out.stages.push_back(f);
     }
   }
   out.final_resid = cur;
   return out;
 }
 
-int k_units_of(int64_t k) { return static_cast<int>((k + 255) / 256); }
-
-// Sizes of the workspace regions (counters and partial sums per place in a stage).
+// Per place in a stage (0 or 1), the workspace its linears need at most: flags and partial sums.
 struct Regions {
-  int64_t counters[kStepMaxLinears] = {0, 0};
+  int64_t flags[kStepMaxLinears] = {0, 0};
   int64_t partials[kStepMaxLinears] = {0, 0};
 };
 
-// The work split: each stage's units in equal runs over `blocks`; the rows of partial sums each linear needs (the
-// most blocks whose runs share one of its strips), and the workspace regions they take.
-Regions split_units(Built& built, int blocks, int64_t batch) {
+// The work split (step.cuh: StageSplit) and the inputs' places: each stage's units in equal runs over `blocks`; the
+// rows of partial sums each linear needs (the most blocks whose runs share one of its strips); its x in the stage's
+// x area. Returns the workspace regions and (max_x) the x area's bytes.
+Regions split_units(Built& built, int blocks, int64_t batch, int64_t& max_x) {
   Regions r;
+  max_x = 0;
   for (StagePlan& st : built.stages) {
     if (!st.num_linears) continue;
-    const int ku = k_units_of(st.k);
-    int strips = 0;
-    for (int j = 0; j < st.num_linears; ++j) strips += built.linears[st.linear[j]].strips;
-    st.units = strips * ku;
-    int before = 0;
+    int64_t units = 0, x = 0;
     for (int j = 0; j < st.num_linears; ++j) {
       LinearPlan& lp = built.linears[st.linear[j]];
+      lp.unit_begin = static_cast<int32_t>(units);
+      units += static_cast<int64_t>(lp.strips) * k_units_of(lp.k);
+      lp.x_stride = k_units_of(lp.k) * 256 + 8;  // 16 bytes of padding: batch rows in different banks
+      lp.x_offset = static_cast<int32_t>(x);
+      x += batch * lp.x_stride;
+    }
+    st.units = static_cast<int32_t>(units);
+    max_x = std::max<int64_t>(max_x, x * 2);
+    for (int j = 0; j < st.num_linears; ++j) {
+      LinearPlan& lp = built.linears[st.linear[j]];
+      const int ku = k_units_of(lp.k);
       lp.slots = 1;
       for (int t = 0; t < lp.strips; ++t) {
-        const int g = before + t;
-        lp.slots = std::max(lp.slots, unit_owner_host(st.units, blocks, g * ku + ku - 1) -
-                                          unit_owner_host(st.units, blocks, g * ku) + 1);
+        const int u = lp.unit_begin + t * ku;
+        lp.slots = std::max(lp.slots,
+                            unit_owner_host(st.units, blocks, u + ku - 1) - unit_owner_host(st.units, blocks, u) + 1);
       }
-      before += lp.strips;
-      r.counters[lp.region] = std::max<int64_t>(r.counters[lp.region], lp.strips);
-      r.partials[lp.region] =
-          std::max<int64_t>(r.partials[lp.region], static_cast<int64_t>(lp.slots) * batch * lp.strips * 128);
+      r.flags[j] = std::max<int64_t>(r.flags[j], static_cast<int64_t>(lp.strips) * lp.slots);
+      r.partials[j] = std::max<int64_t>(r.partials[j], static_cast<int64_t>(lp.slots) * batch * lp.strips * 128);
     }
   }
   return r;
@@ -259,14 +255,9 @@ cudaError_t plan_step(const StepDesc& d, StepLayout& layout) {
     if (width_of(L.out) != d.hidden || width_of(L.mlp_out) != d.hidden) return fail("projections must give hidden");
   }
   Built built = build(d);
-  const Regions regions = split_units(built, sms, d.batch);
   int64_t max_x = 0;
-  for (const StagePlan& st : built.stages) {
-    if (st.num_linears)
-      max_x = std::max<int64_t>(max_x, (st.norm == 2 ? 2 : 1) * d.batch * (k_units_of(st.k) * 256 + 8) * 2);
-  }
-  const int64_t counters = align_up(regions.counters[0], 64) + align_up(regions.counters[1], 64);
-  // Shared memory: the ring, x, the sums (two halves and the finished values), the attention's arrays.
+  const Regions regions = split_units(built, sms, d.batch, max_x);
+  // Shared memory: the ring, x, the norm's inputs, the sums (two halves and the finished values), the attention's.
   int slot_bytes = 0;
   for (const LinearPlan& lp : built.linears) {
     const int64_t gpu = d.group_size >= lp.k || d.group_size >= 256 ? 1 : 256 / d.group_size;
@@ -275,29 +266,33 @@ cudaError_t plan_step(const StepDesc& d, StepLayout& layout) {
     slot_bytes = std::max(slot_bytes, static_cast<int>(align_up(kStepQBytes + params, 1024)));
   }
   const int64_t x_bytes = align_up(max_x, 128);
+  const int64_t norm_bytes = align_up((4 + d.batch) * d.hidden * 2, 128);
   const int64_t red_bytes = align_up(3 * d.batch * 128 * 4, 128);
   const int64_t attn_bytes = align_up(sizeof(AttnScratch), 128);
-  const int64_t budget = smem_optin - 1024 /* static */ - 1024 /* alignment */;
-  const int64_t rest = x_bytes + red_bytes + attn_bytes;
+  const int64_t budget = smem_optin - 2048 /* static */ - 1024 /* alignment */;
+  const int64_t rest = x_bytes + norm_bytes + red_bytes + attn_bytes;
   const int64_t slots = std::min<int64_t>(kStepMaxSlots, (budget - rest) / slot_bytes);
   if (slots < kMinSlots) return fail("the step's inputs do not leave the weight ring enough shared memory");
 
   StepPlan& P = layout.plan;
   P.dtype = d.dtype;
   P.batch = static_cast<int32_t>(d.batch);
+  P.hidden = static_cast<int32_t>(d.hidden);
   P.num_stages = static_cast<int32_t>(built.stages.size());
   P.blocks = sms;
   P.ring_slots = static_cast<int32_t>(slots);
   P.slot_bytes = slot_bytes;
   P.x_offset = static_cast<int32_t>(slots * slot_bytes);
-  P.red_offset = static_cast<int32_t>(P.x_offset + x_bytes);
+  P.norm_offset = static_cast<int32_t>(P.x_offset + x_bytes);
+  P.red_offset = static_cast<int32_t>(P.norm_offset + norm_bytes);
   P.attn_offset = static_cast<int32_t>(P.red_offset + red_bytes);
   P.smem_bytes = static_cast<int32_t>(P.attn_offset + attn_bytes);
   layout.array_bytes = align_up(static_cast<int64_t>(built.stages.size() * sizeof(StepStage)), alignof(StepLinear)) +
                        static_cast<int64_t>(built.linears.size() * sizeof(StepLinear));
   const int64_t attn_partials = d.batch * d.num_q_heads * d.attention_splits * (d.head_dim + 2);
-  // Workspace: the barrier [arrivals, epoch], attention counters, the linears' counters, partial sums.
-  layout.workspace_bytes = 64 + align_up(d.batch * d.num_q_heads * 4, 256) + counters * 4 +
+  // Workspace: the barrier [arrivals, epoch, launches], attention counters, the linears' flags, partial sums.
+  layout.workspace_bytes = 64 + align_up(d.batch * d.num_q_heads * 4, 256) +
+                           (align_up(regions.flags[0], 64) + align_up(regions.flags[1], 64)) * 4 +
                            (regions.partials[0] + regions.partials[1] + attn_partials) * 4;
   layout.final_resid = built.final_resid;
   return cudaSuccess;
@@ -306,7 +301,8 @@ cudaError_t plan_step(const StepDesc& d, StepLayout& layout) {
 cudaError_t fill_step(const StepDesc& d, StepLayout& layout, void* host, void* device_arrays, void* workspace) {
   Built built = build(d);
   StepPlan& P = layout.plan;
-  const int blocks = P.blocks;
+  int64_t max_x = 0;
+  const Regions regions = split_units(built, P.blocks, d.batch, max_x);
   std::memset(host, 0, static_cast<size_t>(layout.array_bytes));
   const int64_t stages_bytes =
       align_up(static_cast<int64_t>(built.stages.size() * sizeof(StepStage)), alignof(StepLinear));
@@ -321,59 +317,67 @@ cudaError_t fill_step(const StepDesc& d, StepLayout& layout, void* host, void* d
   ws += 64;
   P.attn_counters = reinterpret_cast<int32_t*>(ws);
   ws += align_up(d.batch * d.num_q_heads * 4, 256);
-  const Regions regions = split_units(built, blocks, d.batch);
-  int32_t* counters[kStepMaxLinears];
-  counters[0] = reinterpret_cast<int32_t*>(ws);
-  counters[1] = counters[0] + align_up(regions.counters[0], 64);
-  ws += (align_up(regions.counters[0], 64) + align_up(regions.counters[1], 64)) * 4;
+  unsigned* flags[kStepMaxLinears];
+  flags[0] = reinterpret_cast<unsigned*>(ws);
+  flags[1] = flags[0] + align_up(regions.flags[0], 64);
+  ws += (align_up(regions.flags[0], 64) + align_up(regions.flags[1], 64)) * 4;
   float* partials[kStepMaxLinears];
   partials[0] = reinterpret_cast<float*>(ws);
   partials[1] = partials[0] + regions.partials[0];
   P.attn_partials = partials[1] + regions.partials[1];
 
+  std::vector<int> place(built.linears.size(), 0);  // each linear's place in its stage: its workspace region
+  for (const StagePlan& st : built.stages) {
+    for (int j = 0; j < st.num_linears; ++j) place[st.linear[j]] = j;
+  }
   for (size_t i = 0; i < built.linears.size(); ++i) {
     const LinearPlan& lp = built.linears[i];
     StepLinear& L = linears[i];
+    StepLinearInfo& I = L.info;
     const StepLinearDesc& ld = *lp.desc;
     const int64_t groups = d.group_size >= lp.k ? 1 : (lp.k + d.group_size - 1) / d.group_size;
-    L.group_shift = 30;
+    I.group_shift = 30;
     if (d.group_size < lp.k) {
-      L.group_shift = 0;
-      while ((int64_t{1} << L.group_shift) < d.group_size) ++L.group_shift;
+      I.group_shift = 0;
+      while ((int64_t{1} << I.group_shift) < d.group_size) ++I.group_shift;
     }
-    L.groups_per_unit = d.group_size >= lp.k || d.group_size >= 256 ? 1 : static_cast<int32_t>(256 / d.group_size);
-    L.box_columns = lp.silu ? 64 : 128;
-    L.scale_bytes = static_cast<int32_t>(align_up(L.groups_per_unit * L.box_columns * 2, 128));
-    L.zero_bytes = static_cast<int32_t>(align_up(L.groups_per_unit * L.box_columns / 2, 128));
-    L.num_segments = ld.num_segments;
-    L.strips = lp.strips;
-    L.silu = lp.silu ? 1 : 0;
-    L.act = lp.act;
-    L.x = lp.x;
-    L.zero_offset = d.zero_offset;
-    L.slots = lp.slots;
-    L.out = lp.out;
-    L.out_width = lp.out_width;
-    L.partials = partials[lp.region];
-    L.counters = counters[lp.region];
+    I.groups_per_unit = d.group_size >= lp.k || d.group_size >= 256 ? 1 : static_cast<int32_t>(256 / d.group_size);
+    I.box_columns = lp.silu ? 64 : 128;
+    I.scale_bytes = static_cast<int32_t>(align_up(I.groups_per_unit * I.box_columns * 2, 128));
+    I.zero_bytes = static_cast<int32_t>(align_up(I.groups_per_unit * I.box_columns / 2, 128));
+    I.num_segments = ld.num_segments;
+    I.strips = lp.strips;
+    I.k = static_cast<int32_t>(lp.k);
+    I.k_units = k_units_of(lp.k);
+    I.unit_begin = lp.unit_begin;
+    I.silu = lp.silu ? 1 : 0;
+    I.act = lp.act;
+    I.x_offset = lp.x_offset;
+    I.x_stride = lp.x_stride;
+    I.zero_offset = d.zero_offset;
+    I.slots = lp.slots;
+    I.out = lp.out;
+    I.out_width = lp.out_width;
+    I.partials = partials[place[i]];
+    I.flags = flags[place[i]];
     int strips = 0;
     for (int s = 0; s < ld.num_segments; ++s) {
       const Int4Segment& seg = ld.seg[s];
-      L.n[s] = static_cast<int32_t>(seg.n);
-      L.bias[s] = seg.bias;
-      L.strips_before[s] = strips;
+      I.n[s] = static_cast<int32_t>(seg.n);
+      I.bias[s] = seg.bias;
+      I.strips_before[s] = strips;
       strips += static_cast<int32_t>((seg.n + 127) / 128);
       if (!encode_map(L.qweight[s], CU_TENSOR_MAP_DATA_TYPE_INT32, 4, seg.qweight, seg.n, lp.k / 8, 32, 32,
                       CU_TENSOR_MAP_SWIZZLE_128B) ||
-          !encode_map(L.scales[s], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, seg.scales, seg.n, groups, L.box_columns,
-                      L.groups_per_unit) ||
-          !encode_map(L.zeros[s], CU_TENSOR_MAP_DATA_TYPE_INT32, 4, seg.qzeros, seg.n / 8, groups, L.box_columns / 8,
-                      L.groups_per_unit)) {
+          !encode_map(L.scales[s], CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, seg.scales, seg.n, groups, I.box_columns,
+                      I.groups_per_unit) ||
+          !encode_map(L.zeros[s], CU_TENSOR_MAP_DATA_TYPE_INT32, 4, seg.qzeros, seg.n / 8, groups, I.box_columns / 8,
+                      I.groups_per_unit)) {
         layout.reason = "the driver rejected a tensor map of the GPTQ tensors";
         return cudaErrorNotSupported;
       }
     }
-    L.strips_before[ld.num_segments] = strips;
+    I.strips_before[ld.num_segments] = strips;
   }
   for (size_t i = 0; i < built.stages.size(); ++i) {
     const StagePlan& sp = built.stages[i];
@@ -382,13 +386,13 @@ cudaError_t fill_step(const StepDesc& d, StepLayout& layout, void* host, void* d
     st.ad.k_cache = d.layers[sp.layer].k_cache;
     st.ad.v_cache = d.layers[sp.layer].v_cache;
     st.num_linears = sp.num_linears;
-    for (int j = 0; j < sp.num_linears; ++j) st.linear[j] = sp.linear[j];
-    st.k = static_cast<int32_t>(sp.k);
-    st.k_units = k_units_of(sp.k);
+    for (int j = 0; j < sp.num_linears; ++j) {
+      st.linear[j] = sp.linear[j];
+      st.x[j] = sp.x[j];
+    }
     st.units = sp.units;
     st.norm = sp.norm;
     st.nd = sp.nd;
-    st.x = sp.x;
   }
   P.rms = d.rms ? 1 : 0;
   P.eps = d.eps;

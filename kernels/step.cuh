@@ -112,24 +112,58 @@ __device__ void grid_barrier(unsigned long long* counter, unsigned long long tar
   consumers_sync();
 }
 
-// ---- the work split (mirrored by patcher/decode/step.py: run_start, unit_owner, unit_at) ----
+// ---- the work split (mirrored by patcher/decode/step.py: StageSplit) ----
+// A stage's units: every strip of its first linear x its K units (strip-major), then the same for its second.
 // Block b's run is [run_start(b), run_start(b + 1)): units / blocks each, one more for the first units % blocks, so
 // the blocks that hold the units of a strip are consecutive (where units < blocks, the last blocks hold none).
-__device__ __forceinline__ int run_start(int units, int blocks, int block) {
-  const int q = units / blocks, r = units % blocks;
-  return block * q + (block < r ? block : r);
-}
-// The block whose run holds unit u.
-__device__ __forceinline__ int unit_owner(int units, int blocks, int u) {
-  const int q = units / blocks, r = units % blocks;
-  return u < r * (q + 1) ? u / (q + 1) : r + (u - r * (q + 1)) / q;
-}
-// The i-th unit a block takes of its run [u0, u1): the units of the run's last strip first, then the rest in order.
-__device__ __forceinline__ int unit_at(int u0, int u1, int k_units, int i) {
-  const int s0 = u0 / k_units, s1 = (u1 - 1) / k_units;
-  if (s0 == s1) return u0 + i;
-  const int tail = u1 - s1 * k_units;
-  return i < tail ? s1 * k_units + i : u0 + (i - tail);
+struct StageSplit {
+  int units, blocks;
+  int ku0, ku1;  // K units of the two linears
+  int begin1;    // the second linear's first unit
+  int strips0;   // the first linear's strips
+
+  __device__ __forceinline__ int run_start(int block) const {
+    const int q = units / blocks, r = units % blocks;
+    return block * q + (block < r ? block : r);
+  }
+  // The block whose run holds unit u.
+  __device__ __forceinline__ int owner(int u) const {
+    const int q = units / blocks, r = units % blocks;
+    return u < r * (q + 1) ? u / (q + 1) : r + (u - r * (q + 1)) / q;
+  }
+  // Strips numbered over both linears.
+  __device__ __forceinline__ int strip_of(int u) const { return u < begin1 ? u / ku0 : strips0 + (u - begin1) / ku1; }
+  __device__ __forceinline__ int first_unit(int strip) const {
+    return strip < strips0 ? strip * ku0 : begin1 + (strip - strips0) * ku1;
+  }
+  __device__ __forceinline__ int last_unit(int strip) const {
+    return (strip < strips0 ? (strip + 1) * ku0 : begin1 + (strip + 1 - strips0) * ku1) - 1;
+  }
+  // A block's run [u0, u1) as pieces, each the run's units of one strip: the run's last strip first, then the rest
+  // in order, so that the two blocks that share a strip both take it early in the stage.
+  __device__ __forceinline__ int pieces(int u0, int u1) const {
+    const int s0 = strip_of(u0), s1 = strip_of(u1 - 1);
+    return s0 == s1 ? 1 : s1 - s0 + 1;
+  }
+  // Piece p: its strip, first unit and number of units.
+  __device__ __forceinline__ int3 piece(int u0, int u1, int p) const {
+    const int s0 = strip_of(u0), s1 = strip_of(u1 - 1);
+    if (s0 == s1) return make_int3(s0, u0, u1 - u0);
+    if (p == 0) return make_int3(s1, first_unit(s1), u1 - first_unit(s1));
+    const int strip = s0 + p - 1, first = max(u0, first_unit(strip));
+    return make_int3(strip, first, last_unit(strip) + 1 - first);
+  }
+};
+
+__device__ __forceinline__ StageSplit stage_split(const StepStage& st, const StepLinearInfo* info) {
+  StageSplit s;
+  s.units = st.units;
+  s.blocks = static_cast<int>(gridDim.x);
+  s.ku0 = info[0].k_units;
+  s.ku1 = st.num_linears > 1 ? info[1].k_units : 1;
+  s.begin1 = st.num_linears > 1 ? info[1].unit_begin : st.units;
+  s.strips0 = info[0].strips;
+  return s;
 }
 
 // Where column warp w (0..3) of strip t reads: its segment and first column, col < 0 where the strip has none (a
@@ -138,7 +172,7 @@ struct WarpCols {
   int seg, col;
 };
 
-__device__ __forceinline__ WarpCols warp_cols(const StepLinear& L, int t, int w) {
+__device__ __forceinline__ WarpCols warp_cols(const StepLinearInfo& L, int t, int w) {
   WarpCols c;
   if (L.silu) {
     c.seg = w >> 1;
@@ -152,16 +186,22 @@ __device__ __forceinline__ WarpCols warp_cols(const StepLinear& L, int t, int w)
   return c;
 }
 
-__device__ __forceinline__ int segment_start(const StepLinear& L, int seg) {
+__device__ __forceinline__ int segment_start(const StepLinearInfo& L, int seg) {
   int start = 0;
   for (int s = 0; s < seg; ++s) start += L.n[s];
   return start;
 }
 
+// The scalar fields of a stage's linears into shared memory (by the calling threads: one linear each).
+__device__ __forceinline__ void load_infos(const StepPlan& P, const StepStage& st, StepLinearInfo* info, int tid) {
+  if (tid < st.num_linears) info[tid] = P.linears[st.linear[tid]].info;
+}
+
 // ---- producer ----
-// Unit (strip t, K unit ku) of L into a ring slot: the qweight box of each column warp the strip has, and per
+// Unit (strip t, K unit ku) of linear L into a ring slot: the qweight box of each column warp the strip has, and per
 // parameter box (one, or gate and up) the scales and zero points of the groups the unit meets.
-__device__ void issue_unit(const StepLinear& L, int t, int ku, unsigned char* dst, uint64_t* full) {
+__device__ void issue_unit(const StepLinear& maps, const StepLinearInfo& L, int t, int ku, unsigned char* dst,
+                           uint64_t* full, bool skip) {
   const int boxes = L.silu ? 2 : 1;
   const int first_group = (ku * 256) >> L.group_shift;
   WarpCols c[4];
@@ -171,39 +211,50 @@ __device__ void issue_unit(const StepLinear& L, int t, int ku, unsigned char* ds
     c[w] = warp_cols(L, t, w);
     bytes += c[w].col >= 0 ? kStepBoxBytes : 0;
   }
+  if (skip) {  // bounds: no copies, the slot is "full" at once
+    bar_arrive(full);
+    return;
+  }
   bar_expect(full, bytes);
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    if (c[w].col >= 0) tensor_copy(dst + w * kStepBoxBytes, &L.qweight[c[w].seg], c[w].col, ku * 32, full);
+    if (c[w].col >= 0) tensor_copy(dst + w * kStepBoxBytes, &maps.qweight[c[w].seg], c[w].col, ku * 32, full);
   }
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
     if (b >= boxes) break;
     const WarpCols& first = c[2 * b];  // the box's first column warp (gate | up: 0 and 2), always present
     unsigned char* p = dst + kStepQBytes + b * (L.scale_bytes + L.zero_bytes);
-    tensor_copy(p, &L.scales[first.seg], first.col, first_group, full);
-    tensor_copy(p + L.scale_bytes, &L.zeros[first.seg], first.col / 8, first_group, full);
+    tensor_copy(p, &maps.scales[first.seg], first.col, first_group, full);
+    tensor_copy(p + L.scale_bytes, &maps.zeros[first.seg], first.col / 8, first_group, full);
   }
 }
 
-__device__ void produce(const StepPlan& P, unsigned char* ring, uint64_t* full, uint64_t* empty) {
-  const int blocks = static_cast<int>(gridDim.x), block = static_cast<int>(blockIdx.x);
+// The producer thread: every unit of every stage this block runs, in the consumers' order, as fast as ring slots
+// come free; it never waits for a barrier.
+__device__ void produce(const StepPlan& P, unsigned char* ring, uint64_t* full, uint64_t* empty, StepLinearInfo* info) {
   const int S = P.ring_slots;
   int slot = 0;
   unsigned issued = 0;
   for (int si = 0; si < P.num_stages; ++si) {
     const StepStage& st = P.stages[si];
     if (st.num_linears == 0) continue;
-    const int u0 = run_start(st.units, blocks, block), u1 = run_start(st.units, blocks, block + 1);
-    const int ku = st.k_units, first_strips = P.linears[st.linear[0]].strips;
-    for (int i = 0; i < u1 - u0; ++i) {
-      const int u = unit_at(u0, u1, ku, i), strip = u / ku;
-      const int li = strip >= first_strips ? 1 : 0;
-      const StepLinear& L = P.linears[st.linear[li]];
-      if (issued >= static_cast<unsigned>(S)) bar_wait(&empty[slot], ((issued / S) - 1) & 1u);
-      issue_unit(L, strip - li * first_strips, u % ku, ring + slot * P.slot_bytes, &full[slot]);
-      ++issued;
-      if (++slot == S) slot = 0;
+    for (int j = 0; j < st.num_linears; ++j) load_infos(P, st, info, j);
+    const StageSplit split = stage_split(st, info);
+    const int u0 = split.run_start(blockIdx.x), u1 = split.run_start(blockIdx.x + 1);
+    const int count = u1 > u0 ? split.pieces(u0, u1) : 0;
+    for (int p = 0; p < count; ++p) {
+      const int3 pc = split.piece(u0, u1, p);
+      const int li = pc.x >= split.strips0 ? 1 : 0;
+      const StepLinearInfo& L = info[li];
+      const StepLinear& maps = P.linears[st.linear[li]];
+      const int t = pc.x - li * split.strips0, ku = pc.y - split.first_unit(pc.x);
+      for (int i = 0; i < pc.z; ++i) {
+        if (issued >= static_cast<unsigned>(S)) bar_wait(&empty[slot], ((issued / S) - 1) & 1u);
+        issue_unit(maps, L, t, ku + i, ring + slot * P.slot_bytes, &full[slot], P.bounds & 2);
+        ++issued;
+        if (++slot == S) slot = 0;
+      }
     }
   }
 }
@@ -225,41 +276,70 @@ __device__ __forceinline__ uint4 pack_pair_order(const float (&h)[8]) {
   return pair_order(bits);
 }
 
-// x [batch, k] (written by another block) into xs [batch][stride], zeros up to the stage's whole K units.
+// x [batch, L.k] (written by another block) into its place in the x area, zeros up to L's whole K units.
 template <typename T>
-__device__ void stage_plain(const T* x, int k, int k_units, int batch, T* xs, int stride) {
-  const int vectors = k_units * 32;
+__device__ __noinline__ void stage_plain(const T* x, const StepLinearInfo& L, int batch, T* area) {
+  const int vectors = L.k_units * 32;
   for (int i = static_cast<int>(threadIdx.x); i < batch * vectors; i += kStepConsumers * 32) {
     const int b = i / vectors, v = i % vectors;
     uint4 word = make_uint4(0, 0, 0, 0);
-    if (v * 8 < k) word = pair_order(__ldcg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(b) * k + v * 8)));
-    *reinterpret_cast<uint4*>(xs + b * stride + v * 8) = word;
+    if (v * 8 < L.k)
+      word = pair_order(__ldcg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(b) * L.k + v * 8)));
+    *reinterpret_cast<uint4*>(area + L.x_offset + b * L.x_stride + v * 8) = word;
   }
+}
+
+// The norm stage's constant inputs copied into shared memory with cp.async while the stage before it runs (they
+// were written at least a barrier earlier): the norm weights and biases [4][hidden] (those the norm has) and the
+// residual stream [batch][hidden]. stage_norm waits for them.
+template <typename T>
+__device__ __noinline__ void prefetch_norm(const StepPlan& P, const StepStage& st, T* params) {
+  const StepNorm& nd = st.nd;
+  const T* sources[5] = {static_cast<const T*>(nd.weight), static_cast<const T*>(nd.bias),
+                         static_cast<const T*>(nd.weight2), static_cast<const T*>(nd.bias2),
+                         static_cast<const T*>(nd.resid)};
+  const int vectors = P.hidden / 8;
+  for (int r = 0; r < 4 + P.batch; ++r) {
+    const T* src = sources[r < 4 ? r : 4];
+    if (!src) continue;
+    const int64_t row = r < 4 ? 0 : static_cast<int64_t>(r - 4) * P.hidden;
+    for (int v = static_cast<int>(threadIdx.x); v < vectors; v += kStepConsumers * 32)
+      cp_async16(params + r * P.hidden + v * 8, src + row + v * 8);
+  }
+  cp_async_commit();
 }
 
 // The stage's add + norm, as launch_norm computes it: s = resid + delta (+ delta2), rounded as HF's adds round;
 // x0 = norm(s) (and x1 = GPT-NeoX's second LayerNorm of s); block 0 writes s as the next residual stream. Each thread
-// holds its vectors of a row in registers, so the statistics cost one pass of loads.
+// holds its vectors of a row in registers, so the statistics cost one pass; the weights and the residual stream are
+// in shared memory already (prefetch_norm, waited for at the barrier).
 template <typename T>
-__device__ void stage_norm(const StepPlan& P, const StepStage& st, T* xs0, T* xs1, int stride, float* scratch) {
+__device__ __noinline__ void stage_norm(const StepPlan& P, const StepStage& st, const StepLinearInfo* info, T* area,
+                                        const T* params, float* scratch) {
   constexpr int kPer = 4;  // vectors of 8 per thread: hidden <= 8192 (plan_step)
   const StepNorm& nd = st.nd;
-  const int tid = static_cast<int>(threadIdx.x), k = st.k, vectors = k / 8;
+  const int tid = static_cast<int>(threadIdx.x), k = P.hidden, vectors = k / 8;
   const bool writer = blockIdx.x == 0 && nd.resid_out;
-  const T* w = static_cast<const T*>(nd.weight);
-  const T* w2 = static_cast<const T*>(nd.weight2);
+  // The linears' inputs: x0 for the one reading the norm, x1 (GPT-NeoX) for the one reading the second LayerNorm.
+  const StepLinearInfo& L0 = info[0];
+  T* xs0 = area + L0.x_offset;
+  T* xs1 = st.norm == 2 ? area + info[1].x_offset : nullptr;
+  const int stride = L0.x_stride, k_vectors = L0.k_units * 32;
+  const T* w = params;
+  const T* bias = nd.bias ? params + k : nullptr;
+  const T* w2 = params + 2 * k;
+  const T* b2 = nd.bias2 ? params + 3 * k : nullptr;
   for (int b = 0; b < P.batch; ++b) {
     const int64_t row = static_cast<int64_t>(b) * k;
-    const T* resid = static_cast<const T*>(nd.resid) + row;
+    const T* resid = params + (4 + b) * k;
     const T* d = nd.delta ? static_cast<const T*>(nd.delta) + row : nullptr;
     const T* d2 = nd.delta2 ? static_cast<const T*>(nd.delta2) + row : nullptr;
-    uint4 xr[kPer], dr[kPer], d2r[kPer];  // every load issued before the first use
+    uint4 dr[kPer], d2r[kPer];  // every load issued before the first use
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const int v = tid + j * kStepConsumers * 32;
       const bool in = v < vectors;
       const uint4 zero = make_uint4(0, 0, 0, 0);
-      xr[j] = in ? __ldcg(reinterpret_cast<const uint4*>(resid + v * 8)) : zero;
       dr[j] = in && d ? __ldcg(reinterpret_cast<const uint4*>(d + v * 8)) : zero;
       d2r[j] = in && d2 ? __ldcg(reinterpret_cast<const uint4*>(d2 + v * 8)) : zero;
     }
@@ -267,14 +347,15 @@ __device__ void stage_norm(const StepPlan& P, const StepStage& st, T* xs0, T* xs
     float acc = 0.f;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
+      const int v = tid + j * kStepConsumers * 32;
       Vec<T, 8> xe, de, d2e;
-      memcpy(&xe, &xr[j], 16);
       memcpy(&de, &dr[j], 16);
       memcpy(&d2e, &d2r[j], 16);
+      xe = v < vectors ? *reinterpret_cast<const Vec<T, 8>*>(resid + v * 8) : Vec<T, 8>{};
 #pragma unroll
-      for (int e = 0; e < 8; ++e) s[j][e] = to_float(xe.data[e]);
+      for (int e = 0; e < 8; ++e) s[j][e] = v < vectors ? to_float(xe.data[e]) : 0.f;
       if (d) add_residual<T, 8>(s[j], de, d2e, d2 != nullptr);
-      if (tid + j * kStepConsumers * 32 < vectors) {
+      if (v < vectors) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc += P.rms ? s[j][e] * s[j][e] : s[j][e];
       }
@@ -300,21 +381,21 @@ __device__ void stage_norm(const StepPlan& P, const StepStage& st, T* xs0, T* xs
       const int v = tid + j * kStepConsumers * 32;
       if (v >= vectors) break;
       const Vec<T, 8> wv = *reinterpret_cast<const Vec<T, 8>*>(w + v * 8);
-      const Vec<T, 8> bv = vec_or_zero<T, 8>(static_cast<const T*>(nd.bias), v * 8);
+      const Vec<T, 8> bv = bias ? *reinterpret_cast<const Vec<T, 8>*>(bias + v * 8) : Vec<T, 8>{};
       float h[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) h[e] = norm_value<T>(s[j][e], mean, rstd, wv.data[e], bv.data[e], P.rms != 0);
       *reinterpret_cast<uint4*>(xs0 + b * stride + v * 8) = pack_pair_order<T>(h);
       if (xs1) {
         const Vec<T, 8> w2v = *reinterpret_cast<const Vec<T, 8>*>(w2 + v * 8);
-        const Vec<T, 8> b2v = vec_or_zero<T, 8>(static_cast<const T*>(nd.bias2), v * 8);
+        const Vec<T, 8> b2v = b2 ? *reinterpret_cast<const Vec<T, 8>*>(b2 + v * 8) : Vec<T, 8>{};
 #pragma unroll
         for (int e = 0; e < 8; ++e) h[e] = norm_value<T>(s[j][e], mean, rstd, w2v.data[e], b2v.data[e], false);
         *reinterpret_cast<uint4*>(xs1 + b * stride + v * 8) = pack_pair_order<T>(h);
       }
       if (writer) store_vec<T, 8>(static_cast<T*>(nd.resid_out) + row + v * 8, s[j]);
     }
-    for (int v = vectors + tid; v < st.k_units * 32; v += kStepConsumers * 32) {  // past K: zeros
+    for (int v = vectors + tid; v < k_vectors; v += kStepConsumers * 32) {  // past K: zeros
       *reinterpret_cast<uint4*>(xs0 + b * stride + v * 8) = make_uint4(0, 0, 0, 0);
       if (xs1) *reinterpret_cast<uint4*>(xs1 + b * stride + v * 8) = make_uint4(0, 0, 0, 0);
     }
@@ -384,9 +465,11 @@ __device__ __forceinline__ void dequantize_zeros(uint32_t word, const ZeroTerms&
   }
 }
 
-// One 4-row step of a lane: its chunk (4 columns x 8 k) against its x chunk, into part[h] (columns 4g + 2h, + 1).
+// One 4-row step of a lane: its chunk (4 columns x 8 k) against its x chunk, into part[jj][h] (columns 4g + 2h,
+// + 1; the two k halves of the step in separate sums, so that each chain of dependent mma is half as long).
 template <typename T>
-__device__ __forceinline__ void step_mma(float (&part)[2][4], const uint4& chunk, const uint4& xv, const ZeroTerms& z) {
+__device__ __forceinline__ void step_mma(float (&part)[2][2][4], const uint4& chunk, const uint4& xv,
+                                         const ZeroTerms& z) {
   const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
   const uint32_t xb[4] = {xv.x, xv.y, xv.z, xv.w};
   uint32_t a_pairs[4][4];  // [column][pair (k_j, k_j+4)]
@@ -398,17 +481,16 @@ __device__ __forceinline__ void step_mma(float (&part)[2][4], const uint4& chunk
     for (int jj = 0; jj < 2; ++jj) {
       const uint32_t a[4] = {a_pairs[2 * h][2 * jj], a_pairs[2 * h + 1][2 * jj], a_pairs[2 * h][2 * jj + 1],
                              a_pairs[2 * h + 1][2 * jj + 1]};
-      mma_16816<T>(part[h], a, xb[2 * jj], xb[2 * jj + 1]);
+      mma_16816<T>(part[jj][h], a, xb[2 * jj], xb[2 * jj + 1]);
     }
   }
 }
 
-// This warp's share of a unit: column warp w, half `half` (rows 16 half .. 16 half + 15, 128 k), 4 steps; the sums of
-// each group, times its scales, into acc.
+// This warp's share of a unit: column warp w, half `half` (rows 16 half .. 16 half + 15, 128 k), 4 steps; the sums
+// of each group, times its scales, into acc.
 template <typename T>
-__device__ __forceinline__ void unit_compute(const StepLinear& L, const WarpCols& mine, int ku,
-                                             const unsigned char* src, const T* xs, int stride, int batch,
-                                             float (&acc)[2][4]) {
+__device__ __forceinline__ void unit_compute(const StepLinearInfo& L, const WarpCols& mine, int ku,
+                                             const unsigned char* src, const T* xs, int batch, float (&acc)[2][4]) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g = lane / 4, q = lane % 4, w = warp & 3, half = warp >> 2;
   if (mine.col < 0) return;
@@ -419,25 +501,27 @@ __device__ __forceinline__ void unit_compute(const StepLinear& L, const WarpCols
   const uint32_t* zeros =
       reinterpret_cast<const uint32_t*>(reinterpret_cast<const unsigned char*>(scales) + L.scale_bytes);
   const int k0 = ku * 256, first_group = k0 >> L.group_shift;
-  float part[2][4] = {};
+  const T* x_lane = xs + g * L.x_stride + k0;
+  float part[2][2][4] = {};
   float scale[4] = {};
   ZeroTerms z{};
   int current = -1;
+  const auto flush = [&] {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc[h][i] += scale[2 * h + (i >> 1)] * (part[0][h][i] + part[1][h][i]);
+        part[0][h][i] = part[1][h][i] = 0.f;
+      }
+    }
+  };
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
     // Steps 4 half + 2p and + 1 read rows 8 (2 half + p) .. + 7 (stage_row): 64 k of one group.
     const int group = ((k0 + 64 * (2 * half + p)) >> L.group_shift) - first_group;
     if (group != current) {
-      if (current >= 0) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            acc[h][i] += scale[2 * h + (i >> 1)] * part[h][i];
-            part[h][i] = 0.f;
-          }
-        }
-      }
+      if (current >= 0) flush();
       current = group;
       const uint2 sv = *reinterpret_cast<const uint2*>(scales + group * L.box_columns + col);
       const __half* sh = reinterpret_cast<const __half*>(&sv);
@@ -449,24 +533,32 @@ __device__ __forceinline__ void unit_compute(const StepLinear& L, const WarpCols
     for (int t = 0; t < 2; ++t) {
       const int r = stage_row(4 * half + 2 * p + t, q);
       const uint4 chunk = *reinterpret_cast<const uint4*>(box + r * 128 + ((g ^ (r & 7)) << 4));
-      const uint4 xv =
-          g < batch ? *reinterpret_cast<const uint4*>(xs + g * stride + k0 + r * 8) : make_uint4(0, 0, 0, 0);
+      const uint4 xv = g < batch ? *reinterpret_cast<const uint4*>(x_lane + r * 8) : make_uint4(0, 0, 0, 0);
       step_mma<T>(part, chunk, xv, z);
     }
   }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[h][i] += scale[2 * h + (i >> 1)] * part[h][i];
-  }
+  flush();
 }
 
-// The end of this block's piece of strip t: the two halves' sums added; where the strip lies in several blocks'
-// runs (nslots), partial sums meet in the workspace and the last block to arrive goes on. Then the values are
-// rounded as F.linear rounds its output, the bias added in the dtype (GPTQLinear), and the epilogue stores them.
+// A flag another block sets once its partial sums are stored (release), read with acquire.
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_release(unsigned* p, unsigned v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// The end of this block's piece of strip t: the two halves' sums added. Where the strip lies in several blocks'
+// runs (nslots), each block but the last stores its sums as row slot_row of the strip's partial sums and sets its
+// flag to the stage's tag, and goes on; the last one (the owner of the strip's last unit: the finisher) waits for
+// the others' flags, adds their rows in block order and its own (so the sums do not depend on timing), and finishes:
+// the values rounded as F.linear rounds its output, the bias added in the dtype (GPTQLinear), the epilogue stored.
 template <typename T>
-__device__ void finish_piece(const StepPlan& P, const StepLinear& L, const WarpCols& mine, int t, int slot_row,
-                             int nslots, float (&acc)[2][4], float* red, int* flag) {
+__device__ __noinline__ void finish_piece(const StepPlan& P, const StepLinearInfo& L, const WarpCols& mine, int t,
+                                          int slot_row, int nslots, unsigned tag, float (&acc)[2][4], float* red) {
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const int g = lane / 4, q = lane % 4, w = warp & 3, half = warp >> 2;
   const int B = P.batch;
@@ -483,38 +575,44 @@ __device__ void finish_piece(const StepPlan& P, const StepLinear& L, const WarpC
   }
   consumers_sync();
   const int64_t width = static_cast<int64_t>(L.strips) * 128;
+  const bool finisher = slot_row == nslots - 1;
+  unsigned* flags = L.flags + t * L.slots;
   for (int e = tid; e < B * 128; e += kStepConsumers * 32) {
     const int b = e / 128, c = e % 128;
     const float v = red[b * 128 + c] + red[(B + b) * 128 + c];
-    if (nslots == 1) {
+    if (finisher) {
       fin[e] = v;
     } else {
       L.partials[(static_cast<int64_t>(slot_row) * B + b) * width + t * 128 + c] = v;
     }
   }
-  if (nslots > 1) {
-    // The block's stores are ordered before thread 0's arrival by the barrier; the acq_rel arrival releases them
-    // and acquires the other blocks' (int4_tile.cuh: finish_tile).
+  if (!finisher) {
+    // The block's stores are ordered before thread 0's release by the barrier (cumulativity), so the flag
+    // publishes all of them; only warp 0 waits for it, the others go on with the next unit.
     consumers_sync();
-    if (tid == 0) {
-      const int arrived = arrive_acq_rel(L.counters + t) + 1;
-      *flag = arrived == nslots;
-      if (*flag) L.counters[t] = 0;  // every block of the strip has counted: zero for the next stage
+    if (tid == 0) store_release(flags + slot_row, tag);
+    return;
+  }
+  if (nslots > 1) {
+    if (tid < nslots - 1) {  // one thread per other block: its flag
+      const unsigned long long start = global_ns();
+      for (unsigned spins = 1; load_acquire(flags + tid) != tag; ++spins) {
+        if (spins % 1024 == 0 && global_ns() - start > kBarrierTimeoutNs) __trap();
+      }
     }
     consumers_sync();
-    if (!*flag) return;
     for (int e = tid; e < B * 128; e += kStepConsumers * 32) {
       const int b = e / 128, c = e % 128;
       const float* sums = L.partials + static_cast<int64_t>(b) * width + t * 128 + c;
       float rows[4];
       float v = 0.f;
-      for (int r0 = 0; r0 < nslots; r0 += 4) {  // in block order: the same sums whichever block finishes
+      for (int r0 = 0; r0 < nslots - 1; r0 += 4) {  // in block order
 #pragma unroll
-        for (int j = 0; j < 4; ++j) rows[j] = r0 + j < nslots ? __ldcg(sums + (r0 + j) * B * width) : 0.f;
+        for (int j = 0; j < 4; ++j) rows[j] = r0 + j < nslots - 1 ? __ldcg(sums + (r0 + j) * B * width) : 0.f;
 #pragma unroll
         for (int j = 0; j < 4; ++j) v += rows[j];
       }
-      fin[e] = v;
+      fin[e] = v + fin[e];
     }
   }
   for (int e = tid; e < B * 128; e += kStepConsumers * 32) {
@@ -792,7 +890,7 @@ __device__ void attention_item(const StepPlan& P, const StepAttention& A, int b,
 }
 
 template <typename T>
-__device__ void run_attention(const StepPlan& P, const StepAttention& A, AttnScratch& S) {
+__device__ __noinline__ void run_attention(const StepPlan& P, const StepAttention& A, AttnScratch& S) {
   const int group_size = P.num_q_heads / P.num_kv_heads;
   const int gmax = group_size > 1 ? 2 : 1;
   const int head_groups = (group_size + gmax - 1) / gmax;
@@ -823,74 +921,86 @@ __device__ void run_attention(const StepPlan& P, const StepAttention& A, AttnScr
 
 // ---- the compute warps ----
 template <typename T>
-__device__ void consume(const StepPlan& P, unsigned char* ring, uint64_t* full, uint64_t* empty, unsigned char* base,
-                        float* scratch, int* flag) {
+__device__ void consume(const StepPlan& P, unsigned char* base, uint64_t* full, uint64_t* empty, float* scratch,
+                        StepLinearInfo* info) {
   const int blocks = static_cast<int>(gridDim.x), block = static_cast<int>(blockIdx.x);
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  T* xs_area = reinterpret_cast<T*>(base + P.x_offset);
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31;
+  unsigned char* ring = base;
+  T* area = reinterpret_cast<T*>(base + P.x_offset);
+  T* norm_params = reinterpret_cast<T*>(base + P.norm_offset);
   float* red = reinterpret_cast<float*>(base + P.red_offset);
   AttnScratch& attn = *reinterpret_cast<AttnScratch*>(base + P.attn_offset);
-  unsigned long long epoch = 0;
-  if (threadIdx.x == 0) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(epoch) : "l"(P.barrier + 1));
-  int slot = 0;
-  unsigned consumed = 0;
+  // The barrier's epoch (thread 0 arrives and polls) and the launch count, which every thread reads: each stage's
+  // partial-sum flags carry the tag launch * 1024 + stage + 1 (set by thread 0, polled by the first threads), so a
+  // flag left from an earlier stage or launch never reads as set.
+  unsigned long long epoch, launch;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(epoch) : "l"(P.barrier + 1));
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(launch) : "l"(P.barrier + 2));
   // The stage's marks on the timeline, when one is asked for (thread 0's readings of %globaltimer), and the time
   // thread 0 spent waiting for weights and in the strips' meetings.
-  const bool timed = P.timeline && threadIdx.x == 0;
+  const bool timed = P.timeline && tid == 0;
   const auto record = [&](int si, int k, unsigned long long value) {
     if (timed) P.timeline[(static_cast<int64_t>(block) * P.num_stages + si) * kStepMarks + k] = value;
   };
   const auto mark = [&](int si, int k) { record(si, k, timed ? global_ns() : 0); };
   unsigned long long waited = 0, met = 0, since = 0;
+  int slot = 0;
+  unsigned consumed = 0;
+  if (P.stages[0].norm) prefetch_norm<T>(P, P.stages[0], norm_params);
   for (int si = 0; si < P.num_stages; ++si) {
-    if (si > 0) grid_barrier(P.barrier, epoch + static_cast<unsigned long long>(si) * blocks);
+    if (si > 0) {
+      cp_async_wait_all();  // the prefetched norm inputs (before the barrier's first sync: visible to all after it)
+      grid_barrier(P.barrier, epoch + static_cast<unsigned long long>(si) * blocks);
+    }
     const StepStage& st = P.stages[si];
     mark(si, 0);
-    if (st.attention) run_attention<T>(P, st.ad, attn);
-    mark(si, 1);
-    if (st.num_linears == 0) {
+    if (st.attention) {
+      run_attention<T>(P, st.ad, attn);
+      mark(si, 1);
       mark(si, 2);
-      mark(si, 3);
-      continue;
-    }
-    const int ku = st.k_units, stride = ku * 256 + 8;  // 16 bytes of padding: batch rows in different banks
-    T* xs0 = xs_area;
-    T* xs1 = xs_area + P.batch * stride;
-    if (st.norm) {
-      stage_norm<T>(P, st, xs0, st.norm == 2 ? xs1 : nullptr, stride, scratch);
     } else {
-      stage_plain<T>(static_cast<const T*>(st.x), st.k, ku, P.batch, xs0, stride);
+      mark(si, 1);
+      load_infos(P, st, info, tid);
+      if (si == 0) cp_async_wait_all();
+      consumers_sync();
+      if (st.norm) {
+        stage_norm<T>(P, st, info, area, norm_params, scratch);
+      } else {
+        for (int j = 0; j < st.num_linears; ++j) stage_plain<T>(static_cast<const T*>(st.x[j]), info[j], P.batch, area);
+      }
+      consumers_sync();
+      mark(si, 2);
     }
-    consumers_sync();
-    mark(si, 2);
-    const int u0 = run_start(st.units, blocks, block), u1 = run_start(st.units, blocks, block + 1);
-    const int first_strips = P.linears[st.linear[0]].strips;
-    float acc[2][4] = {};
-    for (int i = 0; i < u1 - u0; ++i) {
-      const int u = unit_at(u0, u1, ku, i), strip = u / ku;
-      const int li = strip >= first_strips ? 1 : 0;
-      const StepLinear& L = P.linears[st.linear[li]];
-      const int t = strip - li * first_strips;
-      const WarpCols mine = warp_cols(L, t, static_cast<int>(threadIdx.x >> 5) & 3);
-      if (timed) since = global_ns();
-      bar_wait(&full[slot], (consumed / P.ring_slots) & 1u);
-      if (timed) waited += global_ns() - since;
-      unit_compute<T>(L, mine, u % ku, ring + slot * P.slot_bytes, L.x ? xs1 : xs0, stride, P.batch, acc);
-      __syncwarp();
-      if (lane == 0) bar_arrive(&empty[slot]);  // the slot is free for the producer
-      ++consumed;
-      if (++slot == P.ring_slots) slot = 0;
-      if (i == u1 - u0 - 1 || unit_at(u0, u1, ku, i + 1) / ku != strip) {  // this block's piece of the strip ends
-        const int owner = unit_owner(st.units, blocks, strip * ku);
-        const int nslots = unit_owner(st.units, blocks, strip * ku + ku - 1) - owner + 1;
-        if (timed) since = global_ns();
-        finish_piece<T>(P, L, mine, t, block - owner, nslots, acc, red, flag);
-        if (timed) met += global_ns() - since;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[h][e] = 0.f;
+    // The next stage's norm inputs are constant by now: into shared memory while this stage runs.
+    if (si + 1 < P.num_stages && P.stages[si + 1].norm) prefetch_norm<T>(P, P.stages[si + 1], norm_params);
+    if (st.num_linears) {
+      const StageSplit split = stage_split(st, info);
+      const int u0 = split.run_start(block), u1 = split.run_start(block + 1);
+      const int count = u1 > u0 ? split.pieces(u0, u1) : 0;
+      const unsigned tag = static_cast<unsigned>(launch) * 1024u + static_cast<unsigned>(si) + 1u;
+      for (int p = 0; p < count; ++p) {
+        const int3 pc = split.piece(u0, u1, p);
+        const int li = pc.x >= split.strips0 ? 1 : 0;
+        const StepLinearInfo& L = info[li];
+        const int t = pc.x - li * split.strips0, ku = pc.y - split.first_unit(pc.x);
+        const WarpCols mine = warp_cols(L, t, (tid >> 5) & 3);
+        const T* xs = area + L.x_offset;
+        float acc[2][4] = {};
+        for (int i = 0; i < pc.z; ++i) {
+          if (timed) since = global_ns();
+          bar_wait(&full[slot], (consumed / P.ring_slots) & 1u);
+          if (timed) waited += global_ns() - since;
+          if (!(P.bounds & 1)) unit_compute<T>(L, mine, ku + i, ring + slot * P.slot_bytes, xs, P.batch, acc);
+          __syncwarp();
+          if (lane == 0) bar_arrive(&empty[slot]);  // the slot is free for the producer
+          ++consumed;
+          if (++slot == P.ring_slots) slot = 0;
         }
+        const int owner = split.owner(split.first_unit(pc.x));
+        const int nslots = split.owner(split.last_unit(pc.x)) - owner + 1;
+        if (timed) since = global_ns();
+        finish_piece<T>(P, L, mine, t, block - owner, nslots, tag, acc, red);
+        if (timed) met += global_ns() - since;
       }
     }
     mark(si, 3);
@@ -899,9 +1009,10 @@ __device__ void consume(const StepPlan& P, unsigned char* ring, uint64_t* full, 
     waited = met = 0;
   }
   // Every block has passed the last barrier once block 0 has: the next launch counts from here.
-  if (block == 0 && threadIdx.x == 0 && P.num_stages > 1) {
+  if (block == 0 && tid == 0) {
     const unsigned long long next = epoch + static_cast<unsigned long long>(P.num_stages - 1) * blocks;
     asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(P.barrier + 1), "l"(next) : "memory");
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(P.barrier + 2), "l"(launch + 1) : "memory");
   }
 }
 
@@ -911,12 +1022,12 @@ template <typename T>
 __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_constant__ StepPlan P) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char dynamic[];
-  // The ring, then x, the sums and the attention's arrays (StepPlan offsets), from a 1024-byte boundary: the
-  // 128-byte swizzle of the qweight boxes is a function of the address.
+  // The ring, then x, the norm inputs, the sums and the attention's arrays (StepPlan offsets), from a 1024-byte
+  // boundary: the 128-byte swizzle of the qweight boxes is a function of the address.
   unsigned char* base = dynamic + ((1024u - (smem_addr(dynamic) & 1023u)) & 1023u);
   __shared__ uint64_t full[kStepMaxSlots], empty[kStepMaxSlots];
   __shared__ float scratch[kStepConsumers];
-  __shared__ int flag;
+  __shared__ StepLinearInfo consumer_info[kStepMaxLinears], producer_info[kStepMaxLinears];
   if (threadIdx.x == 0) {
     for (int s = 0; s < P.ring_slots; ++s) {
       bar_init(&full[s], 1);
@@ -926,10 +1037,10 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
   }
   __syncthreads();
   if (threadIdx.x / 32 == kStepConsumers) {
-    if (threadIdx.x % 32 == 0) produce(P, base, full, empty);
+    if (threadIdx.x % 32 == 0) produce(P, base, full, empty, producer_info);
     return;
   }
-  consume<T>(P, base, full, empty, base, scratch, &flag);
+  consume<T>(P, base, full, empty, scratch, consumer_info);
 #endif
 }
 

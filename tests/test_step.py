@@ -26,27 +26,39 @@ requires_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_
 
 
 @pytest.mark.parametrize(
-    "units,blocks,k_units",
-    [(600, 132, 10), (200, 132, 10), (15, 132, 3), (3200, 132, 40), (7168, 132, 56), (10, 4, 3), (7, 7, 1), (1, 5, 1)],
+    "blocks,strips0,ku0,strips1,ku1",
+    [
+        (132, 60, 10, 80, 10),  # Pythia-2.8B: QKV and the MLP's first linear
+        (132, 20, 10, 20, 40),  # Pythia-2.8B: the attention output and the MLP's second linear, K 2560 and 10240
+        (132, 5, 3, 0, 1),  # fewer units than blocks
+        (132, 32, 56, 0, 1),  # Llama-3.1-8B down
+        (4, 3, 3, 2, 2),
+        (7, 7, 1, 0, 1),
+        (5, 1, 1, 0, 1),
+    ],
 )
-def test_work_split_covers_every_unit_once(units, blocks, k_units):
-    """Each unit is in exactly one block's run (unit_owner agrees with run_start); unit_at permutes a run so that
-    each strip's units stay contiguous, and the blocks sharing a strip are consecutive."""
+def test_work_split_covers_every_unit_once(blocks, strips0, ku0, strips1, ku1):
+    """Each unit is in exactly one block's run (owner agrees with run_start); the run's pieces cover it, one piece
+    per strip (its last strip first), and the blocks sharing a strip are consecutive."""
+    split = step_mod.StageSplit(blocks, strips0, ku0, strips1, ku1)
     seen = []
     for b in range(blocks):
-        u0, u1 = step_mod.run_start(units, blocks, b), step_mod.run_start(units, blocks, b + 1)
-        order = [step_mod.unit_at(u0, u1, k_units, i) for i in range(u1 - u0)]
+        u0, u1 = split.run_start(b), split.run_start(b + 1)
+        if u1 == u0:
+            continue
+        pieces = split.pieces(u0, u1)
+        order = [u for _, first, count in pieces for u in range(first, first + count)]
         assert sorted(order) == list(range(u0, u1))
-        assert all(step_mod.unit_owner(units, blocks, u) == b for u in order)
-        strips = [u // k_units for u in order]
-        pieces = [s for i, s in enumerate(strips) if i == 0 or strips[i - 1] != s]
-        assert len(pieces) == len(set(pieces)), f"block {b}: a strip split into two pieces {strips}"
-        if len(pieces) > 1:  # the run's last strip comes first, then the run from its start
-            assert pieces[0] == (u1 - 1) // k_units and pieces[1] == u0 // k_units
+        assert all(split.owner(u) == b and split.strip_of(u) == s for s, f, n in pieces for u in range(f, f + n))
+        strips = [s for s, _, _ in pieces]
+        assert len(strips) == len(set(strips)), f"block {b}: a strip in two pieces {strips}"
+        assert strips[0] == split.strip_of(u1 - 1) and (len(strips) == 1 or strips[1] == split.strip_of(u0))
         seen += order
-    assert sorted(seen) == list(range(units))
-    for strip in range(units // k_units):
-        owners = {step_mod.unit_owner(units, blocks, strip * k_units + j) for j in range(k_units)}
+    assert sorted(seen) == list(range(split.units))
+    for strip in range(strips0 + strips1):
+        units = range(split.first_unit(strip), split.last_unit(strip) + 1)
+        assert len(units) == (ku0 if strip < strips0 else ku1)
+        owners = {split.owner(u) for u in units}
         assert owners == set(range(min(owners), max(owners) + 1))
 
 
@@ -56,10 +68,12 @@ def test_runner_says_why_the_step_kernel_is_not_used_on_the_cpu(tmp_path, monkey
     runner = DecodeRunner(model, use_graphs=False)
     ids = torch.randint(3, 500, (1, 5))
     runner.generate(ids, torch.ones_like(ids), 3, Sampling(), eos=[], pad_token_id=0)
-    assert runner.step_kernel_reason(1) == "turned off (DecodeRunner.use_step_kernel)"  # CPU runners never use it
+    assert runner.step_kernel_reason(1).startswith("off (opt-in")  # CPU runners never use it
     assert "no decode step" in runner.step_kernel_reason(2)
-    monkeypatch.setenv("PATCHER_STEP_KERNEL", "0")
-    assert step_mod.model_reason(runner) == "turned off (PATCHER_STEP_KERNEL=0)"
+    assert step_mod.model_reason(runner) == "not a CUDA model"
+    assert not step_mod.enabled()
+    monkeypatch.setenv("PATCHER_STEP_KERNEL", "1")
+    assert step_mod.enabled() and DecodeRunner(model, use_graphs=False).use_step_kernel is False  # (a CPU model)
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------------
@@ -127,7 +141,9 @@ def test_step_kernel_graph_replay_equals_eager(name, tmp_path):
     ids = torch.randint(3, 500, (3, 13), device="cuda")
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
-    eager = DecodeRunner(model, use_graphs=False).generate(ids, mask, 40, Sampling(), eos=[], pad_token_id=0)
+    eager = DecodeRunner(model, use_graphs=False, use_step_kernel=True)
+    eager = eager.generate(ids, mask, 40, Sampling(), eos=[], pad_token_id=0)
+    model._patcher_state.runner = DecodeRunner(model, use_step_kernel=True)
     graph = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
     path = generate_path(model)
     assert path["path"] == "graph" and path["step_kernel"], path
@@ -137,8 +153,9 @@ def test_step_kernel_graph_replay_equals_eager(name, tmp_path):
 
 
 @requires_hopper
-def test_models_the_step_kernel_cannot_take_keep_the_per_op_step(tmp_path):
+def test_models_the_step_kernel_cannot_take_keep_the_per_op_step(tmp_path, monkeypatch):
     """Group size 32 (a step of the kernel's mma spans 64 k): the per-op step runs, with the reason recorded."""
+    monkeypatch.setenv("PATCHER_STEP_KERNEL", "1")
     model = gptq_model("tiny-llama", tmp_path, dtype=torch.float16, device="cuda", group_size=32)
     patch_model(model)
     ids = torch.randint(3, 500, (1, 7), device="cuda")
@@ -176,7 +193,7 @@ def test_step_kernel_stages_at_real_size(name, layers):
     patch_model(model)
     named = [*model.named_parameters(), *model.named_buffers()]
     tensors = {n: t.double().sum().item() for n, t in named}
-    runner = DecodeRunner(model, use_graphs=False)
+    runner = DecodeRunner(model, use_graphs=False, use_step_kernel=True)
     logits, _ = decode_step_logits(runner, 1, 200, [0], seed=3)
     assert runner.step_kernel_reason(1) is None and torch.isfinite(logits[0]).all()
     changed = [n for n, t in named if t.double().sum().item() != tensors[n]]
@@ -272,5 +289,6 @@ def test_residual_stream_at_real_size(name):
         totals[key] = sum(t.float() for t in outs if t is not None)
     errors = {key: f"{max_err(totals[key], totals['torch fp32']):.3g}" for key in totals}
     print(f"{name}: max error against torch fp32 {errors}")
+    low, ref = totals["torch fp16"].half(), totals["torch fp32"]
     for key in ("per-op kernels", "step kernel"):
-        assert_within_torch_error(totals[key].half(), totals["torch fp16"].half(), totals["torch fp32"], f"{name} {key}")
+        assert_within_torch_error(totals[key].half(), low, ref, f"{name} {key}")

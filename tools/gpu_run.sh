@@ -9,7 +9,9 @@
 #   tools/gpu_run.sh int4        GPTQ int4 kernel tests, per-op benchmark, whole-model int4 TPOT against fp16
 #   tools/gpu_run.sh smollm2     SmolLM2 GPU tests, int4 g128 perplexity, fp32/bf16 perplexity
 #   tools/gpu_run.sh multi-gpu   a model split over two GPUs (accelerate device_map), patched
-#   tools/gpu_run.sh step        the int4 decode-step kernel: its tests, int4 TPOT against the per-op step and fp16
+#   tools/gpu_run.sh step        the int4 decode-step kernel: its tests, timelines, int4 TPOT against the per-op step
+#   tools/gpu_run.sh step-bounds the step kernel's timelines with its arithmetic and/or weight copies switched off
+#   tools/gpu_run.sh int4-check  int4 kernel, GPTQ, decode and step-kernel tests; int4 and fp16 TPOT side by side
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/patcher-out}
@@ -106,6 +108,31 @@ case "${1:-}" in
         --dtype $dt --json "$OUT/perplexity_smollm2_$dt.json" 2>&1 | grep -v "it/s\|Converting\|Loading" | tail -5
     done
     ;;
+  step-bounds)  # the step kernel's timeline with its arithmetic and/or weight copies switched off (wrong results)
+    python3 -c "from patcher.ops import extension; extension.load()" 2>&1 | tail -1
+    for m in pythia-2.8b llama-3.1-8b; do
+      for b in 0 1 2 3; do
+        step "timeline $m, PATCHER_STEP_BOUNDS=$b"
+        PATCHER_STEP_BOUNDS=$b timeout 120 python3 -m evals.step_profile --random-config $m --int4-random 128 \
+          --json "$OUT/step_bounds_${m}_$b.json" 2>&1 | grep -v "it/s" | tail -8
+      done
+    done
+    ;;
+  int4-check)  # the int4 kernel, GPTQ, decode and step-kernel tests; int4 TPOT (per-op, step kernel) and fp16 TPOT
+    step build
+    python3 -c "from patcher.ops import extension; extension.load()" 2>&1 | tail -1
+    step "int4 kernel, GPTQ, decode and step-kernel tests"
+    timeout 240 python3 -m pytest -q -x tests/test_int4_kernels.py 2>&1 | tail -2
+    timeout 150 python3 -m pytest -q -rf tests/test_gptq.py tests/test_decode.py tests/test_step.py 2>&1 \
+      | grep -E "^E  |passed|failed" | tail -8
+    for m in pythia-2.8b llama-3.1-8b; do
+      step "TPOT $m: int4 g128 (per-op, step kernel), fp16"
+      timeout 150 python3 -m evals.tpot --random-config $m --int4-random 128 --modes patched,patched-step-kernel \
+        --new-tokens 64 --repeats 3 --json "$OUT/tpot_${m}_int4.json" 2>&1 | grep -E "tpot:|roofline"
+      timeout 100 python3 -m evals.tpot --random-config $m --modes patched --new-tokens 64 --repeats 3 \
+        --json "$OUT/tpot_${m}_fp16.json" 2>&1 | grep -E "tpot:|roofline"
+    done
+    ;;
   step)  # the persistent int4 decode-step kernel (kernels/step.cuh)
     step build
     /usr/bin/time -f "build wall %e s" python3 -c "from patcher.ops import extension; extension.load()" 2>&1 | tail -2
@@ -119,12 +146,12 @@ case "${1:-}" in
     [ -n "${STEP_TPOT:-}" ] || exit 0
     for m in pythia-2.8b llama-3.1-8b; do
       step "TPOT $m int4 g128: the step kernel and the per-op step"
-      timeout 200 python3 -m evals.tpot --random-config $m --int4-random 128 --modes patched,patched-per-op \
+      timeout 200 python3 -m evals.tpot --random-config $m --int4-random 128 --modes patched,patched-step-kernel \
         --new-tokens 64 --repeats 3 --kernel-table --json "$OUT/tpot_${m}_int4_step.json" 2>&1 | grep -v "it/s" | tail -24
     done
     ;;
   *)
-    echo "usage: tools/gpu_run.sh tests|verify|quick-tpot|measure|int4|smollm2|multi-gpu|step" >&2
+    echo "usage: tools/gpu_run.sh tests|verify|quick-tpot|measure|int4|smollm2|multi-gpu|step|step-bounds|int4-check" >&2
     exit 2
     ;;
 esac

@@ -10,9 +10,9 @@ On CUDA the step is captured once per batch size and cache size and replayed for
 token, no host sync (the loop checks for EOS every few steps). The cache position lives in a device tensor, so
 the same graph serves every step. On the CPU (tests, reference backend) the same step runs eagerly.
 
-Where every decoder linear is GPTQ int4 (on a Hopper GPU), all layers of the step run as one persistent kernel
-instead (step.py, kernels/step.cuh); the runner keeps the per-op step where that kernel cannot take the model and
-says why (`step_kernel_reason`).
+Where every decoder linear is GPTQ int4 (on a Hopper GPU), all layers of the step can run as one persistent kernel
+instead (step.py, kernels/step.cuh; opt-in, not yet faster); the runner keeps the per-op step where that kernel is
+off or cannot take the model, and says why (`step_kernel_reason`).
 
 GPT-NeoX's parallel residual makes the MLP independent of the attention (both read LayerNorms of the same sum), so
 on CUDA its two GEMVs run on a second stream, beside QKV -> attention -> output projection (the graph captures the
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ..ops import decode_attention_workspace, int4
 from ..registry import REGISTRY
 from .step import StepKernel, StepKernelUnavailable
+from .step import enabled as step_enabled
 
 EOS_CHECK_EVERY = 16  # decode steps between host checks for "every row has finished"
 # From this batch size on, the step's linears use cuBLAS (tensor cores) instead of our GEMV: measured on an H100,
@@ -137,7 +138,7 @@ class StepState:
             except StepKernelUnavailable as e:
                 self.step_kernel_reason = str(e)
         else:
-            self.step_kernel_reason = "turned off (DecodeRunner.use_step_kernel)"
+            self.step_kernel_reason = "off (opt-in: PATCHER_STEP_KERNEL=1 or DecodeRunner(use_step_kernel=True))"
 
     @property
     def nbytes(self) -> int:
@@ -147,7 +148,9 @@ class StepState:
 
 
 class DecodeRunner:
-    def __init__(self, model, use_graphs: bool = True, use_step_kernel: bool = True, step_timeline: bool = False):
+    def __init__(
+        self, model, use_graphs: bool = True, use_step_kernel: bool | None = None, step_timeline: bool = False
+    ):
         config = model.config
         entry = REGISTRY[config.model_type]
         spec = entry.spec
@@ -187,6 +190,8 @@ class DecodeRunner:
         self.hidden = self.lm_weight.shape[1]
         self.device, self.dtype = self.lm_weight.device, self.lm_weight.dtype
         self.use_graphs = use_graphs and self.device.type == "cuda"
+        # The persistent int4 step kernel (step.py): None takes PATCHER_STEP_KERNEL (off unless it is 1).
+        use_step_kernel = step_enabled() if use_step_kernel is None else use_step_kernel
         self.use_step_kernel = use_step_kernel and self.device.type == "cuda"
         self.step_timeline = step_timeline  # the step kernel records its timeline (step.timeline_summary)
         self.rms = spec.norm == "rms"

@@ -5,23 +5,28 @@ cooperative launch instead of five kernels a layer: the blocks meet at grid-wide
 layer, and each block streams its share of the weights through shared memory ahead of them. The embedding, the
 final norm, the lm_head and the token choice stay as they are (runner.py).
 
+Status: opt-in (`PATCHER_STEP_KERNEL=1`, or `DecodeRunner(model, use_step_kernel=True)`), because measured on the
+H100 it is not yet faster than the per-op step: int4 TPOT Pythia-2.8B 1.80 against 1.64 ms, Llama-3.1-8B 3.80
+against 3.42 ms (the README's int4 section; `python -m evals.step_profile` shows where each stage's time goes).
+
 `StepKernel(runner, state)` builds the plan for one StepState (its caches, tables and batch size) and raises
 `StepKernelUnavailable` with the reason where the kernel cannot take the model; the runner then keeps the per-op
-step and records the reason (`DecodeRunner.step_kernel_reason`). `PATCHER_STEP_KERNEL=0` turns it off, for
-comparisons and bisecting.
+step and records the reason (`DecodeRunner.step_kernel_reason`).
 
-The work split of the kernel is mirrored here (run_start, unit_owner, unit_at) so that the CPU tests check its
-invariants: every unit of a stage is taken by exactly one block, and a block's pieces of a strip are contiguous.
+The work split of the kernel is mirrored here (StageSplit) so that the CPU tests check its invariants: every unit
+of a stage is taken by exactly one block, a block's units of a strip are contiguous, and the blocks that share a
+strip are consecutive.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 # The stages of a layer (kernels/step.cuh), and the marks the timeline records in each (launchers.h: kStepMarks).
-PARALLEL_STAGES = ("A: add + LayerNorms, QKV + MLP in", "B: attention + MLP out", "C: attention out")
+PARALLEL_STAGES = ("A: add + LayerNorms, QKV + MLP in", "B: attention", "C: attention out + MLP out")
 SEQUENTIAL_STAGES = ("A: add + norm, QKV", "B: attention", "C: attention out", "D: add + norm, MLP in", "E: MLP out")
 # stage start (after its barrier), attention done, inputs staged, linears done (arrival at the barrier); then the ns
 # of the linears' phase spent waiting for weights and in the strips' meetings
@@ -36,37 +41,66 @@ class StepKernelUnavailable(RuntimeError):
 
 
 def enabled() -> bool:
-    return os.environ.get("PATCHER_STEP_KERNEL", "1") != "0"
+    """Whether the decode runner uses the step kernel unless told otherwise: PATCHER_STEP_KERNEL=1 (opt-in)."""
+    return os.environ.get("PATCHER_STEP_KERNEL", "0") == "1"
 
 
-# ---- the work split (kernels/step.cuh) -------------------------------------------------------------------------
-def run_start(units: int, blocks: int, block: int) -> int:
-    """Block b's run is [run_start(b), run_start(b + 1)): units // blocks each, one more for the first
-    units % blocks, so the blocks holding a strip's units are consecutive (the last hold none if units < blocks)."""
-    q, r = divmod(units, blocks)
-    return block * q + min(block, r)
+# ---- the work split (kernels/step.cuh: StageSplit) -------------------------------------------------------------
+@dataclass(frozen=True)
+class StageSplit:
+    """A linear stage's units (every strip of its first linear x its K units, strip-major, then its second's) in
+    equal runs over the blocks; strips are numbered over both linears."""
 
+    blocks: int
+    strips0: int
+    ku0: int
+    strips1: int = 0
+    ku1: int = 1
 
-def unit_owner(units: int, blocks: int, u: int) -> int:
-    """The block whose run holds unit u."""
-    q, r = divmod(units, blocks)
-    return u // (q + 1) if u < r * (q + 1) else r + (u - r * (q + 1)) // q
+    @property
+    def begin1(self) -> int:
+        return self.strips0 * self.ku0
 
+    @property
+    def units(self) -> int:
+        return self.begin1 + self.strips1 * self.ku1
 
-def unit_at(u0: int, u1: int, k_units: int, i: int) -> int:
-    """The i-th unit a block takes of its run [u0, u1): the run's last strip first, then the rest in order."""
-    s0, s1 = u0 // k_units, (u1 - 1) // k_units
-    if s0 == s1:
-        return u0 + i
-    tail = u1 - s1 * k_units
-    return s1 * k_units + i if i < tail else u0 + (i - tail)
+    def run_start(self, block: int) -> int:
+        """Block b's run is [run_start(b), run_start(b + 1)): units // blocks each, one more for the first
+        units % blocks, so the blocks holding a strip's units are consecutive (the last hold none if units < blocks)."""
+        q, r = divmod(self.units, self.blocks)
+        return block * q + min(block, r)
+
+    def owner(self, u: int) -> int:
+        """The block whose run holds unit u."""
+        q, r = divmod(self.units, self.blocks)
+        return u // (q + 1) if u < r * (q + 1) else r + (u - r * (q + 1)) // q
+
+    def strip_of(self, u: int) -> int:
+        return u // self.ku0 if u < self.begin1 else self.strips0 + (u - self.begin1) // self.ku1
+
+    def first_unit(self, strip: int) -> int:
+        return strip * self.ku0 if strip < self.strips0 else self.begin1 + (strip - self.strips0) * self.ku1
+
+    def last_unit(self, strip: int) -> int:
+        return self.first_unit(strip + 1) - 1
+
+    def pieces(self, u0: int, u1: int) -> list[tuple[int, int, int]]:
+        """A block's run [u0, u1) as pieces (strip, first unit, units), each the run's units of one strip: the run's
+        last strip first, then the rest in order, so that the two blocks sharing a strip both take it early."""
+        s0, s1 = self.strip_of(u0), self.strip_of(u1 - 1)
+        if s0 == s1:
+            return [(s0, u0, u1 - u0)]
+        out = [(s1, self.first_unit(s1), u1 - self.first_unit(s1))]
+        for strip in range(s0, s1):
+            first = max(u0, self.first_unit(strip))
+            out.append((strip, first, self.last_unit(strip) + 1 - first))
+        return out
 
 
 # ---- eligibility ---------------------------------------------------------------------------------------------
 def model_reason(runner) -> str | None:
     """Why the step kernel can never take this runner's model, or None (the C++ planner checks the rest)."""
-    if not enabled():
-        return "turned off (PATCHER_STEP_KERNEL=0)"
     if runner.device.type != "cuda":
         return "not a CUDA model"
     if torch.cuda.get_device_capability(runner.device)[0] != 9:
