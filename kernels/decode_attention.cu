@@ -7,35 +7,23 @@
 // short contexts do not pay for merging many near-empty partials. The block's G query heads all use each key it
 // loads; the other head groups of the same kv head read the same keys, mostly from L2.
 //
-// Inside a block, lane groups of D/8 lanes (padded to a power of two) each hold one key as 16-byte vectors. A step
-// loads UNROLL keys per group, scores them against the G queries (fp32, scaled by HF's head_dim^-0.5), and folds
-// them into a running softmax per head with one rescale per step. Groups are merged with shuffles within a warp and
-// through shared memory across warps. With
-// one share the block writes the output; otherwise each block writes its partial (max, sum, weighted V) and the
-// last block of the (row, head group) to finish, found with an atomic counter that it resets, merges the partials.
-// Softmax and the weighted sum are fp32; the output is rounded to the dtype once.
-#include "common.cuh"
+// Inside a block, the online softmax of attention.cuh (shared with the int4 step kernel): lane groups hold a key
+// each, the scores are fp32 scaled by HF's head_dim^-0.5, one share writes the output, several merge in the last
+// block to finish.
+#include "attention.cuh"
 
 namespace patcher {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kMaxSplits = 16;  // the last block merges this many partials with all loads in flight at once
-constexpr float kLog2e = 1.4426950408889634f;  // scores are kept in log2 units, so exp2 (one MUFU op) serves
+constexpr int kThreads = kAttnWarps * 32;
+constexpr int kMaxSplits = kAttnMaxSplits;
 
 template <typename T, int D, int GMAX>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const DecodeAttentionParams p) {
-  constexpr int kActive = D / 8;                   // lanes of a group holding 8 dims each
-  constexpr int kLanes = kActive <= 8 ? 8 : 16;    // group size, a power of two for xor shuffles
-  constexpr int kGroups = kWarps * (32 / kLanes);  // keys in flight per block per unrolled position
-  constexpr int kUnroll = GMAX >= 8 ? 2 : 4;       // keys per group per step (register budget)
-  constexpr int kStep = kGroups * kUnroll;         // keys per block step
-  __shared__ float s_m[kWarps][GMAX], s_l[kWarps][GMAX];
-  __shared__ float s_acc[kWarps][GMAX][D];
-  __shared__ float s_block_max[GMAX], s_block_sum[GMAX];
-  __shared__ float s_factor[GMAX][kMaxSplits], s_share_sum[GMAX][kMaxSplits], s_denominator[GMAX];
-  __shared__ bool s_last;
+  using Shape = AttnShape<D, GMAX>;
+  constexpr int kActive = Shape::kActive, kLanes = Shape::kLanes, kGroups = Shape::kGroups;
+  constexpr int kUnroll = Shape::kUnroll, kStep = Shape::kStep;
+  __shared__ AttnShared S;
 
   // slot and pad are read before the wait (and the first keys, below): the decode step writes them only between
   // steps (slot) and before the first (pad), never in the kernel just before this one, which is the only one that
@@ -49,8 +37,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   const int G = group_size - first < GMAX ? group_size - first : GMAX;
   const int64_t last_key = *p.slot, start = p.pad[b];
   const int64_t count = last_key + 1 - start;
-  const int64_t wanted = (count + kStep - 1) / kStep;  // at least one block step of keys per share
-  const int shares = static_cast<int>(wanted < p.splits ? (wanted > 1 ? wanted : 1) : p.splits);
+  const int shares = attention_shares<D, GMAX>(count, p.splits);
   if (split >= shares) return;  // this block has no keys at this context length
   const int64_t chunk = (count + shares - 1) / shares;
   const int64_t lo = start + split * chunk;
@@ -110,165 +97,17 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
     }
   }
   float m[GMAX], l[GMAX], acc[GMAX][8];
-#pragma unroll
-  for (int g = 0; g < GMAX; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
-  }
+  attend_init(m, l, acc);
 
-  // Every lane runs the same number of steps (the shuffles below need the whole warp).
+  // Every lane runs the same number of steps (the shuffles need the whole warp).
   for (int64_t base = lo; base < hi; base += kStep) {
     if (base != lo) load_step(base, -1);
-#pragma unroll
-    for (int g = 0; g < GMAX; ++g) {
-      if (g >= G) break;
-      float s[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        float dot = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) dot += q[g][j] * kv[u][j];
-#pragma unroll
-        for (int offset = kLanes / 2; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-        s[u] = valid[u] ? dot : -INFINITY;
-      }
-      float mx = m[g];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) mx = fmaxf(mx, s[u]);
-      if (mx == -INFINITY) continue;         // no key for this group in this step
-      const float alpha = exp2f(m[g] - mx);  // 0 while m is still -inf
-      l[g] *= alpha;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[g][j] *= alpha;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const float prob = exp2f(s[u] - mx);  // 0 for an invalid key
-        l[g] += prob;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[g][j] += prob * vv[u][j];
-      }
-      m[g] = mx;
-    }
+    attend_step<D, GMAX>(q, kv, vv, valid, G, m, l, acc);
   }
-
-  // Merge the lane groups of each warp (shuffles between lanes holding the same dims), then the warps.
-#pragma unroll
-  for (int offset = kLanes; offset < 32; offset <<= 1) {
-#pragma unroll
-    for (int g = 0; g < GMAX; ++g) {
-      if (g >= G) break;
-      const float other_m = __shfl_xor_sync(0xffffffffu, m[g], offset);
-      const float other_l = __shfl_xor_sync(0xffffffffu, l[g], offset);
-      const float mx = fmaxf(m[g], other_m);
-      const float mine = m[g] == -INFINITY ? 0.f : exp2f(m[g] - mx);
-      const float theirs = other_m == -INFINITY ? 0.f : exp2f(other_m - mx);
-      l[g] = l[g] * mine + other_l * theirs;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float other_acc = __shfl_xor_sync(0xffffffffu, acc[g][j], offset);
-        acc[g][j] = acc[g][j] * mine + other_acc * theirs;
-      }
-      m[g] = mx;
-    }
-  }
-  const int warp = threadIdx.x >> 5;
-  if (lane < kLanes) {
-#pragma unroll
-    for (int g = 0; g < GMAX; ++g) {
-      if (g >= G) break;
-      if (sub == 0) {
-        s_m[warp][g] = m[g];
-        s_l[warp][g] = l[g];
-      }
-      if (active) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) s_acc[warp][g][d0 + j] = acc[g][j];
-      }
-    }
-  }
-  __syncthreads();
-  // Each warp's weight in the block's softmax, once per (head, warp): exp2(m_warp - m_block), and the block's sum.
-  if (threadIdx.x < G) {
-    const int g = threadIdx.x;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int r = 0; r < kWarps; ++r) mx = fmaxf(mx, s_m[r][g]);
-    float sum = 0.f;
-#pragma unroll
-    for (int r = 0; r < kWarps; ++r) {
-      const float f = s_l[r][g] > 0.f ? exp2f(s_m[r][g] - mx) : 0.f;
-      s_l[r][g] *= f;  // the warp's sum, rescaled
-      s_m[r][g] = f;   // now the warp's factor
-      sum += s_l[r][g];
-    }
-    s_block_max[g] = mx;
-    s_block_sum[g] = sum;
-  }
-  __syncthreads();
   T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + head0) * D;
   float* partials = p.partials + ((static_cast<int64_t>(b) * p.num_q_heads + head0) * p.splits) * (D + 2);
-  for (int i = threadIdx.x; i < G * D; i += kThreads) {
-    const int g = i / D, d = i % D;
-    float weighted = 0.f;
-#pragma unroll
-    for (int r = 0; r < kWarps; ++r) weighted += s_acc[r][g][d] * s_m[r][g];
-    if (shares == 1) {
-      out[i] = from_float<T>(weighted / s_block_sum[g]);
-    } else {
-      float* part = partials + (static_cast<int64_t>(g) * p.splits + split) * (D + 2);
-      part[d] = weighted;
-      if (d == 0) {
-        part[D] = s_block_max[g];
-        part[D + 1] = s_block_sum[g];
-      }
-    }
-  }
-  if (shares == 1) return;
-
-  // The last block of this (row, kv head) merges the partials of all shares.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int done = atomicAdd(p.counters + b * p.num_q_heads + head0, 1);
-    s_last = done == shares - 1;
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  for (int i = threadIdx.x; i < G * shares; i += kThreads) {  // gather each share's max and sum
-    const int g = i / shares, s = i % shares;
-    const float* part = partials + (static_cast<int64_t>(g) * p.splits + s) * (D + 2);
-    s_factor[g][s] = __ldcg(part + D);
-    s_share_sum[g][s] = __ldcg(part + D + 1);
-  }
-  __syncthreads();
-  if (threadIdx.x < G) {  // per head: the global max, each share's weight, the softmax denominator
-    const int g = threadIdx.x;
-    float mx = -INFINITY;
-    for (int s = 0; s < shares; ++s) mx = fmaxf(mx, s_factor[g][s]);
-    float denominator = 0.f;
-    for (int s = 0; s < shares; ++s) {
-      const float f = s_share_sum[g][s] > 0.f ? exp2f(s_factor[g][s] - mx) : 0.f;
-      s_factor[g][s] = f;
-      denominator += s_share_sum[g][s] * f;
-    }
-    s_denominator[g] = denominator;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += kThreads) {
-    const int g = i / D, d = i % D;
-    const float* part = partials + static_cast<int64_t>(g) * p.splits * (D + 2) + d;
-    float values[kMaxSplits];
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) values[s] = s < shares ? __ldcg(part + s * (D + 2)) : 0.f;
-    float weighted = 0.f;
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) weighted += s < shares ? values[s] * s_factor[g][s] : 0.f;
-    out[i] = from_float<T>(weighted / s_denominator[g]);
-  }
-  if (threadIdx.x == 0) p.counters[b * p.num_q_heads + head0] = 0;  // ready for the next launch
+  attend_finish<T, D, GMAX>(S, m, l, acc, G, shares, split, p.splits, out, partials,
+                            p.counters + b * p.num_q_heads + head0, [] { __syncthreads(); });
 }
 
 template <typename T, int D>

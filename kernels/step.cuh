@@ -36,7 +36,8 @@
 #pragma once
 #include <cuda.h>
 
-#include "int4_tma.cuh"  // the swizzled qweight boxes (stage_row), mma_16816, the mbarrier and copy wrappers
+#include "attention.cuh"  // the decode attention's online softmax
+#include "int4_tma.cuh"   // the swizzled qweight boxes (stage_row), mma_16816, the mbarrier and copy wrappers
 
 namespace patcher {
 namespace {
@@ -49,16 +50,13 @@ constexpr int kStepQBytes = 4 * kStepBoxBytes;           // a unit's qweight: 4 
 constexpr int kStepMaxHeadDim = 128;
 constexpr unsigned long long kBarrierTimeoutNs = 10ull * 1000 * 1000 * 1000;  // a stuck grid barrier traps
 
-// The attention's shared memory (decode_attention.cu's arrays, and the current token's q, k, v).
+// The attention's shared memory: the merges' (attention.cuh), and the current token's q, k, v.
 struct AttnScratch {
-  float m[kStepConsumers][2], l[kStepConsumers][2];
-  float acc[kStepConsumers][2][kStepMaxHeadDim];
-  float block_max[2], block_sum[2];
-  float factor[2][16], share_sum[2][16], denominator[2];
+  AttnShared merge;
   float raw[4][kStepMaxHeadDim];  // the projection's q (up to 2 heads), k, v of the current token
   float rot[4][kStepMaxHeadDim];  // the same after RoPE, rounded to the dtype
-  int last;
 };
+static_assert(kStepConsumers == kAttnWarps, "the attention runs on the compute warps");
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
@@ -653,24 +651,18 @@ __device__ __forceinline__ int qkv_column(const StepPlan& P, int part, int head,
   return slot * P.head_dim + d;
 }
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 template <typename T, int D, int GMAX>
 __device__ void attention_item(const StepPlan& P, const StepAttention& A, int b, int kvh, int first, int split,
                                AttnScratch& S) {
-  constexpr int kWarps = kStepConsumers;
-  constexpr int kActive = D / 8;
-  constexpr int kLanes = kActive <= 8 ? 8 : 16;
-  constexpr int kGroups = kWarps * (32 / kLanes);
-  constexpr int kUnroll = 4;
-  constexpr int kStep = kGroups * kUnroll;
+  using Shape = AttnShape<D, GMAX>;
+  constexpr int kActive = Shape::kActive, kLanes = Shape::kLanes, kGroups = Shape::kGroups;
+  constexpr int kUnroll = Shape::kUnroll, kStep = Shape::kStep;
   const int hq = P.num_q_heads, hkv = P.num_kv_heads, group_size = hq / hkv;
   const int G = group_size - first < GMAX ? group_size - first : GMAX;
   const int head0 = kvh * group_size + first;
   const int64_t last_key = *P.slot, start = P.pad[b];
   const int64_t count = last_key + 1 - start;
-  const int64_t wanted = (count + kStep - 1) / kStep;
-  const int shares = static_cast<int>(wanted < P.splits ? (wanted > 1 ? wanted : 1) : P.splits);
+  const int shares = attention_shares<D, GMAX>(count, P.splits);
   if (split >= shares) return;  // no keys for this share at this context length
   const int64_t chunk = (count + shares - 1) / shares;
   const int64_t lo = start + split * chunk;
@@ -680,7 +672,7 @@ __device__ void attention_item(const StepPlan& P, const StepAttention& A, int b,
 
   // The current token's q (G heads), k and v from the projection, then RoPE as rope_qkv_cache computes it.
   const T* qkv = static_cast<const T*>(P.qkv) + static_cast<int64_t>(b) * P.qkv_width;
-  for (int i = tid; i < (G + 2) * D; i += kWarps * 32) {
+  for (int i = tid; i < (G + 2) * D; i += kStepConsumers * 32) {
     const int r = i / D, d = i % D;
     const int part = r < G ? 0 : r - G + 1, head = r < G ? head0 + r : kvh;
     S.raw[r][d] = to_float(load_cg(qkv + qkv_column(P, part, head, d)));
@@ -693,7 +685,7 @@ __device__ void attention_item(const StepPlan& P, const StepAttention& A, int b,
   const int R = P.rotary_dim, half_r = R / 2;
   const bool writer = split == 0 && first == 0;
   const int64_t cache_row = ((static_cast<int64_t>(b) * hkv + kvh) * P.capacity + last_key) * D;
-  for (int i = tid; i < (G + 2) * D; i += kWarps * 32) {
+  for (int i = tid; i < (G + 2) * D; i += kStepConsumers * 32) {
     const int r = i / D, d = i % D;
     const int part = r < G ? 0 : r - G + 1;
     float y = S.raw[r][d];
@@ -723,13 +715,7 @@ __device__ void attention_item(const StepPlan& P, const StepAttention& A, int b,
     for (int j = 0; j < 8; ++j) q[g][j] = g < G && active ? S.rot[g][d0 + j] * P.scale * kLog2e : 0.f;
   }
   float m[GMAX], l[GMAX], acc[GMAX][8];
-#pragma unroll
-  for (int g = 0; g < GMAX; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
-  }
+  attend_init(m, l, acc);
   for (int64_t base = lo; base < hi; base += kStep) {
     float kv[kUnroll][8], vv[kUnroll][8];
     bool valid[kUnroll];
@@ -748,145 +734,12 @@ __device__ void attention_item(const StepPlan& P, const StepAttention& A, int b,
         }
       }
     }
-#pragma unroll
-    for (int g = 0; g < GMAX; ++g) {
-      if (g >= G) break;
-      float sc[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        float dot = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) dot += q[g][j] * kv[u][j];
-#pragma unroll
-        for (int offset = kLanes / 2; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-        sc[u] = valid[u] ? dot : -INFINITY;
-      }
-      float mx = m[g];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) mx = fmaxf(mx, sc[u]);
-      if (mx == -INFINITY) continue;
-      const float alpha = exp2f(m[g] - mx);
-      l[g] *= alpha;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[g][j] *= alpha;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const float prob = exp2f(sc[u] - mx);
-        l[g] += prob;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[g][j] += prob * vv[u][j];
-      }
-      m[g] = mx;
-    }
+    attend_step<D, GMAX>(q, kv, vv, valid, G, m, l, acc);
   }
-#pragma unroll
-  for (int offset = kLanes; offset < 32; offset <<= 1) {
-#pragma unroll
-    for (int g = 0; g < GMAX; ++g) {
-      if (g >= G) break;
-      const float other_m = __shfl_xor_sync(0xffffffffu, m[g], offset);
-      const float other_l = __shfl_xor_sync(0xffffffffu, l[g], offset);
-      const float mx = fmaxf(m[g], other_m);
-      const float mine = m[g] == -INFINITY ? 0.f : exp2f(m[g] - mx);
-      const float theirs = other_m == -INFINITY ? 0.f : exp2f(other_m - mx);
-      l[g] = l[g] * mine + other_l * theirs;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float other_acc = __shfl_xor_sync(0xffffffffu, acc[g][j], offset);
-        acc[g][j] = acc[g][j] * mine + other_acc * theirs;
-      }
-      m[g] = mx;
-    }
-  }
-  const int warp = tid >> 5;
-  if (lane < kLanes) {
-#pragma unroll
-    for (int g = 0; g < GMAX; ++g) {
-      if (g >= G) break;
-      if (sub == 0) {
-        S.m[warp][g] = m[g];
-        S.l[warp][g] = l[g];
-      }
-      if (active) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) S.acc[warp][g][d0 + j] = acc[g][j];
-      }
-    }
-  }
-  consumers_sync();
-  if (tid < G) {
-    const int g = tid;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int r = 0; r < kWarps; ++r) mx = fmaxf(mx, S.m[r][g]);
-    float sum = 0.f;
-#pragma unroll
-    for (int r = 0; r < kWarps; ++r) {
-      const float f = S.l[r][g] > 0.f ? exp2f(S.m[r][g] - mx) : 0.f;
-      S.l[r][g] *= f;
-      S.m[r][g] = f;
-      sum += S.l[r][g];
-    }
-    S.block_max[g] = mx;
-    S.block_sum[g] = sum;
-  }
-  consumers_sync();
   T* out = static_cast<T*>(P.attn) + (static_cast<int64_t>(b) * hq + head0) * D;
   float* partials = P.attn_partials + ((static_cast<int64_t>(b) * hq + head0) * P.splits) * (D + 2);
-  for (int i = tid; i < G * D; i += kWarps * 32) {
-    const int g = i / D, d = i % D;
-    float weighted = 0.f;
-#pragma unroll
-    for (int r = 0; r < kWarps; ++r) weighted += S.acc[r][g][d] * S.m[r][g];
-    if (shares == 1) {
-      out[i] = from_float<T>(weighted / S.block_sum[g]);
-    } else {
-      float* part = partials + (static_cast<int64_t>(g) * P.splits + split) * (D + 2);
-      part[d] = weighted;
-      if (d == 0) {
-        part[D] = S.block_max[g];
-        part[D + 1] = S.block_sum[g];
-      }
-    }
-  }
-  if (shares == 1) return;
-  __threadfence();
-  consumers_sync();
-  if (tid == 0) {
-    const int done = atomicAdd(P.attn_counters + b * hq + head0, 1);
-    S.last = done == shares - 1;
-  }
-  consumers_sync();
-  if (!S.last) return;
-  __threadfence();
-  for (int i = tid; i < G * shares; i += kWarps * 32) {
-    const int g = i / shares, sh = i % shares;
-    const float* part = partials + (static_cast<int64_t>(g) * P.splits + sh) * (D + 2);
-    S.factor[g][sh] = __ldcg(part + D);
-    S.share_sum[g][sh] = __ldcg(part + D + 1);
-  }
-  consumers_sync();
-  if (tid < G) {
-    const int g = tid;
-    float mx = -INFINITY;
-    for (int sh = 0; sh < shares; ++sh) mx = fmaxf(mx, S.factor[g][sh]);
-    float denominator = 0.f;
-    for (int sh = 0; sh < shares; ++sh) {
-      const float f = S.share_sum[g][sh] > 0.f ? exp2f(S.factor[g][sh] - mx) : 0.f;
-      S.factor[g][sh] = f;
-      denominator += S.share_sum[g][sh] * f;
-    }
-    S.denominator[g] = denominator;
-  }
-  consumers_sync();
-  for (int i = tid; i < G * D; i += kWarps * 32) {
-    const int g = i / D, d = i % D;
-    const float* part = partials + static_cast<int64_t>(g) * P.splits * (D + 2) + d;
-    float weighted = 0.f;
-    for (int sh = 0; sh < shares; ++sh) weighted += __ldcg(part + sh * (D + 2)) * S.factor[g][sh];
-    out[i] = from_float<T>(weighted / S.denominator[g]);
-  }
-  if (tid == 0) P.attn_counters[b * hq + head0] = 0;  // for the next layer
+  attend_finish<T, D, GMAX>(S.merge, m, l, acc, G, shares, split, P.splits, out, partials,
+                            P.attn_counters + b * hq + head0, [] { consumers_sync(); });
 }
 
 template <typename T>
