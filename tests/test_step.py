@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from conftest import HAS_CUDA, assert_within_torch_error, max_err, requires_cuda
+from conftest import HAS_CUDA, assert_within_torch_error, max_err
 from test_gptq import gptq_model
 
 from patcher import patch_model
