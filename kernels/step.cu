@@ -55,12 +55,6 @@ int64_t width_of(const StepLinearDesc& l) {
   return n;
 }
 
-// step.cuh: StageSplit::owner.
-int unit_owner_host(int units, int blocks, int u) {
-  const int q = units / blocks, r = units % blocks;
-  return u < r * (q + 1) ? u / (q + 1) : r + (u - r * (q + 1)) / q;
-}
-
 // Why the kernel cannot read this linear, or nullptr.
 const char* linear_reason(const StepLinearDesc& l, int64_t k, bool silu, int64_t group_size) {
   if (l.num_segments < 1 || l.num_segments > kInt4MaxSegments) return "a linear with no or too many segments";
@@ -203,14 +197,20 @@ Regions split_units(Built& built, int blocks, int64_t batch, int64_t& max_x) {
     }
     st.units = static_cast<int32_t>(units);
     max_x = std::max<int64_t>(max_x, x * 2);
+    const LinearPlan& first = built.linears[st.linear[0]];
+    const bool two = st.num_linears > 1;
+    const StageSplit split{st.units,
+                           blocks,
+                           k_units_of(first.k),
+                           two ? k_units_of(built.linears[st.linear[1]].k) : 1,
+                           two ? built.linears[st.linear[1]].unit_begin : st.units,
+                           first.strips};
+    int strip = 0;  // numbered over both linears, as the kernel's split numbers them
     for (int j = 0; j < st.num_linears; ++j) {
       LinearPlan& lp = built.linears[st.linear[j]];
-      const int ku = k_units_of(lp.k);
       lp.slots = 1;
-      for (int t = 0; t < lp.strips; ++t) {
-        const int u = lp.unit_begin + t * ku;
-        lp.slots = std::max(lp.slots,
-                            unit_owner_host(st.units, blocks, u + ku - 1) - unit_owner_host(st.units, blocks, u) + 1);
+      for (int t = 0; t < lp.strips; ++t, ++strip) {
+        lp.slots = std::max(lp.slots, split.owner(split.last_unit(strip)) - split.owner(split.first_unit(strip)) + 1);
       }
       r.flags[j] = std::max<int64_t>(r.flags[j], static_cast<int64_t>(lp.strips) * lp.slots);
       r.partials[j] = std::max<int64_t>(r.partials[j], static_cast<int64_t>(lp.slots) * batch * lp.strips * 128);

@@ -6,8 +6,8 @@
 // floor. Here the grid (one block per SM, launched cooperatively so that every block is resident) runs the layers'
 // stages one after another, and stages meet at grid-wide barriers instead of kernel boundaries:
 //   parallel residual (GPT-NeoX)  A: add + both LayerNorms, QKV and the MLP's first linear (one input sum)
-//                                 B: attention (RoPE, K/V into the cache) and the MLP's second linear
-//                                 C: the attention output projection
+//                                 B: attention (RoPE, K/V into the cache)
+//                                 C: the attention output projection and the MLP's second linear
 //   sequential (LLaMA, Qwen2)     A: add + norm, QKV   B: attention   C: output projection
 //                                 D: add + norm, gate | up with SiLU * up   E: down projection
 // The weights do not depend on the activations, so each block's producer warp streams its share of every stage's
@@ -18,9 +18,10 @@
 // Work split of a linear stage. Output columns come in strips of 128 (4 column warps; gate | up: 64 gate columns
 // and the same 64 up columns), K in units of 256 (32 qweight rows). The stage's units (every strip of its linears x
 // every K unit, strip-major) are cut into equal runs, one per block, so every block carries the same bytes. A strip
-// whose units lie in several blocks' runs is finished by the last of them to arrive (partial sums in the workspace,
-// in block order, so the sums are deterministic); a block takes the strip at the end of its run first and the one at
-// its start second, so that both blocks that share a strip meet early in the stage, not at its end.
+// whose units lie in several blocks' runs is finished by the owner of its last unit, which waits for the others'
+// flags and adds their partial sums (in the workspace) in block order, so the sums are deterministic; a block takes
+// the strip at the end of its run first and the one at its start second, so that both blocks that share a strip
+// meet early in the stage, not at its end.
 //
 // Arithmetic. Lane 4g + q of a column warp reads a 16-byte chunk (4 columns x 8 k of one qweight row) of the
 // swizzled box and dequantizes it to the exact integers q - zero (small integers, exact in fp16 and bf16: no
@@ -58,6 +59,51 @@ struct AttnScratch {
 };
 static_assert(kStepConsumers == kAttnWarps, "the attention runs on the compute warps");
 
+// ---- the work split (step.cu plans with it; patcher/decode/step.py mirrors it: StageSplit) ----
+// A stage's units: every strip of its first linear x its K units (strip-major), then the same for its second.
+// Block b's run is [run_start(b), run_start(b + 1)): units / blocks each, one more for the first units % blocks, so
+// the blocks that hold the units of a strip are consecutive (where units < blocks, the last blocks hold none).
+struct StageSplit {
+  int units, blocks;
+  int ku0, ku1;  // K units of the two linears
+  int begin1;    // the second linear's first unit
+  int strips0;   // the first linear's strips
+
+  __host__ __device__ __forceinline__ int run_start(int block) const {
+    const int q = units / blocks, r = units % blocks;
+    return block * q + (block < r ? block : r);
+  }
+  // The block whose run holds unit u.
+  __host__ __device__ __forceinline__ int owner(int u) const {
+    const int q = units / blocks, r = units % blocks;
+    return u < r * (q + 1) ? u / (q + 1) : r + (u - r * (q + 1)) / q;
+  }
+  // Strips numbered over both linears.
+  __host__ __device__ __forceinline__ int strip_of(int u) const {
+    return u < begin1 ? u / ku0 : strips0 + (u - begin1) / ku1;
+  }
+  __host__ __device__ __forceinline__ int first_unit(int strip) const {
+    return strip < strips0 ? strip * ku0 : begin1 + (strip - strips0) * ku1;
+  }
+  __host__ __device__ __forceinline__ int last_unit(int strip) const {
+    return (strip < strips0 ? (strip + 1) * ku0 : begin1 + (strip + 1 - strips0) * ku1) - 1;
+  }
+  // A block's run [u0, u1) as pieces, each the run's units of one strip: the run's last strip first, then the rest
+  // in order, so that the two blocks that share a strip both take it early in the stage.
+  __host__ __device__ __forceinline__ int pieces(int u0, int u1) const {
+    const int s0 = strip_of(u0), s1 = strip_of(u1 - 1);
+    return s0 == s1 ? 1 : s1 - s0 + 1;
+  }
+  // Piece p: its strip, first unit and number of units.
+  __host__ __device__ __forceinline__ int3 piece(int u0, int u1, int p) const {
+    const int s0 = strip_of(u0), s1 = strip_of(u1 - 1);
+    if (s0 == s1) return make_int3(s0, u0, u1 - u0);
+    if (p == 0) return make_int3(s1, first_unit(s1), u1 - first_unit(s1));
+    const int strip = s0 + p - 1, first = u0 > first_unit(strip) ? u0 : first_unit(strip);
+    return make_int3(strip, first, last_unit(strip) + 1 - first);
+  }
+};
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
 // The compute warps meet at named barrier 1 (the producer warp never joins them).
@@ -92,6 +138,12 @@ __device__ __forceinline__ unsigned long long global_ns() {
   return t;
 }
 
+// A spin that has lasted kBarrierTimeoutNs traps: a stuck barrier or flag ends the launch with an error instead of
+// hanging the GPU. Checked every 1024 spins.
+__device__ __forceinline__ void trap_if_stuck(unsigned spins, unsigned long long start) {
+  if (spins % 1024 == 0 && global_ns() - start > kBarrierTimeoutNs) __trap();
+}
+
 // Every block's compute warps arrive; the step's barriers count up from the epoch the previous launch left
 // (barrier[1]), so the counter never needs resetting. One thread per block arrives (release: the block's writes
 // before it, ordered by the named barrier, become visible) and polls (acquire).
@@ -104,54 +156,11 @@ __device__ void grid_barrier(unsigned long long* counter, unsigned long long tar
       unsigned long long seen;
       asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(counter) : "memory");
       if (seen >= target) break;
-      if (spins % 1024 == 0 && global_ns() - start > kBarrierTimeoutNs) __trap();  // never hang the GPU
+      trap_if_stuck(spins, start);
     }
   }
   consumers_sync();
 }
-
-// ---- the work split (mirrored by patcher/decode/step.py: StageSplit) ----
-// A stage's units: every strip of its first linear x its K units (strip-major), then the same for its second.
-// Block b's run is [run_start(b), run_start(b + 1)): units / blocks each, one more for the first units % blocks, so
-// the blocks that hold the units of a strip are consecutive (where units < blocks, the last blocks hold none).
-struct StageSplit {
-  int units, blocks;
-  int ku0, ku1;  // K units of the two linears
-  int begin1;    // the second linear's first unit
-  int strips0;   // the first linear's strips
-
-  __device__ __forceinline__ int run_start(int block) const {
-    const int q = units / blocks, r = units % blocks;
-    return block * q + (block < r ? block : r);
-  }
-  // The block whose run holds unit u.
-  __device__ __forceinline__ int owner(int u) const {
-    const int q = units / blocks, r = units % blocks;
-    return u < r * (q + 1) ? u / (q + 1) : r + (u - r * (q + 1)) / q;
-  }
-  // Strips numbered over both linears.
-  __device__ __forceinline__ int strip_of(int u) const { return u < begin1 ? u / ku0 : strips0 + (u - begin1) / ku1; }
-  __device__ __forceinline__ int first_unit(int strip) const {
-    return strip < strips0 ? strip * ku0 : begin1 + (strip - strips0) * ku1;
-  }
-  __device__ __forceinline__ int last_unit(int strip) const {
-    return (strip < strips0 ? (strip + 1) * ku0 : begin1 + (strip + 1 - strips0) * ku1) - 1;
-  }
-  // A block's run [u0, u1) as pieces, each the run's units of one strip: the run's last strip first, then the rest
-  // in order, so that the two blocks that share a strip both take it early in the stage.
-  __device__ __forceinline__ int pieces(int u0, int u1) const {
-    const int s0 = strip_of(u0), s1 = strip_of(u1 - 1);
-    return s0 == s1 ? 1 : s1 - s0 + 1;
-  }
-  // Piece p: its strip, first unit and number of units.
-  __device__ __forceinline__ int3 piece(int u0, int u1, int p) const {
-    const int s0 = strip_of(u0), s1 = strip_of(u1 - 1);
-    if (s0 == s1) return make_int3(s0, u0, u1 - u0);
-    if (p == 0) return make_int3(s1, first_unit(s1), u1 - first_unit(s1));
-    const int strip = s0 + p - 1, first = max(u0, first_unit(strip));
-    return make_int3(strip, first, last_unit(strip) + 1 - first);
-  }
-};
 
 __device__ __forceinline__ StageSplit stage_split(const StepStage& st, const StepLinearInfo* info) {
   StageSplit s;
@@ -233,7 +242,8 @@ __device__ void issue_unit(const StepLinear& maps, const StepLinearInfo& L, int 
 __device__ void produce(const StepPlan& P, unsigned char* ring, uint64_t* full, uint64_t* empty, StepLinearInfo* info) {
   const int S = P.ring_slots;
   int slot = 0;
-  unsigned issued = 0;
+  bool wrapped = false;  // every slot has been filled once: a slot is free again once its consumers release it
+  unsigned phase = 0;    // of the release a slot's next reuse waits for
   for (int si = 0; si < P.num_stages; ++si) {
     const StepStage& st = P.stages[si];
     if (st.num_linears == 0) continue;
@@ -248,10 +258,13 @@ __device__ void produce(const StepPlan& P, unsigned char* ring, uint64_t* full, 
       const StepLinear& maps = P.linears[st.linear[li]];
       const int t = pc.x - li * split.strips0, ku = pc.y - split.first_unit(pc.x);
       for (int i = 0; i < pc.z; ++i) {
-        if (issued >= static_cast<unsigned>(S)) bar_wait(&empty[slot], ((issued / S) - 1) & 1u);
+        if (wrapped) bar_wait(&empty[slot], phase);
         issue_unit(maps, L, t, ku + i, ring + slot * P.slot_bytes, &full[slot], P.bounds & 2);
-        ++issued;
-        if (++slot == S) slot = 0;
+        if (++slot == S) {
+          slot = 0;
+          if (wrapped) phase ^= 1u;
+          wrapped = true;
+        }
       }
     }
   }
@@ -594,9 +607,7 @@ __device__ __noinline__ void finish_piece(const StepPlan& P, const StepLinearInf
   if (nslots > 1) {
     if (tid < nslots - 1) {  // one thread per other block: its flag
       const unsigned long long start = global_ns();
-      for (unsigned spins = 1; load_acquire(flags + tid) != tag; ++spins) {
-        if (spins % 1024 == 0 && global_ns() - start > kBarrierTimeoutNs) __trap();
-      }
+      for (unsigned spins = 1; load_acquire(flags + tid) != tag; ++spins) trap_if_stuck(spins, start);
     }
     consumers_sync();
     for (int e = tid; e < B * 128; e += kStepConsumers * 32) {
@@ -682,19 +693,13 @@ __device__ void attention_item(const StepPlan& P, const StepAttention& A, int b,
   pos = pos < 0 ? 0 : (pos >= P.table_len ? P.table_len - 1 : pos);
   const T* cos = static_cast<const T*>(P.cos) + pos * P.rotary_dim;
   const T* sin = static_cast<const T*>(P.sin) + pos * P.rotary_dim;
-  const int R = P.rotary_dim, half_r = R / 2;
+  const int R = P.rotary_dim;
   const bool writer = split == 0 && first == 0;
   const int64_t cache_row = ((static_cast<int64_t>(b) * hkv + kvh) * P.capacity + last_key) * D;
   for (int i = tid; i < (G + 2) * D; i += kStepConsumers * 32) {
     const int r = i / D, d = i % D;
     const int part = r < G ? 0 : r - G + 1;
-    float y = S.raw[r][d];
-    if (part != 2 && d < R) {
-      const float rotated = d < half_r ? -S.raw[r][d + half_r] : S.raw[r][d - half_r];
-      // __fmul_rn/__fadd_rn keep fp32 from contracting into an FMA: torch rounds each product separately.
-      y = round_to<T>(
-          __fadd_rn(round_to<T>(__fmul_rn(y, to_float(cos[d]))), round_to<T>(__fmul_rn(rotated, to_float(sin[d])))));
-    }
+    const float y = rotate<T>(S.raw[r], d, Slot{part, 0, d}, R, cos, sin);  // rope.cuh, as rope_qkv_cache
     S.rot[r][d] = y;
     if (writer && part != 0) static_cast<T*>(part == 1 ? A.k_cache : A.v_cache)[cache_row + d] = from_float<T>(y);
   }
@@ -798,7 +803,7 @@ __device__ void consume(const StepPlan& P, unsigned char* base, uint64_t* full, 
   const auto mark = [&](int si, int k) { record(si, k, timed ? global_ns() : 0); };
   unsigned long long waited = 0, met = 0, since = 0;
   int slot = 0;
-  unsigned consumed = 0;
+  unsigned phase = 0;  // of the slots' fill the consumers wait for next
   if (P.stages[0].norm) prefetch_norm<T>(P, P.stages[0], norm_params);
   for (int si = 0; si < P.num_stages; ++si) {
     if (si > 0) {
@@ -841,13 +846,15 @@ __device__ void consume(const StepPlan& P, unsigned char* base, uint64_t* full, 
         float acc[2][4] = {};
         for (int i = 0; i < pc.z; ++i) {
           if (timed) since = global_ns();
-          bar_wait(&full[slot], (consumed / P.ring_slots) & 1u);
+          bar_wait(&full[slot], phase);
           if (timed) waited += global_ns() - since;
           if (!(P.bounds & 1)) unit_compute<T>(L, mine, ku + i, ring + slot * P.slot_bytes, xs, P.batch, acc);
           __syncwarp();
           if (lane == 0) bar_arrive(&empty[slot]);  // the slot is free for the producer
-          ++consumed;
-          if (++slot == P.ring_slots) slot = 0;
+          if (++slot == P.ring_slots) {
+            slot = 0;
+            phase ^= 1u;
+          }
         }
         const int owner = split.owner(split.first_unit(pc.x));
         const int nslots = split.owner(split.last_unit(pc.x)) - owner + 1;
