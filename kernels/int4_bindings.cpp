@@ -135,19 +135,20 @@ void launch_split(patcher::Int4Params& p, int64_t splits, Tensor& workspace, con
   check_int4_launch(patcher::launch_int4_gemv(p, c10::cuda::getCurrentCUDAStream()), op);
 }
 
+// The op's parameters from its weights and x; x_width: x's part of in_features (all of it but for int4_gemv_cat).
 patcher::Int4Params base_params(const Tensor& x, TensorList qweight, TensorList qzeros, TensorList scales,
                                 TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order,
-                                int64_t zero_offset) {
+                                int64_t zero_offset, int64_t x_width = -1) {
   patcher::Int4Params p{};
   p.num_segments = static_cast<int>(qweight.size());
   p.k = fill_segments(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, p.seg);
-  check_x(x, p.k, "x");
+  check_x(x, x_width < 0 ? p.k : x_width, "x");
   TORCH_CHECK(zero_offset == 0 || zero_offset == 1, "patcher: zero_offset must be 1 (GPTQ v1) or 0 (v2)");
   p.dtype = dtype_of(x);
   p.group_size = act_order ? 1 : group_size;
   p.act_order = act_order;
   p.zero_offset = static_cast<int32_t>(zero_offset);
-  p.batch = x.numel() / p.k;
+  p.batch = x.numel() / x.size(-1);
   return p;
 }
 
@@ -198,6 +199,37 @@ std::tuple<Tensor, Tensor, Tensor> int4_gemv(const Tensor& x, const OptTensor& d
   p.out = out.data_ptr();
   launch_split(p, splits, workspace, "int4_gemv");
   return {out, pro.sum, pro.h2};
+}
+
+// out = [x | x2] @ W + bias: one linear over two activations side by side along k (x [batch, k1], x2 [batch, k - k1]),
+// as GPT-NeoX's attention output and MLP hidden through its two output projections stacked along k.
+Tensor int4_gemv_cat(const Tensor& x, const Tensor& x2, TensorList qweight, TensorList qzeros, TensorList scales,
+                     TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order, int64_t zero_offset,
+                     int64_t splits, Tensor& workspace) {
+  TORCH_CHECK(x.is_cuda() && x2.is_cuda() && x2.device() == x.device(), "patcher: x and x2 must be CUDA tensors on ",
+              "one device, got ", x.device(), " and ", x2.device());
+  TORCH_CHECK(x.dim() == 2 && x2.dim() == 2 && x2.size(0) == x.size(0) && x2.scalar_type() == x.scalar_type(),
+              "patcher: int4_gemv_cat takes x [batch, k1] and x2 [batch, k2] of one dtype, got ", x.scalar_type(), " ",
+              dims(x.sizes()), " and ", x2.scalar_type(), " ", dims(x2.sizes()));
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t k1 = x.size(1);
+  TORCH_CHECK(k1 % 8 == 0 && k1 > 0, "patcher: int4_gemv_cat needs x's width a positive multiple of 8, got ",
+              std::to_string(k1));
+  patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset, k1);
+  TORCH_CHECK(k1 + x2.size(1) == p.k, "patcher: x and x2 widths ", std::to_string(k1), " + ",
+              std::to_string(x2.size(1)), " do not add up to the weight's in_features ", std::to_string(p.k));
+  matrix_vector_input(p, x);
+  p.x2 = x2.data_ptr();
+  p.x2_stride = row_stride(x2, "x2");
+  p.x2_k = k1;
+  p.epilogue = patcher::kInt4Store;
+  p.act = patcher::kActNone;
+  int64_t n_out = 0;
+  for (int s = 0; s < p.num_segments; ++s) n_out += p.seg[s].n;
+  Tensor out = at::empty({x.size(0), n_out}, x.options());
+  p.out = out.data_ptr();
+  launch_split(p, splits, workspace, "int4_gemv_cat");
+  return out;
 }
 
 std::tuple<Tensor, Tensor, Tensor> int4_qkv_rope_cache(
@@ -289,5 +321,6 @@ Tensor int4_linear(const Tensor& x, TensorList qweight, TensorList qzeros, Tenso
 TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_gemv", &int4_gemv);
+  m.impl("int4_gemv_cat", &int4_gemv_cat);
   m.impl("int4_qkv_rope_cache", &int4_qkv_rope_cache);
 }

@@ -201,6 +201,10 @@ struct Int4Params {
   int32_t zero_offset;  // 1 for the v1 format (stores zero - 1), 0 for v2
   const void* x;
   int64_t x_stride;
+  // A second input for k >= x2_k (0: none): the op reads [x | x2] along k, as one linear over two activations
+  // (GPT-NeoX's attention output and MLP hidden through [W_dense; W_mlp_out]). Not with the norm prologue.
+  const void* x2;
+  int64_t x2_stride, x2_k;
   NormPrologue norm;
   // Epilogue.
   int32_t epilogue;

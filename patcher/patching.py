@@ -30,6 +30,8 @@ from .layers.attention import attention_plan, check_attention, undo_attention_pl
 from .layers.decoder import LayerPlan
 from .layers.mlp import check_mlp, mlp_plan, undo_mlp_plan
 from .layers.norm import check_norm, dual_norm_plan, norm_plan
+from .layers.out_pair import FUSED as OUT_PAIR_FUSED
+from .layers.out_pair import fuse_out_pair, out_pair_reason, undo_out_pair
 from .layers.weights import is_int4
 from .models.spec import ArchSpec
 from .registry import REGISTRY, Entry
@@ -258,9 +260,20 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
             swap(norm, entry.norm, norm_plan(norm, spec, ops), f"{spec.norm} norm ({ops.name})")
 
         plan = LayerPlan(attention=attn, mlp=mlp, next_patched=next_reason is None)
+        undo_layer = None
         if parallel:
             plan.dual_norm, plan.add_dual_norm = dual_norm_plan(in_norm, post_norm, spec, ops)
             fn, detail = entry.parallel_layer, "parallel residual: add + both LayerNorms in one kernel"
+            dense, out = attn._patcher.out_int4, mlp._patcher.out_int4
+            if dense is not None or out is not None:  # GPTQ int4: the decode step's two output GEMVs as one
+                pair_reason = out_pair_reason(dense, out)
+                if pair_reason is None:
+                    modules = getattr(attn, spec.out_proj), getattr(mlp, spec.mlp_out)
+                    plan.out_pair = fuse_out_pair(layer, *modules, dense.group_size, dense.zero_offset)
+                    undo_layer = functools.partial(undo_out_pair, layer, *modules)
+                    detail += f"; decode: {spec.out_proj} + {spec.mlp_out} as one int4 GEMV over [attention | MLP]"
+                else:
+                    detail += f"; decode: {spec.out_proj} and {spec.mlp_out} apart ({pair_reason})"
         else:
             first = norm_plan(in_norm, spec, ops)
             plan.norm, plan.add_norm = first.norm, first.add_norm
@@ -268,7 +281,7 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
             fn, detail = entry.sequential_layer, f"residual adds fused into the next {spec.norm} norm"
         if not plan.next_patched:
             detail += "; hands a summed tensor to the unpatched module after it"
-        swap(layer, fn, plan, f"{detail} ({ops.name})")
+        swap(layer, fn, plan, f"{detail} ({ops.name})", undo_layer)
 
     if final_reason is None:
         ops = backends[next(final_norm.parameters()).device]
@@ -299,7 +312,13 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
             )
         )
 
-    fused_names = ("_patcher_qkv_weight", "_patcher_qkv_bias", "_patcher_gate_up_weight", "_patcher_gate_up_bias")
+    fused_names = (
+        "_patcher_qkv_weight",
+        "_patcher_qkv_bias",
+        "_patcher_gate_up_weight",
+        "_patcher_gate_up_bias",
+        *OUT_PAIR_FUSED.values(),
+    )
     for module in model.modules():
         for name in fused_names:
             buffer = module._buffers.get(name)

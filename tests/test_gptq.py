@@ -198,6 +198,42 @@ def test_patch_model_runs_gptq_models_on_int4_ops(name, act_order, tmp_path):
         assert torch.equal(model(ids).logits, expected)
 
 
+def test_int4_out_pair(tmp_path):
+    """GPT-NeoX int4 (CPU, reference backend): patch_model stacks each layer's dense and dense_4h_to_h along k in one
+    buffer that their tensors are views of (state_dict unchanged), the decode step runs them as one int4_gemv_cat and
+    its logits match the step with them apart; unpatch gives each its own storage back. With act-order they stay
+    apart and the report says why."""
+    model = gptq_model("tiny-pythia", tmp_path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = patch_model(model)
+    layer = model.gpt_neox.layers[0]
+    dense, out = layer.attention.dense, layer.mlp.dense_4h_to_h
+    storage = layer._patcher_out_qweight.untyped_storage().data_ptr()
+    assert dense.qweight.untyped_storage().data_ptr() == out.qweight.untyped_storage().data_ptr() == storage
+    assert all("one int4 GEMV" in r.detail for r in report.replaced if r.kind == "GPTNeoXLayer")
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    ids, mask = torch.randint(3, 500, (2, 11)), torch.ones(2, 11, dtype=torch.long)
+    logits = {}
+    with torch.no_grad():
+        for use in (True, False):
+            runner = DecodeRunner(model, use_graphs=False, use_out_pair=use)
+            assert all((step.out_pair is not None) == use for step in runner.layers)
+            tokens = runner.generate(ids, mask, 8, Sampling(), eos=[], pad_token_id=0)
+            logits[use] = (tokens, runner.logits(runner.states[2]))
+    assert torch.equal(logits[True][0], logits[False][0])
+    assert max_err(logits[True][1], logits[False][1]) <= FP32_LOGIT_ATOL
+    unpatch_model(model)
+    assert dense.qweight.untyped_storage().data_ptr() != out.qweight.untyped_storage().data_ptr()
+    assert not any(name.startswith("_patcher") for name in layer._buffers)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+    act_order = gptq_model("tiny-pythia", tmp_path / "act", act_order=True)
+    report = patch_model(act_order)
+    assert all("apart (act-order" in r.detail for r in report.replaced if r.kind == "GPTNeoXLayer")
+    assert DecodeRunner(act_order, use_graphs=False).layers[0].out_pair is None
+
+
 def test_gptq_layers_the_kernels_cannot_read_are_left_with_a_reason(tmp_path):
     model = gptq_model("tiny-qwen2", tmp_path)
     model.model.layers[1].self_attn.k_proj.scales.data = model.model.layers[1].self_attn.k_proj.scales.float()

@@ -112,6 +112,42 @@ def test_int4_gemv(shape, splits, activation, prologue, batch, dtype):
     assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0, "the tile counters must be left at zero"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize(
+    "k1,k2,n,group_size,splits",
+    [
+        (2560, 10240, 2560, 128, None),  # Pythia-2.8B dense + dense_4h_to_h
+        (512, 2048, 520, 64, None),  # a last tile of 8 columns
+        (264, 1000, 200, 8, 3),  # x's width a multiple of 8 only: slices across the seam (CUDA-core kernel)
+        (128, 384, 256, 128, 1),  # one slice over both inputs
+    ],
+)
+def test_int4_gemv_cat(k1, k2, n, group_size, splits, batch, dtype):
+    """[x | x2] @ W + b, one linear over two inputs side by side along k (patcher/layers/out_pair.py), with x and
+    x2 as column slices of wider tensors (row strides of their own)."""
+    lin = gptq_linear(k1 + k2, [n], group_size, bias=True)
+    splits = splits or int4_ops.splits_for(batch, lin, torch.cuda.get_device_properties(0).multi_processor_count)
+    workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits), dtype=torch.int32, device="cuda")
+    x = torch.randn(batch, k1 + 8, device="cuda").to(dtype)[:, 8:]
+    x2 = torch.randn(batch, k2 + 16, device="cuda").to(dtype)[:, :k2]
+    check_op("int4_gemv_cat", (x, x2, *lin.args(), splits, workspace))
+    assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0, "the tile counters must be left at zero"
+
+
+def test_int4_gemv_cat_bad_inputs(kernels):
+    lin = gptq_linear(256, [128], 64)
+    workspace = torch.zeros(int4_ops.workspace_numel(2, lin, 2), dtype=torch.int32, device="cuda")
+    x, x2 = torch.randn(2, 64, device="cuda").half(), torch.randn(2, 192, device="cuda").half()
+    torch.library.opcheck(torch.ops.patcher.int4_gemv_cat.default, (x, x2, *lin.args(), 2, workspace))
+    with pytest.raises(RuntimeError, match="add up"):
+        kernels.int4_gemv_cat(x, x2[:, :128], *lin.args(), 2, workspace)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernels.int4_gemv_cat(x, x2.float(), *lin.args(), 2, workspace)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        kernels.int4_gemv_cat(x[:, :60], torch.randn(2, 196, device="cuda").half(), *lin.args(), 2, workspace)
+
+
 def test_int4_ops_sharing_a_workspace():
     """The decode step runs all its int4 ops on one workspace: an op with more column tiles than the one before it
     (Llama's gate | up: 224 tiles, after o_proj's 32) must not take that op's leftover partial sums for its tile
@@ -255,6 +291,7 @@ def _run_with_switch(variable: str):
         pytest.skip("this is the process the switch is tested in")
     env = {**os.environ, variable: "1"}
     selection = "(test_int4_gemv or test_int4_qkv_rope_cache or test_int4_linear) and (dtype0 or dtype1)"
+    # (test_int4_gemv matches test_int4_gemv_cat too)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],
         env=env,

@@ -16,7 +16,9 @@ off or cannot take the model, and says why (`step_kernel_reason`).
 
 GPT-NeoX's parallel residual makes the MLP independent of the attention (both read LayerNorms of the same sum), so
 on CUDA its two GEMVs run on a second stream, beside QKV -> attention -> output projection (the graph captures the
-two as parallel branches): HBM keeps streaming MLP weights while the attention, which reads little, runs.
+two as parallel branches): HBM keeps streaming MLP weights while the attention, which reads little, runs. Where
+its linears are GPTQ int4, the two output projections then run as one GEMV over [attention | MLP hidden]
+(patcher/layers/out_pair.py; `DecodeRunner(model, use_out_pair=False)` keeps them apart, for comparison).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class LayerStep:
     mlp_act: str  # the activation fused into the MLP's first linear: "silu_mul", "gelu" or "gelu_tanh"
     norms: tuple  # ((weight, bias, eps) of the input norm, (weight, bias, eps) of the post-attention norm)
     separate_norms: tuple  # the same two norms as separate kernels: (x, delta, delta2) -> (h, sum, h2)
+    out_pair: object = None  # GPT-NeoX int4: both output projections as one Int4Linear over [attn | h], when used
 
 
 def separate_norm(norm, add_norm):
@@ -149,7 +152,12 @@ class StepState:
 
 class DecodeRunner:
     def __init__(
-        self, model, use_graphs: bool = True, use_step_kernel: bool | None = None, step_timeline: bool = False
+        self,
+        model,
+        use_graphs: bool = True,
+        use_step_kernel: bool | None = None,
+        step_timeline: bool = False,
+        use_out_pair: bool = True,
     ):
         config = model.config
         entry = REGISTRY[config.model_type]
@@ -182,6 +190,8 @@ class DecodeRunner:
             else:
                 separate = (separate_norm(plan.norm, plan.add_norm), separate_norm(None, plan.post_add_norm))
             step = LayerStep(attention._patcher, mlp._patcher, float(attention.scaling), mlp_act, norms, separate)
+            if use_out_pair:  # (patch_model stacked them where it could: patcher/layers/out_pair.py)
+                step.out_pair = plan.out_pair
             self.layers.append(step)
         self.ops = self.layers[0].attention.ops
         self.num_layers = len(self.layers)
@@ -199,7 +209,8 @@ class DecodeRunner:
         self.int4 = {}
         for layer in self.layers:
             a, m = layer.attention, layer.mlp
-            for lin, head in ((a.qkv_int4, self.head_dim), (a.out_int4, None), (m.in_int4, None), (m.out_int4, None)):
+            linears = (a.qkv_int4, self.head_dim), (a.out_int4, None), (m.in_int4, None), (m.out_int4, None)
+            for lin, head in (*linears, (layer.out_pair, None)):
                 if lin is not None:
                     self.int4[id(lin)] = (lin, head)
         # GPT-NeoX's MLP stream (module docstring).
@@ -318,7 +329,8 @@ class DecodeRunner:
     def _parallel_mlp(self, layer: LayerStep, h, st: StepState, stream):
         """GPT-NeoX's MLP on h = ln2(x), queued on `stream` unless it is None: it then runs beside the attention
         path, and logits() joins the stream before the MLP's output is read. h and the output stay referenced until
-        after that join, so neither stream reuses their memory while the other may still use it."""
+        after that join, so neither stream reuses their memory while the other may still use it. With the layer's
+        out pair, only the first linear (its output projection is the out pair's second half)."""
         m = layer.mlp
         workspace = st.int4_workspace
         if stream is not None:
@@ -326,18 +338,20 @@ class DecodeRunner:
             workspace = st.branch_int4_workspace
         with torch.cuda.stream(stream):  # None: a no-op, the work stays on the current stream
             inner = self._linear(h, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4, workspace)
+            if layer.out_pair is not None:
+                return inner
             return self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4, workspace)
 
     def _join(self, stream) -> None:
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
 
-    def _attention(self, layer: LayerStep, q, st: StepState, index: int):
-        """Attention over the cache and the output projection."""
+    def _attention(self, layer: LayerStep, q, st: StepState, index: int, project: bool = True):
+        """Attention over the cache and (with `project`) the output projection."""
         a = layer.attention
         out = self.ops.decode_attention(q, st.k[index], st.v[index], st.slot, st.pad, layer.scale, st.splits,
                                         st.workspace)  # fmt: skip
-        return self._linear(out, a.out_weight, a.out_bias, "none", st, a.out_int4)
+        return self._linear(out, a.out_weight, a.out_bias, "none", st, a.out_int4) if project else out
 
     def _layers(self, x, st: StepState) -> tuple:
         """Every layer of the step, op by op: (residual, delta, delta2) for the final add + norm."""
@@ -359,9 +373,15 @@ class DecodeRunner:
                     mlp_out = self._parallel_mlp(layer, h_mlp, st, branch)
                     q = self._qkv_rope(layer, i, h, st)
                 residual = residual if delta is None else total
-                attn = self._attention(layer, q, st, i)
+                pair = layer.out_pair
+                attn = self._attention(layer, q, st, i, project=pair is None)
                 self._join(branch)
-                delta, delta2 = attn, mlp_out
+                if pair is None:
+                    delta, delta2 = attn, mlp_out
+                else:  # both output projections in one GEMV over [attention | MLP hidden] (layers/out_pair.py)
+                    splits = st.int4_splits[id(pair)]
+                    delta = self.ops.int4_gemv_cat(attn, mlp_out, *pair.args(), splits, st.int4_workspace)
+                    delta2 = None
             else:
                 q, total, _ = self._qkv(layer, i, residual, self._prologue(delta, None, norm), st)
                 residual = residual if delta is None else total

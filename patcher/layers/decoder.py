@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..ops.int4 import Int4Linear
 from .stream import ResidualStream, as_stream, materialize, recording_hidden_states
 
 
@@ -33,6 +34,7 @@ class LayerPlan:
     post_add_norm: Callable | None = None  # sequential: add+norm before the MLP
     dual_norm: Callable | None = None  # parallel: both norms, no add (first layer)
     add_dual_norm: Callable | None = None  # parallel: add + both norms
+    out_pair: Int4Linear | None = None  # parallel, GPTQ int4: both output projections stacked along k (out_pair.py)
 
     def emit(self, residual, delta, delta2=None):
         if self.next_patched and not recording_hidden_states():

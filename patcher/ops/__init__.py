@@ -33,6 +33,7 @@ OP_NAMES = (
     "decode_attention",
     "int4_linear",
     "int4_gemv",
+    "int4_gemv_cat",
     "int4_qkv_rope_cache",
 )
 

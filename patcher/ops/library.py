@@ -211,6 +211,11 @@ _define(
     _int4_gemv_fake,
 )
 _define(
+    f"int4_gemv_cat(Tensor x, Tensor x2, {_INT4}, int splits, Tensor(a!) workspace) -> Tensor",
+    ref.int4_gemv_cat,
+    lambda x, x2, qw, qz, sc, gi, b, gs, ao, zo, splits, ws: x.new_empty((x.shape[0], sum(q.shape[1] for q in qw))),
+)
+_define(
     f"int4_qkv_rope_cache({_PROLOGUE}, {_INT4}, Tensor cos, Tensor sin, Tensor slot, Tensor pad,"
     " Tensor(b!) k_cache, Tensor(c!) v_cache, int num_q_heads, int num_kv_heads, int head_dim, bool interleaved,"
     " int splits, Tensor(a!) workspace) -> (Tensor, Tensor, Tensor)",

@@ -262,6 +262,25 @@ def int4_gemv(
     return y, s, h2
 
 
+def int4_gemv_cat(
+    x, x2, qweight, qzeros, scales, g_idx, bias, group_size: int, act_order: bool, zero_offset: int, splits: int,
+    workspace,
+):  # fmt: skip
+    """[x | x2] @ W + b: one decode-step int4 linear over two activations side by side along k (GPT-NeoX's
+    attention output and MLP hidden through its two output projections stacked along k, patcher/layers/out_pair.py).
+    x [B, k1], x2 [B, k - k1]. `splits` and `workspace` only shape the CUDA kernel's work."""
+    if x.dim() != 2 or x2.dim() != 2 or x.shape[0] != x2.shape[0] or x.dtype != x2.dtype:
+        raise ValueError(
+            f"int4_gemv_cat takes x [batch, k1] and x2 [batch, k2] of one dtype, got {x.dtype} {list(x.shape)} "
+            f"and {x2.dtype} {list(x2.shape)}"
+        )
+    k = qweight[0].shape[0] * 8
+    if x.shape[1] + x2.shape[1] != k:
+        raise ValueError(f"x and x2 widths {x.shape[1]} + {x2.shape[1]} do not add up to the weight's in_features {k}")
+    return int4_linear(torch.cat([x, x2], dim=-1), qweight, qzeros, scales, g_idx, bias, group_size, act_order,
+                       zero_offset)  # fmt: skip
+
+
 def int4_qkv_rope_cache(
     x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool,
     qweight, qzeros, scales, g_idx, bias, group_size: int, act_order: bool, zero_offset: int,
