@@ -351,6 +351,63 @@ def case_int4(batch, arch, dtype, ops, which):
     return fused, [lambda w=w: unfused_call(w) for w in linears], nbytes
 
 
+def case_int4_neox(batch, arch, dtype, ops, which):
+    """GPT-NeoX's merged int4 decode ops (g128) against the two launches each replaces, as the decode step ran them
+    before (patcher/decode/runner.py): "qkv_mlp", the adds, both LayerNorms, QKV with RoPE and the cache writes, and
+    the MLP's input projection with GELU in one launch (int4_qkv_mlp_in), against int4_qkv_rope_cache (writing the
+    second LayerNorm) then int4_gemv on it; "out_pair", both output projections as one GEMV over [attention | MLP
+    hidden] (int4_gemv_cat), against two int4_gemv."""
+    from patcher.ops import int4 as int4_ops
+
+    H, inter, hq, hkv, D, _, _ = ARCHS[arch]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    none = (None,) * 6 + (0.0, False)
+
+    def setup(linear, head):
+        splits = int4_ops.splits_for(batch, linear, sms, head)
+        workspace = torch.zeros(int4_ops.workspace_numel(batch, linear, splits, head), dtype=torch.int32, device="cuda")
+        return splits, workspace
+
+    if which == "qkv_mlp":
+        weight_bytes = int(H * ((hq + 2 * hkv) * D + inter) * (1 / 2 + 2 / 128 + 1 / 256))
+        pairs = [
+            (_random_int4(H, [(hq + 2 * hkv) * D]), _random_int4(H, [inter])) for _ in range(_copies(weight_bytes))
+        ]
+        merged = [int4_ops.side_by_side(qkv, mlp) for qkv, mlp in pairs]
+        x = _rand(batch, H, dtype=dtype)
+        pro, _ = _norm_prologue(batch, H, arch, dtype, ops, x)
+        rope = _rope_cache_args(batch, arch, dtype)
+        splits, workspace = setup(merged[0], D)
+        qkv_splits, qkv_ws = setup(pairs[0][0], D)
+        mlp_splits, mlp_ws = setup(pairs[0][1], None)
+        fused = [
+            lambda w=w: ops.int4_qkv_mlp_in(x, *pro, *w.args(), *rope, 1, "gelu", splits, workspace) for w in merged
+        ]
+
+        def unfused_call(qkv, mlp):
+            _, _, h2 = ops.int4_qkv_rope_cache(x, *pro, *qkv.args(), *rope, qkv_splits, qkv_ws)
+            return ops.int4_gemv(h2, *none, *mlp.args(), "gelu", mlp_splits, mlp_ws)
+
+        nbytes = weight_bytes + (4 * batch * H + batch * inter) * dtype.itemsize
+        return fused, [lambda p=p: unfused_call(*p) for p in pairs], int(nbytes)
+    k1 = hq * D  # out_pair: [attention | MLP hidden] @ [W_dense; W_out]
+    weight_bytes = int((k1 + inter) * H * (1 / 2 + 2 / 128 + 1 / 256))
+    pairs = [(_random_int4(k1, [H]), _random_int4(inter, [H])) for _ in range(_copies(weight_bytes))]
+    stacked = [_random_int4(k1 + inter, [H]) for _ in pairs]  # the same sizes; the values do not matter here
+    attn, hidden = _rand(batch, k1, dtype=dtype), _rand(batch, inter, dtype=dtype)
+    splits, workspace = setup(stacked[0], None)
+    dense_splits, dense_ws = setup(pairs[0][0], None)
+    out_splits, out_ws = setup(pairs[0][1], None)
+    fused = [lambda w=w: ops.int4_gemv_cat(attn, hidden, *w.args(), splits, workspace) for w in stacked]
+
+    def unfused_call(dense, out):
+        a = ops.int4_gemv(attn, *none, *dense.args(), "none", dense_splits, dense_ws)[0]
+        return a, ops.int4_gemv(hidden, *none, *out.args(), "none", out_splits, out_ws)[0]
+
+    nbytes = weight_bytes + (batch * (k1 + inter) + batch * H) * dtype.itemsize
+    return fused, [lambda p=p: unfused_call(*p) for p in pairs], int(nbytes)
+
+
 DECODE_CASES = {  # op -> (builder, architectures, variants)
     "gemv": (
         case_gemv,
@@ -360,6 +417,7 @@ DECODE_CASES = {  # op -> (builder, architectures, variants)
     "decode_attention": (case_decode_attention, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [256, 512, 4096]),
     "rope_qkv_cache": (case_rope_qkv_cache, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [""]),
     "int4": (case_int4, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], ["norm_qkv", "out", "mlp_in", "mlp_out"]),
+    "int4_neox": (case_int4_neox, ["pythia-2.8b"], ["qkv_mlp", "out_pair"]),
 }
 
 

@@ -14,8 +14,8 @@ Modes:
                            decode path when the model qualifies)
   patched-step-kernel      the same with the layers of a GPTQ int4 model in one persistent kernel (Hopper; opt-in
                            elsewhere: PATCHER_STEP_KERNEL=1)
-  patched-out-apart        `patched` with a GPT-NeoX int4 model's two output projections as two GEMVs, as before
-                           they ran as one (patcher/layers/out_pair.py): the comparison for that change
+  patched-int4-unmerged    `patched` with a GPT-NeoX int4 model's five int4 kernels a layer, as before they ran as
+                           three (DecodeRunner(merge_int4=False)): the comparison for that change
   patched-static-compiled  patch_model(model) + HF's static cache and auto-compile (torch.compile compatibility)
 
 With no model argument it runs Pythia-2.8B-shaped random weights on a GPU, a tiny model on a CPU.
@@ -34,7 +34,7 @@ from tqdm import tqdm
 from . import common
 
 GPU_MODES = ["hf-eager", "hf-static-compiled", "patched-eager", "patched", "patched-static-compiled"]  # the default
-ALL_MODES = [*GPU_MODES, "patched-step-kernel", "patched-out-apart"]
+ALL_MODES = [*GPU_MODES, "patched-step-kernel", "patched-int4-unmerged"]
 CPU_MODES = ["hf-eager", "patched-eager", "patched"]
 
 
@@ -122,14 +122,14 @@ def mode_setup(model, mode: str):
     patched = mode.startswith("patched")
     if patched:
         patcher.patch_model(model)
-        patcher.set_fast_generate(model, mode in ("patched", "patched-step-kernel", "patched-out-apart"))
-        if mode in ("patched-step-kernel", "patched-out-apart"):
+        patcher.set_fast_generate(model, mode in ("patched", "patched-step-kernel", "patched-int4-unmerged"))
+        if mode in ("patched-step-kernel", "patched-int4-unmerged"):
             from patcher.decode import DecodeRunner
 
             if mode == "patched-step-kernel":
                 model._patcher_state.runner = DecodeRunner(model, use_step_kernel=True)
             else:
-                model._patcher_state.runner = DecodeRunner(model, use_out_pair=False)
+                model._patcher_state.runner = DecodeRunner(model, merge_int4=False)
     if mode.endswith("compiled"):
         model.__dict__.pop("_compiled_call", None)  # HF caches its compiled forward on the model
         torch._dynamo.reset()

@@ -232,6 +232,29 @@ Tensor int4_gemv_cat(const Tensor& x, const Tensor& x2, TensorList qweight, Tens
   return out;
 }
 
+// The attention prologue of int4_qkv_rope_cache and int4_qkv_mlp_in: p's segments [0, qkv_segments) are q | k | v
+// (whole heads), whose tiles apply RoPE and write K/V into the caches; returns q [batch, Hq, D].
+Tensor rope_cache_epilogue(patcher::Int4Params& p, const Tensor& x, int qkv_segments, const Tensor& cos,
+                           const Tensor& sin, const Tensor& slot, const Tensor& pad, Tensor& k_cache, Tensor& v_cache,
+                           int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, bool interleaved,
+                           const char* op) {
+  TORCH_CHECK(x.dim() == 2, "patcher: x must be [batch, hidden] (one token per row), got ", dims(x.sizes()));
+  TORCH_CHECK(head_dim > 0 && head_dim % 4 == 0 && head_dim <= 256, "patcher: ", op,
+              " needs head_dim a positive multiple of 4, at most 256; got ", std::to_string(head_dim));
+  int64_t width = 0;
+  for (int s = 0; s < qkv_segments; ++s) {
+    TORCH_CHECK(p.seg[s].n % head_dim == 0, "patcher: every q/k/v segment must be whole heads of ",
+                std::to_string(head_dim));
+    width += p.seg[s].n;
+  }
+  Tensor q = rope_cache_target(p.rope, x, p.batch, width, cos, sin, slot, pad, k_cache, v_cache, num_q_heads,
+                               num_kv_heads, head_dim, interleaved);
+  p.epilogue = patcher::kInt4RopeCache;
+  p.act = patcher::kActNone;
+  p.out = q.data_ptr();
+  return q;
+}
+
 std::tuple<Tensor, Tensor, Tensor> int4_qkv_rope_cache(
     const Tensor& x, const OptTensor& delta, const OptTensor& delta2, const OptTensor& norm_weight,
     const OptTensor& norm_bias, const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps, bool rms,
@@ -243,24 +266,48 @@ std::tuple<Tensor, Tensor, Tensor> int4_qkv_rope_cache(
   const c10::cuda::CUDAGuard guard(x.device());
   patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
   matrix_vector_input(p, x);
-  TORCH_CHECK(x.dim() == 2, "patcher: x must be [batch, hidden] (one token per row), got ", dims(x.sizes()));
   const Prologue pro =
       fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
-  TORCH_CHECK(head_dim > 0 && head_dim % 4 == 0 && head_dim <= 256,
-              "patcher: int4_qkv_rope_cache needs head_dim a positive multiple of 4, ", "at most 256; got ",
-              std::to_string(head_dim));
-  int64_t width = 0;
-  for (int s = 0; s < p.num_segments; ++s) {
-    TORCH_CHECK(p.seg[s].n % head_dim == 0, "patcher: every segment must be whole heads of ", std::to_string(head_dim));
-    width += p.seg[s].n;
-  }
-  Tensor q = rope_cache_target(p.rope, x, p.batch, width, cos, sin, slot, pad, k_cache, v_cache, num_q_heads,
-                               num_kv_heads, head_dim, interleaved);
-  p.epilogue = patcher::kInt4RopeCache;
-  p.act = patcher::kActNone;
-  p.out = q.data_ptr();
+  Tensor q = rope_cache_epilogue(p, x, p.num_segments, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, num_kv_heads,
+                                 head_dim, interleaved, "int4_qkv_rope_cache");
   launch_split(p, splits, workspace, "int4_qkv_rope_cache");
   return {q, pro.sum, pro.h2};
+}
+
+// GPT-NeoX's parallel residual in one launch: the residual add and both LayerNorms, then the QKV projection of the
+// first (RoPE, K/V into the caches) and the MLP's input projection of the second (with its GELU): segments
+// [0, qkv_segments) are q | k | v, the rest the MLP's. Returns (q [batch, Hq, D], hidden [batch, MLP width], sum).
+std::tuple<Tensor, Tensor, Tensor> int4_qkv_mlp_in(
+    const Tensor& x, const OptTensor& delta, const OptTensor& delta2, const OptTensor& norm_weight,
+    const OptTensor& norm_bias, const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps, bool rms,
+    TensorList qweight, TensorList qzeros, TensorList scales, TensorList g_idx, OptTensorList bias, int64_t group_size,
+    bool act_order, int64_t zero_offset, const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
+    Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, bool interleaved,
+    int64_t qkv_segments, c10::string_view activation, int64_t splits, Tensor& workspace) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
+  matrix_vector_input(p, x);
+  TORCH_CHECK(qkv_segments >= 1 && qkv_segments < p.num_segments, "patcher: int4_qkv_mlp_in needs 1 to ",
+              std::to_string(p.num_segments - 1), " q/k/v segments followed by the MLP's, got qkv_segments ",
+              std::to_string(qkv_segments), " of ", std::to_string(p.num_segments));
+  TORCH_CHECK(norm_weight.has_value() && norm_weight2.has_value() && !rms,
+              "patcher: int4_qkv_mlp_in takes both LayerNorms (norm_weight and norm_weight2)");
+  const Prologue pro =
+      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
+  p.norm.h2 = nullptr;  // the MLP's tiles normalize with the second LayerNorm themselves
+  Tensor q = rope_cache_epilogue(p, x, static_cast<int>(qkv_segments), cos, sin, slot, pad, k_cache, v_cache,
+                                 num_q_heads, num_kv_heads, head_dim, interleaved, "int4_qkv_mlp_in");
+  const int32_t act = activation_code(activation, p.num_segments);
+  TORCH_CHECK(act != patcher::kActSiluMul, "patcher: int4_qkv_mlp_in takes none, gelu or gelu_tanh");
+  p.second = static_cast<int32_t>(qkv_segments);
+  p.act2 = act;
+  int64_t n2 = 0;
+  for (int s = p.second; s < p.num_segments; ++s) n2 += p.seg[s].n;
+  Tensor hidden = at::empty({p.batch, n2}, x.options());
+  p.out2 = hidden.data_ptr();
+  launch_split(p, splits, workspace, "int4_qkv_mlp_in");
+  return {q, hidden, pro.sum};
 }
 
 // Any number of rows: up to 8 through the matrix-vector kernel (workspace allocated here), more through a
@@ -323,4 +370,5 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int4_gemv_cat", &int4_gemv_cat);
   m.impl("int4_qkv_rope_cache", &int4_qkv_rope_cache);
+  m.impl("int4_qkv_mlp_in", &int4_qkv_mlp_in);
 }

@@ -65,7 +65,8 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
 
   const int64_t k0 = r_begin * 8, len = (r_end - r_begin) * 8;
   float* xs = smem;  // [batch][len]
-  stage_x<T, NORM>(p, k0, len, blockIdx.x == 0, [=](int b, int64_t i, float v) { xs[b * len + i] = v; });
+  stage_x<T, NORM>(p, k0, len, blockIdx.x == 0, in_second(p, t),
+                   [=](int b, int64_t i, float v) { xs[b * len + i] = v; });
   __syncthreads();
 
   float acc[BMAX][4] = {};

@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
   griddep_launch_dependents();
 
   T* xs = reinterpret_cast<T*>(smem);  // [batch][len], every 8 k in the pair order (0,4) (1,5) (2,6) (3,7)
-  stage_x<T, NORM>(p, k0, len, blockIdx.x == 0, [=](int b, int64_t i, float v) {
+  stage_x<T, NORM>(p, k0, len, blockIdx.x == 0, in_second(p, t), [=](int b, int64_t i, float v) {
     xs[b * len + (i & ~int64_t{7}) + 2 * (i & 3) + ((i >> 2) & 1)] = from_float<T>(v);
   });
   cp_async_wait_all();

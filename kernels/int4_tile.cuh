@@ -78,6 +78,11 @@ __device__ __forceinline__ TileSplit k_slices(const Int4Params& p, const TileInf
   return {static_cast<int>(blockIdx.y), p.splits * t.members, {p.splits, p.splits}, p.splits == 1 && t.members == 1};
 }
 
+// Whether tile t belongs to the op's second linear (Int4Params::second).
+__device__ __forceinline__ bool in_second(const Int4Params& p, const TileInfo& t) {
+  return p.second > 0 && t.seg >= p.second;
+}
+
 // Column offset of segment s in the logical output (q | k | v).
 __device__ __forceinline__ int64_t segment_offset(const Int4Params& p, int s) {
   int64_t offset = 0;
@@ -163,11 +168,12 @@ __device__ __forceinline__ void dequantize_word(uint32_t word, const Dequant& d,
 
 // Stages x[b, k0 : k0 + len] in shared memory through store(b, i, value) (the kernels keep it in their own layout);
 // with the norm prologue, the normalized residual sum (each block
-// computes the row statistics over all of K, from L2, and keeps its own slice). Blocks of tile 0 write `sum` and
-// `h2` for their slice, so every element is written once. Each thread holds its share of a row in registers
+// computes the row statistics over all of K, from L2, and keeps its own slice), through the second LayerNorm's
+// weights for `second_norm` (a tile of Int4Params::second). Blocks of tile 0 write `sum` and `h2` (where asked
+// for) for their slice, so every element is written once. Each thread holds its share of a row in registers
 // (16-byte loads, all issued at once), so the statistics cost one pass of loads, not three dependent ones.
 template <typename T, bool NORM, typename Store>
-__device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool writer, Store store) {
+__device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool writer, bool second_norm, Store store) {
   const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
   if constexpr (!NORM) {
     // 16-byte loads where x allows them (slices start and end on multiples of 8), each thread's issued together.
@@ -205,8 +211,8 @@ __device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool write
     };
     const float inv_n = 1.f / static_cast<float>(p.k);
     const int64_t nvec = p.k / V;
-    const T* w = static_cast<const T*>(p.norm.weight);
-    const T* bias = static_cast<const T*>(p.norm.bias);
+    const T* w = static_cast<const T*>(second_norm ? p.norm.weight2 : p.norm.weight);
+    const T* bias = static_cast<const T*>(second_norm ? p.norm.bias2 : p.norm.bias);
     const T* w2 = static_cast<const T*>(p.norm.weight2);
     const T* b2 = static_cast<const T*>(p.norm.bias2);
     for (int b = 0; b < p.batch; ++b) {
@@ -250,7 +256,7 @@ __device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool write
         // H100 (per-block timeline, Pythia-2.8B fused LN+QKV), the writing blocks staged x 1.7 us after the others;
         // 0.2 us with the vectors.
         const Vec<T, V> wv = *reinterpret_cast<const Vec<T, V>*>(w + k), bv = vec_or_zero<T, V>(bias, k);
-        const bool second = writer && w2;
+        const bool second = writer && p.norm.h2;
         Vec<T, V> w2v = wv, b2v = bv;
         if (second) {
           w2v = *reinterpret_cast<const Vec<T, V>*>(w2 + k);
@@ -277,7 +283,20 @@ template <typename T>
 __device__ void epilogue(const Int4Params& p, const TileInfo& t, const float* fin, int tile_width, const Team& team) {
   const int tid = team.tid, nthreads = team.size;
   T* out = static_cast<T*>(p.out);
-  if (p.epilogue == kInt4Store) {
+  if (in_second(p, t)) {  // the second linear's output: its segments side by side in out2
+    int64_t n2 = 0, base = t.col0;
+    for (int s = p.second; s < p.num_segments; ++s) {
+      n2 += p.seg[s].n;
+      if (s < t.seg) base += p.seg[s].n;
+    }
+    for (int i = tid; i < p.batch * tile_width; i += nthreads) {
+      const int b = i / tile_width, c = i % tile_width;
+      if (c >= t.width) continue;
+      float y = fin[i];
+      if (p.act2 != kActNone) y = gelu(y, p.act2 == kActGeluTanh);
+      static_cast<T*>(p.out2)[b * n2 + base + c] = from_float<T>(y);
+    }
+  } else if (p.epilogue == kInt4Store) {
     const int64_t n_total = total_width(p);
     const int64_t base = segment_offset(p, t.seg) + t.col0;
     for (int i = tid; i < p.batch * tile_width; i += nthreads) {

@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kTmaMaxWarps * 32, 1)
 
   T* xs = reinterpret_cast<T*>(ring + plan.x_offset);  // [batch][x_stride], every 8 k in the mma pair order
   const int64_t x_stride = plan.x_stride;
-  stage_x<T, NORM>(p, 0, p.k, blockIdx.x == 0, [=](int b, int64_t i, float v) {
+  stage_x<T, NORM>(p, 0, p.k, blockIdx.x == 0, false, [=](int b, int64_t i, float v) {
     xs[b * x_stride + (i & ~int64_t{7}) + 2 * (i & 3) + ((i >> 2) & 1)] = from_float<T>(v);
   });
   __syncthreads();
@@ -295,14 +295,16 @@ inline int align128(int64_t bytes) { return static_cast<int>((bytes + 127) / 128
 inline int align1024(int64_t bytes) { return static_cast<int>((bytes + 1023) / 1024 * 1024); }
 
 // The launch of an fp16/bf16 op on the TMA kernel, or false where it does not take the op: not asked for
-// (PATCHER_INT4_TMA=1) or not a Hopper GPU, act-order, K not whole stages, groups that do not tile a stage (the group
-// size must be 32, 64, 128 or 256, or a multiple of 256), widths that are not whole 32-column warps, tiles wider than
-// 7 column warps (14 consumer warps with the producer and the finisher make kTmaMaxWarps), batch x K over the x stage.
+// (PATCHER_INT4_TMA=1) or not a Hopper GPU, two outputs (a block's tiles share one x stage), act-order, K not whole
+// stages, groups that do not tile a stage (the group size must be 32, 64, 128 or 256, or a multiple of 256), widths
+// that are not whole 32-column warps, tiles wider than 7 column warps (14 consumer warps with the producer and the
+// finisher make kTmaMaxWarps), batch x K over the x stage.
 template <typename T>
 bool tma_plan(const Int4Params& p, TmaPlan& plan, size_t& smem) {
   static const bool enabled = hopper_or_newer() && env_flag("PATCHER_INT4_TMA");
   const int64_t gs = p.group_size, tw = int4_tile_width(p);
-  if (!enabled || p.act_order || p.k % kTmaStageK || !(gs % kTmaStageK == 0 || (gs % 32 == 0 && kTmaStageK % gs == 0)))
+  if (!enabled || p.act_order || p.second || p.k % kTmaStageK ||
+      !(gs % kTmaStageK == 0 || (gs % 32 == 0 && kTmaStageK % gs == 0)))
     return false;
   if (tw % 32 || tw > 7 * 32 || p.batch * p.k > kTmaStageX) return false;
   for (int s = 0; s < p.num_segments; ++s) {

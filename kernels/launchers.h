@@ -211,6 +211,12 @@ struct Int4Params {
   int32_t act;
   void* out;             // kInt4Store: [batch, sum of n]; kInt4SiluMul: [batch, n]; kInt4RopeCache: q [batch, Hq, D]
   RopeCacheParams rope;  // kInt4RopeCache: the tables, heads and caches (its qkv and q fields are not used)
+  // A second linear of the same input in the same launch (int4_qkv_mlp_in: GPT-NeoX's MLP input beside its QKV):
+  // segments from `second` on (0: none) read the prologue's second LayerNorm (norm.weight2, bias2) instead of its
+  // first, and their tiles store act2(round(x.w) + bias) into out2 [batch, their widths side by side].
+  int32_t second;
+  int32_t act2;
+  void* out2;
   // Work split: K is cut into `splits` slices; partial sums of the slices meet in `partials` and the last block of
   // each column tile (found with `counters`, zero on entry and left zero) finishes it. With splits == 1 and one
   // segment per tile, neither is used.

@@ -200,8 +200,9 @@ def test_patch_model_runs_gptq_models_on_int4_ops(name, act_order, tmp_path):
 
 def test_int4_out_pair(tmp_path):
     """GPT-NeoX int4 (CPU, reference backend): patch_model stacks each layer's dense and dense_4h_to_h along k in one
-    buffer that their tensors are views of (state_dict unchanged), the decode step runs them as one int4_gemv_cat and
-    its logits match the step with them apart; unpatch gives each its own storage back. With act-order they stay
+    buffer that their tensors are views of (state_dict unchanged); the decode step runs them as one int4_gemv_cat,
+    and QKV with the MLP's input projection as one int4_qkv_mlp_in, and its tokens and logits match the step with
+    the five linears apart; unpatch gives each its own storage back. With act-order the output projections stay
     apart and the report says why."""
     model = gptq_model("tiny-pythia", tmp_path)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -217,8 +218,8 @@ def test_int4_out_pair(tmp_path):
     logits = {}
     with torch.no_grad():
         for use in (True, False):
-            runner = DecodeRunner(model, use_graphs=False, use_out_pair=use)
-            assert all((step.out_pair is not None) == use for step in runner.layers)
+            runner = DecodeRunner(model, use_graphs=False, merge_int4=use)
+            assert all((step.out_pair is not None) == use == (step.qkv_mlp is not None) for step in runner.layers)
             tokens = runner.generate(ids, mask, 8, Sampling(), eos=[], pad_token_id=0)
             logits[use] = (tokens, runner.logits(runner.states[2]))
     assert torch.equal(logits[True][0], logits[False][0])

@@ -222,6 +222,75 @@ def test_int4_qkv_rope_cache(prologue, batch, arch, dtype):
     assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0
 
 
+QKV_MLP = {  # heads q, kv, head_dim, rotary dim, interleaved, q/k/v segments, MLP width, group size, bias
+    "pythia-2.8b": (32, 32, 80, 20, True, 1, 10240, 128, True),
+    "tiny-neox": (4, 4, 64, 16, True, 1, 1000, 64, True),  # an MLP of 6.25 tiles of 160 columns
+    "split-qkv": (6, 2, 64, 64, False, 2, 768, 32, False),  # q | k and v as two segments
+    "act-order": (4, 4, 80, 20, True, 1, 640, 64, False),  # the CUDA-core kernel
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", list(QKV_MLP))
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("prologue", ["layer", "add2_dual_layer"])
+def test_int4_qkv_mlp_in(prologue, batch, arch, dtype):
+    """GPT-NeoX's parallel residual in one launch: QKV with RoPE and the cache writes from the first LayerNorm, the
+    MLP's input projection with its GELU from the second; tiles of both in one grid (K slices, shared counters)."""
+    from patcher.ops import KERNELS, reference
+
+    hq, hkv, d, rot, interleaved, qkv_segments, mlp, group, bias = QKV_MLP[arch]
+    k = hq * d
+    qkv = [(hq + 2 * hkv) * d] if qkv_segments == 1 else [(hq + hkv) * d, hkv * d]
+    lin = gptq_linear(k, [*qkv, mlp], group, act_order=arch == "act-order", bias=bias)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = int4_ops.splits_for(batch, lin, sms, head_dim=d)
+    workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits, d), dtype=torch.int32, device="cuda")
+    capacity = 40
+    cos, sin = rope_tables((capacity, rot // 2), dtype)
+    slot, pad = torch.tensor([17], device="cuda"), torch.arange(batch, device="cuda") * 3
+    x, pro = prologue_args("add2_dual_layer", batch, k, dtype)
+    if prologue == "layer":  # the first layer: both LayerNorms of x, no add
+        pro = (None, None, *pro[2:])
+    caches = [torch.randn(batch, hkv, capacity, d, device="cuda").to(dtype) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    poison_cuda_cache()
+    tail = (hq, hkv, d, interleaved, qkv_segments, "gelu", splits, workspace)
+    rope = (cos, sin, slot, pad)
+    q, hidden, total = KERNELS.int4_qkv_mlp_in(x, *pro, *lin.args(), *rope, *caches, *tail)
+    q_ref, hidden_ref, total_ref = reference.int4_qkv_mlp_in(x, *pro, *lin.args(), *rope, *ref_caches, *tail)
+    pro64 = tuple(t.double() if isinstance(t, torch.Tensor) else t for t in pro)
+    caches64 = [c.double() for c in caches]
+    q64, hidden64, _ = reference.int4_qkv_mlp_in(
+        x.double(), *pro64, *lin.args(), cos.double(), sin.double(), slot, pad, *caches64, *tail
+    )
+    assert_within_torch_error(q, q_ref, q64, "q")
+    assert_within_torch_error(hidden, hidden_ref, hidden64, "MLP hidden")
+    for got, low, r64 in zip(caches, ref_caches, caches64):
+        assert_within_torch_error(got, low, r64, "cache")
+        assert torch.equal(got[:, :, :17], low[:, :, :17]) and torch.equal(got[:, :, 18:], low[:, :, 18:])
+    assert torch.equal(total, total_ref)  # the residual sum, rounded as torch rounds it
+    assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0
+
+
+def test_int4_qkv_mlp_in_bad_inputs(kernels):
+    lin = gptq_linear(256, [768, 512], 64)
+    workspace = torch.zeros(int4_ops.workspace_numel(2, lin, 2, 64), dtype=torch.int32, device="cuda")
+    x, pro = prologue_args("add2_dual_layer", 2, 256, torch.float16)
+    cos, sin = rope_tables((16, 8), torch.float16)
+    caches = [torch.zeros(2, 4, 16, 64, device="cuda").half() for _ in range(2)]
+    rope = (cos, sin, torch.tensor([3], device="cuda"), torch.zeros(2, dtype=torch.long, device="cuda"), *caches)
+    args = (x, *pro, *lin.args(), *rope, 4, 4, 64, True)
+    torch.library.opcheck(torch.ops.patcher.int4_qkv_mlp_in.default, (*args, 1, "gelu", 2, workspace))
+    with pytest.raises(RuntimeError, match="q/k/v segments"):
+        kernels.int4_qkv_mlp_in(*args, 2, "gelu", 2, workspace)
+    with pytest.raises(RuntimeError, match="gelu"):
+        kernels.int4_qkv_mlp_in(*args, 1, "silu_mul", 2, workspace)
+    with pytest.raises(RuntimeError, match="both LayerNorms"):
+        kernels.int4_qkv_mlp_in(x, *pro[:4], None, None, *pro[6:], *lin.args(), *rope, 4, 4, 64, True, 1, "gelu", 2,
+                                workspace)  # fmt: skip
+
+
 def test_int4_opcheck_and_bad_inputs(kernels):
     lin = gptq_linear(256, [128, 128], 64)
     x = torch.randn(2, 256, device="cuda").half()
@@ -290,8 +359,8 @@ def _run_with_switch(variable: str):
     if os.environ.get(variable) == "1":
         pytest.skip("this is the process the switch is tested in")
     env = {**os.environ, variable: "1"}
-    selection = "(test_int4_gemv or test_int4_qkv_rope_cache or test_int4_linear) and (dtype0 or dtype1)"
-    # (test_int4_gemv matches test_int4_gemv_cat too)
+    selection = "(test_int4_gemv or test_int4_qkv or test_int4_linear) and (dtype0 or dtype1)"
+    # (test_int4_gemv takes in test_int4_gemv_cat, test_int4_qkv both ops of the attention prologue)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],
         env=env,

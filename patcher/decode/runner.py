@@ -17,8 +17,11 @@ off or cannot take the model, and says why (`step_kernel_reason`).
 GPT-NeoX's parallel residual makes the MLP independent of the attention (both read LayerNorms of the same sum), so
 on CUDA its two GEMVs run on a second stream, beside QKV -> attention -> output projection (the graph captures the
 two as parallel branches): HBM keeps streaming MLP weights while the attention, which reads little, runs. Where
-its linears are GPTQ int4, the two output projections then run as one GEMV over [attention | MLP hidden]
-(patcher/layers/out_pair.py; `DecodeRunner(model, use_out_pair=False)` keeps them apart, for comparison).
+its linears are GPTQ int4, a layer is three kernels instead, on one stream: the adds, both LayerNorms, QKV (RoPE,
+K/V into the cache) and the MLP's input projection in one launch (int4_qkv_mlp_in); the attention; and both output
+projections as one GEMV over [attention | MLP hidden] (int4_gemv_cat, patcher/layers/out_pair.py). At batch 1 an
+int4 GEMV of a few MB is mostly fixed cost, so fewer, larger launches win. `DecodeRunner(model, merge_int4=False)`
+keeps the five kernels and the second stream, for comparison.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ class LayerStep:
     norms: tuple  # ((weight, bias, eps) of the input norm, (weight, bias, eps) of the post-attention norm)
     separate_norms: tuple  # the same two norms as separate kernels: (x, delta, delta2) -> (h, sum, h2)
     out_pair: object = None  # GPT-NeoX int4: both output projections as one Int4Linear over [attn | h], when used
+    qkv_mlp: object = None  # GPT-NeoX int4: QKV and the MLP's input projection side by side (int4_qkv_mlp_in)
 
 
 def separate_norm(norm, add_norm):
@@ -157,7 +161,7 @@ class DecodeRunner:
         use_graphs: bool = True,
         use_step_kernel: bool | None = None,
         step_timeline: bool = False,
-        use_out_pair: bool = True,
+        merge_int4: bool = True,
     ):
         config = model.config
         entry = REGISTRY[config.model_type]
@@ -190,8 +194,11 @@ class DecodeRunner:
             else:
                 separate = (separate_norm(plan.norm, plan.add_norm), separate_norm(None, plan.post_add_norm))
             step = LayerStep(attention._patcher, mlp._patcher, float(attention.scaling), mlp_act, norms, separate)
-            if use_out_pair:  # (patch_model stacked them where it could: patcher/layers/out_pair.py)
-                step.out_pair = plan.out_pair
+            if merge_int4 and self.parallel and mlp_act != "silu_mul":  # GPT-NeoX int4 (module docstring)
+                step.out_pair = plan.out_pair  # (stacked by patch_model where it could: patcher/layers/out_pair.py)
+                a, m = attention._patcher, mlp._patcher
+                if a.qkv_int4 is not None and m.in_int4 is not None:
+                    step.qkv_mlp = int4.side_by_side(a.qkv_int4, m.in_int4)
             self.layers.append(step)
         self.ops = self.layers[0].attention.ops
         self.num_layers = len(self.layers)
@@ -210,7 +217,7 @@ class DecodeRunner:
         for layer in self.layers:
             a, m = layer.attention, layer.mlp
             linears = (a.qkv_int4, self.head_dim), (a.out_int4, None), (m.in_int4, None), (m.out_int4, None)
-            for lin, head in (*linears, (layer.out_pair, None)):
+            for lin, head in (*linears, (layer.out_pair, None), (layer.qkv_mlp, self.head_dim)):
                 if lin is not None:
                     self.int4[id(lin)] = (lin, head)
         # GPT-NeoX's MLP stream (module docstring).
@@ -321,6 +328,17 @@ class DecodeRunner:
         qkv = self._linear(h, a.qkv_weight, a.qkv_bias, "none", st)
         return ops.rope_qkv_cache(qkv, *rope, a.interleaved)
 
+    def _qkv_mlp(self, layer: LayerStep, index: int, x, delta, delta2, st: StepState):
+        """GPT-NeoX int4 in one op: [add +] both LayerNorms, QKV -> RoPE -> K/V into the cache from the first, the
+        MLP's input projection and activation from the second; returns (q, MLP hidden, sum)."""
+        a, lin = layer.attention, layer.qkv_mlp
+        norm, post_norm = layer.norms
+        pro = self._prologue(delta, delta2, norm, post_norm)
+        rope = self._rope_args(layer, index, st)
+        qkv_segments = len(a.qkv_int4.widths)
+        return self.ops.int4_qkv_mlp_in(x, *pro, *lin.args(), *rope, a.interleaved, qkv_segments, layer.mlp_act,
+                                        st.int4_splits[id(lin)], st.int4_workspace)  # fmt: skip
+
     @staticmethod
     def _rope_args(layer: LayerStep, index: int, st: StepState) -> tuple:
         a = layer.attention
@@ -363,7 +381,9 @@ class DecodeRunner:
             if self.parallel:  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)), the MLP beside the attention path
                 # (Each branch's first GEMV taking the adds and its own LayerNorm as prologue, so that both start at
                 # once without the norm kernel, measured slower on the H100: Pythia-2.8B 2.22 -> 2.33 ms.)
-                if self._qkv_takes_norm(layer, st):  # ln2(x) comes out of the QKV op as h2
+                if layer.qkv_mlp is not None:  # int4: QKV and the MLP's input in one launch, on this stream
+                    q, mlp_out, total = self._qkv_mlp(layer, i, residual, delta, delta2, st)
+                elif self._qkv_takes_norm(layer, st):  # ln2(x) comes out of the QKV op as h2
                     pro = self._prologue(delta, delta2, norm, post_norm)
                     q, total, h_mlp = self._qkv(layer, i, residual, pro, st)
                     mlp_out = self._parallel_mlp(layer, h_mlp, st, branch)
@@ -375,7 +395,10 @@ class DecodeRunner:
                 residual = residual if delta is None else total
                 pair = layer.out_pair
                 attn = self._attention(layer, q, st, i, project=pair is None)
-                self._join(branch)
+                if layer.qkv_mlp is None:
+                    self._join(branch)
+                elif pair is None:
+                    mlp_out = self._linear(mlp_out, m.out_weight, m.out_bias, "none", st, m.out_int4)
                 if pair is None:
                     delta, delta2 = attn, mlp_out
                 else:  # both output projections in one GEMV over [attention | MLP hidden] (layers/out_pair.py)

@@ -94,6 +94,29 @@ def from_modules(modules) -> Int4Linear:
     )
 
 
+def side_by_side(first: Int4Linear, second: Int4Linear) -> Int4Linear | None:
+    """One Int4Linear of two that read the same input: the segments of `first`, then those of `second` (no copies),
+    or None where their formats differ or the segments would exceed MAX_SEGMENTS."""
+    same = (first.in_features, first.group_size, first.act_order, first.zero_offset) == (
+        second.in_features,
+        second.group_size,
+        second.act_order,
+        second.zero_offset,
+    )
+    if not same or len(first.widths) + len(second.widths) > MAX_SEGMENTS:
+        return None
+    return Int4Linear(
+        qweight=first.qweight + second.qweight,
+        qzeros=first.qzeros + second.qzeros,
+        scales=first.scales + second.scales,
+        g_idx=first.g_idx + second.g_idx,
+        bias=first.bias + second.bias,
+        group_size=first.group_size,
+        act_order=first.act_order,
+        zero_offset=first.zero_offset,
+    )
+
+
 def tile_width(head_dim: int | None = None) -> int:
     """Output columns per block, as kernels/int4.cu's int4_tile_width: 128, or with RoPE (head_dim given) the
     fewest whole heads that make whole warps of 32 columns, or one head where that would exceed 256 columns."""

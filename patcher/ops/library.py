@@ -224,6 +224,22 @@ _define(
 )
 
 
+def _int4_qkv_mlp_fake(x, delta, d2, w, b, w2, b2, eps, rms, qw, qz, sc, gi, bias, gs, ao, zo, *rest):
+    hq, d, qkv_segments = rest[6], rest[8], rest[10]  # (cos, sin, slot, pad, k_cache, v_cache, hq, hkv, d, inter, n)
+    hidden = sum(q.shape[1] for q in qw[qkv_segments:])
+    sum_ = _like(x) if delta is not None else x.new_empty(0)
+    return x.new_empty((x.shape[0], hq, d)), x.new_empty((x.shape[0], hidden)), sum_
+
+
+_define(
+    f"int4_qkv_mlp_in({_PROLOGUE}, {_INT4}, Tensor cos, Tensor sin, Tensor slot, Tensor pad,"
+    " Tensor(b!) k_cache, Tensor(c!) v_cache, int num_q_heads, int num_kv_heads, int head_dim, bool interleaved,"
+    " int qkv_segments, str activation, int splits, Tensor(a!) workspace) -> (Tensor, Tensor, Tensor)",
+    ref.int4_qkv_mlp_in,
+    _int4_qkv_mlp_fake,
+)
+
+
 # The int4 decode step as one persistent kernel (kernels/step.cuh), for the decode runner (patcher/decode/step.py).
 # CUDA only: its pure-torch reference is the runner's per-op step, which the GPU tests compare it against. The plan
 # holds pointers into the tensors it is built from; int4_step writes the caches and buffers of that plan.

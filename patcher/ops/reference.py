@@ -262,6 +262,33 @@ def int4_gemv(
     return y, s, h2
 
 
+def int4_qkv_mlp_in(
+    x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool,
+    qweight, qzeros, scales, g_idx, bias, group_size: int, act_order: bool, zero_offset: int,
+    cos, sin, slot, pad, k_cache, v_cache, num_q_heads: int, num_kv_heads: int, head_dim: int, interleaved: bool,
+    qkv_segments: int, activation: str, splits: int, workspace,
+):  # fmt: skip
+    """GPT-NeoX's parallel residual in one decode-step op: [add +] both LayerNorms, then the int4 QKV projection of
+    the first (segments [0, qkv_segments)) with rope_qkv_cache, and the MLP's int4 input projection of the second
+    (the other segments) with its activation. Returns (q [B, Hq, D], hidden [B, MLP width], sum)."""
+    if norm_weight is None or norm_weight2 is None or rms:
+        raise ValueError("int4_qkv_mlp_in takes both LayerNorms (norm_weight and norm_weight2)")
+    if not 1 <= qkv_segments < len(qweight):
+        raise ValueError(f"int4_qkv_mlp_in needs q/k/v segments followed by the MLP's, got {qkv_segments} of "
+                         f"{len(qweight)}")  # fmt: skip
+    if activation not in ("none", "gelu", "gelu_tanh"):
+        raise ValueError(f"int4_qkv_mlp_in takes none, gelu or gelu_tanh, got {activation!r}")
+    h, s, h2 = _norm_prologue(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms)
+    parts = [(t[:qkv_segments], t[qkv_segments:]) for t in (qweight, qzeros, scales, g_idx, bias)]
+    first, second = ([p[i] for p in parts] for i in (0, 1))
+    qkv = int4_linear(h, *first, group_size, act_order, zero_offset)
+    q = rope_qkv_cache(qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, interleaved)
+    hidden = int4_linear(h2, *second, group_size, act_order, zero_offset)
+    if activation != "none":
+        hidden = F.gelu(hidden, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return q, hidden, s
+
+
 def int4_gemv_cat(
     x, x2, qweight, qzeros, scales, g_idx, bias, group_size: int, act_order: bool, zero_offset: int, splits: int,
     workspace,
