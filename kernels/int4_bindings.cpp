@@ -202,10 +202,11 @@ std::tuple<Tensor, Tensor, Tensor> int4_gemv(const Tensor& x, const OptTensor& d
 }
 
 // out = [x | x2] @ W + bias: one linear over two activations side by side along k (x [batch, k1], x2 [batch, k - k1]),
-// as GPT-NeoX's attention output and MLP hidden through its two output projections stacked along k.
+// as GPT-NeoX's attention output and MLP hidden through its two output projections stacked along k. x2_early: x2 was
+// written before the stream's previous kernel began (Int4Params::x2_early; the caller's promise).
 Tensor int4_gemv_cat(const Tensor& x, const Tensor& x2, TensorList qweight, TensorList qzeros, TensorList scales,
                      TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order, int64_t zero_offset,
-                     int64_t splits, Tensor& workspace) {
+                     int64_t splits, Tensor& workspace, bool x2_early) {
   TORCH_CHECK(x.is_cuda() && x2.is_cuda() && x2.device() == x.device(), "patcher: x and x2 must be CUDA tensors on ",
               "one device, got ", x.device(), " and ", x2.device());
   TORCH_CHECK(x.dim() == 2 && x2.dim() == 2 && x2.size(0) == x.size(0) && x2.scalar_type() == x.scalar_type(),
@@ -222,6 +223,7 @@ Tensor int4_gemv_cat(const Tensor& x, const Tensor& x2, TensorList qweight, Tens
   p.x2 = x2.data_ptr();
   p.x2_stride = row_stride(x2, "x2");
   p.x2_k = k1;
+  p.x2_early = x2_early;
   p.epilogue = patcher::kInt4Store;
   p.act = patcher::kActNone;
   int64_t n_out = 0;

@@ -60,10 +60,10 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
     cur = load_group(seg, group, col);
     if (group_end < t_end) next = load_group(seg, group + 1, col);
   }
-  griddep_wait();
+  const int64_t k0 = r_begin * 8, len = (r_end - r_begin) * 8;
+  if (!skips_wait(p, k0)) griddep_wait();
   griddep_launch_dependents();
 
-  const int64_t k0 = r_begin * 8, len = (r_end - r_begin) * 8;
   float* xs = smem;  // [batch][len]
   stage_x<T, NORM>(p, k0, len, blockIdx.x == 0, in_second(p, t),
                    [=](int b, int64_t i, float v) { xs[b * len + i] = v; });

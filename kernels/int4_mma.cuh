@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
   const int64_t k0 = r_begin * 8, len = (r_end - r_begin) * 8;
   const SliceGroups groups = stage_groups(p, seg, t, tile_width, k0, k0 + len,
                                           reinterpret_cast<char*>(smem) + mma_x_stage_bytes(p, sizeof(T)));
-  griddep_wait();
+  if (!skips_wait(p, k0)) griddep_wait();
   griddep_launch_dependents();
 
   T* xs = reinterpret_cast<T*>(smem);  // [batch][len], every 8 k in the pair order (0,4) (1,5) (2,6) (3,7)

@@ -78,6 +78,12 @@ __device__ __forceinline__ TileSplit k_slices(const Int4Params& p, const TileInf
   return {static_cast<int>(blockIdx.y), p.splits * t.members, {p.splits, p.splits}, p.splits == 1 && t.members == 1};
 }
 
+// Whether a block of K slice [k0, ...) may skip griddepcontrol.wait: it reads only x2, which the caller promises was
+// written before the previous kernel began (Int4Params::x2_early).
+__device__ __forceinline__ bool skips_wait(const Int4Params& p, int64_t k0) {
+  return p.x2 && p.x2_early && k0 >= p.x2_k;
+}
+
 // Whether tile t belongs to the op's second linear (Int4Params::second).
 __device__ __forceinline__ bool in_second(const Int4Params& p, const TileInfo& t) {
   return p.second > 0 && t.seg >= p.second;

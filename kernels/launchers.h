@@ -205,6 +205,10 @@ struct Int4Params {
   // (GPT-NeoX's attention output and MLP hidden through [W_dense; W_mlp_out]). Not with the norm prologue.
   const void* x2;
   int64_t x2_stride, x2_k;
+  // x2 was written before the stream's previous kernel began (the caller's promise): blocks whose K slice reads only
+  // x2 skip griddepcontrol.wait and stream their weights while that kernel runs (GPT-NeoX's MLP half of the output
+  // pair beside the attention). Every tile still has a slice that waits, and its last block writes the output.
+  bool x2_early;
   NormPrologue norm;
   // Epilogue.
   int32_t epilogue;

@@ -135,6 +135,36 @@ def test_int4_gemv_cat(k1, k2, n, group_size, splits, batch, dtype):
     assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0, "the tile counters must be left at zero"
 
 
+@pytest.mark.parametrize("dtype", DTYPES[:2])
+@pytest.mark.parametrize("k1,k2,n", [(2560, 10240, 2560), (512, 2048, 520)])
+def test_int4_gemv_cat_x2_early(k1, k2, n, dtype):
+    """x2_early (the decode step's output pair right after the attention): x comes out of the kernel just before,
+    launched as a programmatic dependent, and x2 from before that one. The blocks that read only x2 start while the
+    producer runs; those that read x must wait for it, or they read the buffer before it is written (the allocator's
+    previous contents: each round has another source, so stale values differ from the right ones)."""
+    from patcher.ops import KERNELS, reference
+
+    producer = gptq_linear(8192, [k1], 128)  # long enough that the early blocks run beside it
+    lin = gptq_linear(k1 + k2, [n], 128, bias=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x2 = torch.randn(1, k2, device="cuda").to(dtype)
+    none = (None,) * 6 + (0.0, False)
+    results = []
+    for _ in range(3):
+        splits = [int4_ops.splits_for(1, w, sms) for w in (producer, lin)]
+        spaces = [torch.zeros(int4_ops.workspace_numel(1, w, s), dtype=torch.int32, device="cuda")
+                  for w, s in zip((producer, lin), splits)]  # fmt: skip
+        source = torch.randn(1, 8192, device="cuda").to(dtype)
+        torch.cuda.synchronize()
+        x = KERNELS.int4_gemv(source, *none, *producer.args(), "none", splits[0], spaces[0])[0]
+        got = KERNELS.int4_gemv_cat(x, x2, *lin.args(), splits[1], spaces[1], True)
+        results.append((x, got))
+    for x, got in results:
+        low = reference.int4_gemv_cat(x, x2, *lin.args(), 1, None)
+        ref64 = reference.int4_gemv_cat(x.double(), x2.double(), *lin.args(), 1, None)
+        assert_within_torch_error(got, low, ref64, "int4_gemv_cat with x2_early")
+
+
 def test_int4_gemv_cat_bad_inputs(kernels):
     lin = gptq_linear(256, [128], 64)
     workspace = torch.zeros(int4_ops.workspace_numel(2, lin, 2), dtype=torch.int32, device="cuda")

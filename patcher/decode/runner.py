@@ -403,7 +403,10 @@ class DecodeRunner:
                     delta, delta2 = attn, mlp_out
                 else:  # both output projections in one GEMV over [attention | MLP hidden] (layers/out_pair.py)
                     splits = st.int4_splits[id(pair)]
-                    delta = self.ops.int4_gemv_cat(attn, mlp_out, *pair.args(), splits, st.int4_workspace)
+                    # With int4_qkv_mlp_in the MLP hidden was written before the attention began: the op's MLP part
+                    # streams its weights while the attention runs (H100, Pythia-2.8B int4: 1.50 -> 1.46 ms a token).
+                    early = layer.qkv_mlp is not None
+                    delta = self.ops.int4_gemv_cat(attn, mlp_out, *pair.args(), splits, st.int4_workspace, early)
                     delta2 = None
             else:
                 q, total, _ = self._qkv(layer, i, residual, self._prologue(delta, None, norm), st)

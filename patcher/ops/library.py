@@ -211,9 +211,11 @@ _define(
     _int4_gemv_fake,
 )
 _define(
-    f"int4_gemv_cat(Tensor x, Tensor x2, {_INT4}, int splits, Tensor(a!) workspace) -> Tensor",
+    f"int4_gemv_cat(Tensor x, Tensor x2, {_INT4}, int splits, Tensor(a!) workspace, bool x2_early=False) -> Tensor",
     ref.int4_gemv_cat,
-    lambda x, x2, qw, qz, sc, gi, b, gs, ao, zo, splits, ws: x.new_empty((x.shape[0], sum(q.shape[1] for q in qw))),
+    lambda x, x2, qw, qz, sc, gi, b, gs, ao, zo, splits, ws, early=False: x.new_empty(
+        (x.shape[0], sum(q.shape[1] for q in qw))
+    ),
 )
 _define(
     f"int4_qkv_rope_cache({_PROLOGUE}, {_INT4}, Tensor cos, Tensor sin, Tensor slot, Tensor pad,"

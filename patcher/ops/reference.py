@@ -291,11 +291,13 @@ def int4_qkv_mlp_in(
 
 def int4_gemv_cat(
     x, x2, qweight, qzeros, scales, g_idx, bias, group_size: int, act_order: bool, zero_offset: int, splits: int,
-    workspace,
+    workspace, x2_early: bool = False,
 ):  # fmt: skip
     """[x | x2] @ W + b: one decode-step int4 linear over two activations side by side along k (GPT-NeoX's
     attention output and MLP hidden through its two output projections stacked along k, patcher/layers/out_pair.py).
-    x [B, k1], x2 [B, k - k1]. `splits` and `workspace` only shape the CUDA kernel's work."""
+    x [B, k1], x2 [B, k - k1]. `splits` and `workspace` only shape the CUDA kernel's work; `x2_early` promises the
+    CUDA kernel that x2 was written before the stream's previous kernel began (its blocks that read only x2 then
+    start before that kernel ends)."""
     if x.dim() != 2 or x2.dim() != 2 or x.shape[0] != x2.shape[0] or x.dtype != x2.dtype:
         raise ValueError(
             f"int4_gemv_cat takes x [batch, k1] and x2 [batch, k2] of one dtype, got {x.dtype} {list(x.shape)} "
