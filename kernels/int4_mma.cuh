@@ -21,18 +21,19 @@
 // split without the meeting, one 512-thread block per 32- or 64-column tile over all of K, measured faster only for
 // the out projections (Pythia dense 6.2 -> 5.3 us, Llama o_proj 8.7 -> 7.8) and slower elsewhere (Llama gate/up
 // 39.7 -> 61.1, int4 TPOT Llama 3.42 -> 4.09 ms for every op): dropped. Tried and dropped: L2 prefetches of the rows
-// ahead (bulk or per line: every op 2-15% slower); 3 or 4 blocks per SM (spills; only gate/up faster); the K slices
-// of a tile meeting in a thread-block cluster through distributed shared memory instead of the workspace (clusters of
-// up to 8 blocks: slower, Pythia fused QKV 14.6 -> 22.2 us, Llama down 21.0 -> 35.9, int4 TPOT Pythia 1.85 -> 2.08 ms,
-// Llama 3.54 -> 4.31); earlier, a 16-stage cp.async ring for the chunks and a 4-groups-ahead ring for the parameters
-// (large matrices 5-10% faster, small ones 10-20% slower); 256-column tiles. And fewer blocks per SM (a split rule for
-// 256 or 384 threads an SM instead of 512), so that with programmatic dependent launch the next op's blocks could be
-// resident and load their weights during this op's tail: much slower (Pythia mlp_in 12.1 -> 21.4 us, int4 TPOT
-// Pythia 1.81 -> 2.07-2.42 ms), so the warps per SM are what the ops need most; yet more 16-byte chunks in flight per
-// lane (12 or 16 in the kernel without the norm prologue, which has the registers for them since its group parameters
-// moved to shared memory) made decode no faster (int4 TPOT Pythia 1.80 -> 1.84-1.90 ms, Llama 3.43 -> 3.44-3.53);
-// skipping the norm prologue's two block reductions (a bound for statistics computed once elsewhere) saved only 0.5 us
-// on Pythia's fused LN+QKV.
+// ahead inside the loop (bulk or per line: every op 2-15% slower; kept instead: a prefetch of the rows after the
+// register preload issued before griddepcontrol.wait, when HBM would otherwise idle, kMmaPrefetchBytes); 3 or 4 blocks
+// per SM (spills; only gate/up faster); the K slices of a tile meeting in a thread-block cluster through distributed
+// shared memory instead of the workspace (clusters of up to 8 blocks: slower, Pythia fused QKV 14.6 -> 22.2 us, Llama
+// down 21.0 -> 35.9, int4 TPOT Pythia 1.85 -> 2.08 ms, Llama 3.54 -> 4.31); earlier, a 16-stage cp.async ring for the
+// chunks and a 4-groups-ahead ring for the parameters (large matrices 5-10% faster, small ones 10-20% slower);
+// 256-column tiles. And fewer blocks per SM (a split rule for 256 or 384 threads an SM instead of 512), so that with
+// programmatic dependent launch the next op's blocks could be resident and load their weights during this op's tail:
+// much slower (Pythia mlp_in 12.1 -> 21.4 us, int4 TPOT Pythia 1.81 -> 2.07-2.42 ms), so the warps per SM are what the
+// ops need most; yet more 16-byte chunks in flight per lane (12 or 16 in the kernel without the norm prologue, which
+// has the registers for them since its group parameters moved to shared memory) made decode no faster (int4 TPOT
+// Pythia 1.80 -> 1.84-1.90 ms, Llama 3.43 -> 3.44-3.53); skipping the norm prologue's two block reductions (a bound for
+// statistics computed once elsewhere) saved only 0.5 us on Pythia's fused LN+QKV.
 //
 // Layout. A warp owns 32 columns of the tile. In each step lane 4g + q loads the 16-byte chunk at qweight row
 // r0 + q, columns 4g .. 4g + 3 of the warp's 32, so a warp step is 4 rows x 32 columns (four 128-byte row
@@ -208,6 +209,14 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
     if (live && 4 * j < lane_rows) w[j] = __ldcs(next_chunk + j * step_stride);
   }
   next_chunk += kMmaPreload * step_stride;
+  // The rows after those into L2 while the block waits for the previous kernel and stages x, when HBM would
+  // otherwise idle: lane i the warp's 32 columns (128 bytes) of rows 32 + i, 64 + i, ... of its run.
+  if (warp_live) {
+    const int ahead = min(run_rows, 4 * kMmaPreload + p.prefetch_rows);
+    const uint32_t bytes = static_cast<uint32_t>(min(32, t.width - warp_col)) * 4;
+    const int32_t* rows0 = seg.qweight + t.col0 + warp_col + run_begin * seg.n;
+    for (int r = 4 * kMmaPreload + lane; r < ahead; r += 32) prefetch_l2(rows0 + r * seg.n, bytes);
+  }
   const int64_t k0 = r_begin * 8, len = (r_end - r_begin) * 8;
   const SliceGroups groups = stage_groups(p, seg, t, tile_width, k0, k0 + len,
                                           reinterpret_cast<char*>(smem) + mma_x_stage_bytes(p, sizeof(T)));
@@ -273,12 +282,23 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
   finish_tile<T>(p, t, smem, runs, tile_width, k_slices(p, t), whole_block());
 }
 
+// Bytes of an op's qweight prefetched into L2 before griddepcontrol.wait (int4_mma_kernel), at most: a third of the
+// H100's 50 MB L2, so that the previous kernel's data stays. Measured on the H100 (fp16, batch 1, one call; budgets
+// 0 / 16 / 32 MB): Llama-3.1-8B gate/up 39.9 / 38.5 / 38.6 us, down 19.9 / 19.3 / 19.4, Qwen2-1.5B gate/up 16.9 /
+// 14.2 / 14.1, Pythia-2.8B mlp_in 11.4 / 10.8 / 10.8, int4_qkv_mlp_in 20.9 / 20.0 / 20.0, the rest within 0.3 us;
+// int4 TPOT Llama 3.464, 3.468 / 3.418, 3.410 / 3.419 ms, Pythia 1.487, 1.456 / 1.476, 1.501 / 1.501 ms (within
+// its noise).
+constexpr int64_t kMmaPrefetchBytes = 16 << 20;
+
 template <typename T>
-cudaError_t launch_mma(const Int4Params& p, cudaStream_t stream) {
-  const int tile_width = static_cast<int>(int4_tile_width(p));
+cudaError_t launch_mma(const Int4Params& op, cudaStream_t stream) {
+  const int tile_width = static_cast<int>(int4_tile_width(op));
   const int col_warps = tile_width / 32, runs = kThreads / 32 / col_warps;
   const dim3 block(col_warps * runs * 32);
-  const dim3 grid(static_cast<unsigned>(int4_tiles(p)), static_cast<unsigned>(p.splits));
+  const dim3 grid(static_cast<unsigned>(int4_tiles(op)), static_cast<unsigned>(op.splits));
+  Int4Params p = op;
+  const int64_t row_bytes = static_cast<int64_t>(grid.x) * grid.y * block.x / 32 * 128;  // one row of every warp run
+  p.prefetch_rows = static_cast<int32_t>(kMmaPrefetchBytes / row_bytes);
   size_t smem = 0;
   const cudaError_t fits = launch_smem<T>(p, mma_x_stage_bytes(p, sizeof(T)), int4_group_stage_bytes(p), runs,
                                           static_cast<int>(block.x), tile_width, smem);

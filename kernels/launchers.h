@@ -209,6 +209,9 @@ struct Int4Params {
   // x2 skip griddepcontrol.wait and stream their weights while that kernel runs (GPT-NeoX's MLP half of the output
   // pair beside the attention). Every tile still has a slice that waits, and its last block writes the output.
   bool x2_early;
+  // qweight rows per warp run to prefetch into L2 past the register preload, before griddepcontrol.wait (the
+  // tensor-core kernel; its launcher sets it from an L2 budget).
+  int32_t prefetch_rows;
   NormPrologue norm;
   // Epilogue.
   int32_t epilogue;
