@@ -199,6 +199,17 @@ def test_int4_ops_sharing_a_workspace():
         assert_within_torch_error(got, low, ref64, f"{sum(lin.widths)} columns")
 
 
+def assert_q_and_caches(q, q_ref, q64, caches, ref_caches, caches64, slot: int):
+    """q and the K/V caches of an op with the RoPE + cache epilogue against its reference in the working dtype and
+    on float64 copies: the 2x rule for q and the slot's new rows, and no other cache row changed."""
+    assert_within_torch_error(q, q_ref, q64, "q")
+    for got, low, r64 in zip(caches, ref_caches, caches64):
+        assert_within_torch_error(got, low, r64, "cache")
+        untouched = torch.ones(got.shape[2], dtype=torch.bool, device=got.device)
+        untouched[slot] = False
+        assert torch.equal(got[:, :, untouched], low[:, :, untouched]), "only the slot's cache row may change"
+
+
 ARCHS = {  # heads q, kv, head_dim, rotary dim, interleaved, q/k/v as separate segments, bias
     "pythia-2.8b": (32, 32, 80, 20, True, False, True),
     "llama-8b-gqa": (32, 8, 128, 128, False, True, False),
@@ -240,12 +251,7 @@ def test_int4_qkv_rope_cache(prologue, batch, arch, dtype):
     q64, _, _ = reference.int4_qkv_rope_cache(
         x.double(), *pro64, *lin.args(), cos.double(), sin.double(), slot, pad, *caches64, *heads
     )
-    assert_within_torch_error(q, q_ref, q64, "q")
-    for got, low, r64 in zip(caches, ref_caches, caches64):
-        assert_within_torch_error(got, low, r64, "cache")
-        untouched = torch.ones(capacity, dtype=torch.bool, device="cuda")
-        untouched[29] = False
-        assert torch.equal(got[:, :, untouched], low[:, :, untouched]), "only the slot's cache row may change"
+    assert_q_and_caches(q, q_ref, q64, caches, ref_caches, caches64, slot=29)
     assert torch.equal(total, total_ref) and h2.shape == h2_ref.shape
     if h2.numel():  # LayerNorm's second output, computed as launch_norm computes it
         assert max_err(h2, h2_ref) <= 1e-2 * max(1.0, h2_ref.abs().max().item())
@@ -294,11 +300,8 @@ def test_int4_qkv_mlp_in(prologue, batch, arch, dtype):
     q64, hidden64, _ = reference.int4_qkv_mlp_in(
         x.double(), *pro64, *lin.args(), cos.double(), sin.double(), slot, pad, *caches64, *tail
     )
-    assert_within_torch_error(q, q_ref, q64, "q")
+    assert_q_and_caches(q, q_ref, q64, caches, ref_caches, caches64, slot=17)
     assert_within_torch_error(hidden, hidden_ref, hidden64, "MLP hidden")
-    for got, low, r64 in zip(caches, ref_caches, caches64):
-        assert_within_torch_error(got, low, r64, "cache")
-        assert torch.equal(got[:, :, :17], low[:, :, :17]) and torch.equal(got[:, :, 18:], low[:, :, 18:])
     assert torch.equal(total, total_ref)  # the residual sum, rounded as torch rounds it
     assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0
 

@@ -1,8 +1,9 @@
 """GPTQ int4 linears as the int4 ops take them, and the work-split rule of the decode-step kernels.
 
-`Int4Linear` groups one to three GPTQLinear modules that read the same input (q, k, v; gate, up; or one
-projection) and hands their checkpoint tensors to the `patcher::int4_*` ops as parallel lists, so fused
-projections need no concatenated copy and `state_dict` is untouched.
+`Int4Linear` groups one to three GPTQLinear modules that read the same input (q, k, v; gate, up; one projection; or
+GPT-NeoX's QKV beside its MLP's input projection, `side_by_side`) and hands their checkpoint tensors to the
+`patcher::int4_*` ops as parallel lists, so fused projections need no concatenated copy and `state_dict` is
+untouched.
 """
 
 from __future__ import annotations
