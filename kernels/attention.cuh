@@ -51,6 +51,22 @@ __device__ __forceinline__ int attention_shares(int64_t count, int splits) {
   return static_cast<int>(wanted < splits ? wanted : splits);
 }
 
+// A block's share of the keys start .. last_key of a (row, kv head): keys lo .. hi - 1 of share `split` out of
+// `shares` (attention_shares); a block with split >= shares has none.
+struct AttnRange {
+  int shares;
+  int64_t lo, hi;
+};
+
+template <int D, int GMAX>
+__device__ __forceinline__ AttnRange attention_range(int64_t start, int64_t last_key, int splits, int split) {
+  const int64_t count = last_key + 1 - start;
+  const int shares = attention_shares<D, GMAX>(count, splits);
+  const int64_t chunk = (count + shares - 1) / shares;
+  const int64_t lo = start + split * chunk;
+  return {shares, lo, lo + chunk < last_key + 1 ? lo + chunk : last_key + 1};
+}
+
 // An empty running softmax for each head.
 template <int GMAX>
 __device__ __forceinline__ void attend_init(float (&m)[GMAX], float (&l)[GMAX], float (&acc)[GMAX][8]) {

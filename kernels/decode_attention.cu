@@ -35,13 +35,11 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   const int first = static_cast<int>(blockIdx.y % groups) * GMAX;  // within the kv head's group
   const int head0 = kvh * group_size + first;                      // first query head of this block
   const int G = group_size - first < GMAX ? group_size - first : GMAX;
-  const int64_t last_key = *p.slot, start = p.pad[b];
-  const int64_t count = last_key + 1 - start;
-  const int shares = attention_shares<D, GMAX>(count, p.splits);
-  if (split >= shares) return;  // this block has no keys at this context length
-  const int64_t chunk = (count + shares - 1) / shares;
-  const int64_t lo = start + split * chunk;
-  const int64_t hi = lo + chunk < last_key + 1 ? lo + chunk : last_key + 1;
+  const int64_t last_key = *p.slot;
+  const AttnRange range = attention_range<D, GMAX>(p.pad[b], last_key, p.splits, split);
+  if (split >= range.shares) return;  // this block has no keys at this context length
+  const int shares = range.shares;
+  const int64_t lo = range.lo, hi = range.hi;
 
   const int lane = threadIdx.x & 31;
   const int sub = lane % kLanes;

@@ -671,13 +671,11 @@ __device__ void attention_item(const StepPlan& P, const StepAttention& A, int b,
   const int hq = P.num_q_heads, hkv = P.num_kv_heads, group_size = hq / hkv;
   const int G = group_size - first < GMAX ? group_size - first : GMAX;
   const int head0 = kvh * group_size + first;
-  const int64_t last_key = *P.slot, start = P.pad[b];
-  const int64_t count = last_key + 1 - start;
-  const int shares = attention_shares<D, GMAX>(count, P.splits);
-  if (split >= shares) return;  // no keys for this share at this context length
-  const int64_t chunk = (count + shares - 1) / shares;
-  const int64_t lo = start + split * chunk;
-  const int64_t hi = lo + chunk < last_key + 1 ? lo + chunk : last_key + 1;
+  const int64_t last_key = *P.slot;
+  const AttnRange range = attention_range<D, GMAX>(P.pad[b], last_key, P.splits, split);
+  if (split >= range.shares) return;  // no keys for this share at this context length
+  const int shares = range.shares;
+  const int64_t lo = range.lo, hi = range.hi;
   const int tid = static_cast<int>(threadIdx.x);
   consumers_sync();  // the previous item's readers of S are done
 

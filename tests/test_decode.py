@@ -147,14 +147,15 @@ def test_cuda_runner_fp32_greedy_matches_hf(name, fused_norms, monkeypatch):
     assert torch.equal(got, expected)
 
 
-def one_and_two_stream_tokens(model, ids, mask, monkeypatch) -> dict:
-    """Greedy tokens of the graph-captured decode with GPT-NeoX's MLP on the main stream and on its branch stream."""
+def one_and_two_stream_tokens(model, ids, mask, monkeypatch, **runner_args) -> dict:
+    """Greedy tokens of the graph-captured decode with GPT-NeoX's MLP on the main stream and on its branch stream
+    (DecodeRunner(model, **runner_args))."""
     from patcher.decode import runner as runner_module
 
     tokens = {}
     for branch in (False, True):
         monkeypatch.setattr(runner_module, "PARALLEL_BRANCH", branch)
-        runner = DecodeRunner(model)
+        runner = DecodeRunner(model, **runner_args)
         assert runner.branch_stream is not None
         tokens[branch] = runner.generate(ids, mask, 40, Sampling(), eos=[], pad_token_id=0)
     return tokens

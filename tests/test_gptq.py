@@ -275,15 +275,17 @@ def test_int4_model_on_the_gpu(name, dtype, act_order, tmp_path):
 
 @requires_cuda
 def test_int4_mlp_branch_stream_changes_no_result(tmp_path, monkeypatch):
-    """int4 GPT-NeoX with its MLP on a second stream (with its own K-split workspace): tokens equal the one-stream
-    step's."""
+    """int4 GPT-NeoX with its MLP on a second stream (with its own K-split workspace), the five-kernel step that
+    DecodeRunner(merge_int4=False) keeps: tokens equal the one-stream step's. (With the merged ops a layer runs on
+    one stream, and the runner makes no branch stream.)"""
     from test_decode import one_and_two_stream_tokens
 
     model = gptq_model("tiny-pythia", tmp_path, False, dtype=torch.float16, device="cuda")
     model.generation_config.eos_token_id = None
     patch_model(model)
     ids = torch.randint(3, 500, (3, 13), device="cuda")
-    tokens = one_and_two_stream_tokens(model, ids, torch.ones_like(ids), monkeypatch)
+    tokens = one_and_two_stream_tokens(model, ids, torch.ones_like(ids), monkeypatch, merge_int4=False)
+    assert DecodeRunner(model).branch_stream is None
     assert torch.equal(tokens[True], tokens[False])
 
 

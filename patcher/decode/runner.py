@@ -220,8 +220,9 @@ class DecodeRunner:
             for lin, head in (*linears, (layer.out_pair, None), (layer.qkv_mlp, self.head_dim)):
                 if lin is not None:
                     self.int4[id(lin)] = (lin, head)
-        # GPT-NeoX's MLP stream (module docstring).
-        concurrent = self.device.type == "cuda" and self.parallel
+        # GPT-NeoX's MLP stream (module docstring); none where every layer runs int4_qkv_mlp_in on one stream.
+        merged = all(layer.qkv_mlp is not None for layer in self.layers)
+        concurrent = self.device.type == "cuda" and self.parallel and not merged
         self.branch_stream = torch.cuda.Stream(self.device) if concurrent else None
         self.states: dict[int, StepState] = {}  # batch size -> buffers (and graph), grown on demand
 
