@@ -16,6 +16,8 @@ Modes:
                            elsewhere: PATCHER_STEP_KERNEL=1)
   patched-int4-unmerged    `patched` with a GPT-NeoX int4 model's five int4 kernels a layer, as before they ran as
                            three (DecodeRunner(merge_int4=False)): the comparison for that change
+  patched-torch-next-token `patched` with the step's end as torch ops (argmax, token write, slot add, embedding
+                           lookup) instead of the next_token kernel (DecodeRunner(fuse_next_token=False))
   patched-static-compiled  patch_model(model) + HF's static cache and auto-compile (torch.compile compatibility)
 
 With no model argument it runs Pythia-2.8B-shaped random weights on a GPU, a tiny model on a CPU.
@@ -34,7 +36,12 @@ from tqdm import tqdm
 from . import common
 
 GPU_MODES = ["hf-eager", "hf-static-compiled", "patched-eager", "patched", "patched-static-compiled"]  # the default
-ALL_MODES = [*GPU_MODES, "patched-step-kernel", "patched-int4-unmerged"]
+RUNNER_MODES = {  # patched with a runner of other settings, for comparisons
+    "patched-step-kernel": {"use_step_kernel": True},
+    "patched-int4-unmerged": {"merge_int4": False},
+    "patched-torch-next-token": {"fuse_next_token": False},
+}
+ALL_MODES = [*GPU_MODES, *RUNNER_MODES]
 CPU_MODES = ["hf-eager", "patched-eager", "patched"]
 
 
@@ -122,14 +129,11 @@ def mode_setup(model, mode: str):
     patched = mode.startswith("patched")
     if patched:
         patcher.patch_model(model)
-        patcher.set_fast_generate(model, mode in ("patched", "patched-step-kernel", "patched-int4-unmerged"))
-        if mode in ("patched-step-kernel", "patched-int4-unmerged"):
+        patcher.set_fast_generate(model, mode == "patched" or mode in RUNNER_MODES)
+        if mode in RUNNER_MODES:
             from patcher.decode import DecodeRunner
 
-            if mode == "patched-step-kernel":
-                model._patcher_state.runner = DecodeRunner(model, use_step_kernel=True)
-            else:
-                model._patcher_state.runner = DecodeRunner(model, merge_int4=False)
+            model._patcher_state.runner = DecodeRunner(model, **RUNNER_MODES[mode])
     if mode.endswith("compiled"):
         model.__dict__.pop("_compiled_call", None)  # HF caches its compiled forward on the model
         torch._dynamo.reset()

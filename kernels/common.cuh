@@ -232,7 +232,7 @@ cudaError_t launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, siz
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+__host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 inline int round_up(int64_t n, int64_t multiple) { return static_cast<int>((n + multiple - 1) / multiple * multiple); }
 

@@ -168,6 +168,32 @@ struct DecodeAttentionParams {
 };
 cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream);
 
+// The decode step's last op (next_token.cu): each row's next token, the argmax of its scores (torch.argmax's order:
+// NaN first, then the first index of the maximum), or pad_token once the row has finished; then finished |= token
+// in eos, tokens[b, slot + 1] = token, x[b] = embed[token] (when embed is set), and slot += 1.
+struct NextTokenParams {
+  DType dtype;  // of scores
+  int64_t batch, vocab;
+  const void* scores;  // [batch, vocab], row stride scores_stride
+  int64_t scores_stride;
+  int64_t* tokens;  // [batch, columns], row stride tokens_stride (no write where slot + 1 >= columns)
+  int64_t tokens_stride, columns;
+  int64_t* slot;             // [1] device: the current token's column
+  uint8_t* finished;         // [batch] device (torch.bool)
+  const int64_t* eos;        // [num_eos] device, -1 for unused entries
+  int32_t num_eos;
+  const int64_t* pad_token;  // [] device
+  const void* embed;         // [embed_rows, hidden] contiguous, or nullptr (no x)
+  int64_t embed_rows, hidden, embed_elem_bytes;
+  void* x;                   // [batch, hidden] contiguous, embed's dtype
+  int32_t* workspace;  // next_token_workspace_size(batch) int32, zero on entry and left zero
+};
+constexpr int kNextTokenMaxParts = 64, kNextTokenMaxBatch = 64;
+inline int64_t next_token_workspace_size(int64_t batch) {
+  return 1 + 2 * batch * kNextTokenMaxParts;  // the ticket, then each part's value and index
+}
+cudaError_t launch_next_token(const NextTokenParams& p, cudaStream_t stream);
+
 // ---- GPTQ int4 ---------------------------------------------------------------------------------------------
 // A GPTQ 4-bit linear in the checkpoint's own layout (patcher/gptq/format.py). Several segments side by side form
 // one logical output (q | k | v of LLaMA/Qwen2, gate | up), so fused projections need no concatenated copy.

@@ -64,6 +64,28 @@ def test_runner_stops_like_hf_at_eos():
     assert expected.shape[1] < free.shape[1]
     assert torch.equal(got, expected)
 
+    # Finished rows continue with the pad id, so one outside the vocabulary is refused before anything runs.
+    runner = DecodeRunner(model, use_graphs=False)
+    with pytest.raises(ValueError, match="pad_token_id 5000 is outside the vocabulary"):
+        runner.generate(ids, mask, 30, Sampling(), eos=eos, pad_token_id=5000)
+
+
+@pytest.mark.parametrize("name", rm.TINY)
+def test_step_end_as_torch_ops_gives_the_same_tokens(name):
+    """next_token (the token write, the slot add and the next input's embedding in one op) against the same step
+    end as torch ops with the embedding looked up at the next step's start (fuse_next_token=False), EOS included."""
+    model = rm.build(name)
+    ids, mask = prompt(model, 3, 7, pad_rows=((1, 3),))
+    patch_model(model)
+    free = DecodeRunner(model, use_graphs=False).generate(ids, mask, 20, Sampling(), eos=[], pad_token_id=0)
+    eos = [int(free[0, 12])]  # a token row 0 emits
+    runs = [
+        DecodeRunner(model, use_graphs=False, fuse_next_token=fuse).generate(ids, mask, 20, Sampling(), eos, 0)
+        for fuse in (True, False)
+    ]
+    assert torch.equal(runs[0], runs[1])
+    assert runs[0].shape[1] <= free.shape[1] and (runs[0][0, 7:] == eos[0]).any()
+
 
 def test_runner_sampling_is_reproducible():
     model = rm.build("tiny-qwen2")

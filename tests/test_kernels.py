@@ -353,3 +353,156 @@ def test_decode_attention(batch, splits, length, heads, head_dim, dtype):
     scale = head_dim**-0.5
     check_op("decode_attention", (q, k_cache, v_cache, slot, pad, scale, splits, workspace))
     assert int(workspace[: batch * hq].abs().sum()) == 0, "split counters must be left at zero"
+
+
+# ---- next_token: the decode step's argmax and loop bookkeeping ----------------------------------------------------
+
+
+def next_token_state(batch, vocab, hidden, embed_dtype, finished, eos, columns=40, slot=9):
+    """The decode state next_token writes (tokens, slot, finished, x) and reads (eos, pad_token, embed), and its
+    workspace."""
+    from patcher.ops import next_token_workspace
+
+    tokens = torch.randint(0, vocab, (batch, columns), device="cuda")
+    return {
+        "tokens": tokens,
+        "slot": torch.tensor([slot], device="cuda"),
+        "finished": torch.tensor(finished, device="cuda"),
+        "eos": torch.tensor(eos + [-1] * (8 - len(eos)), device="cuda"),
+        "pad_token": torch.tensor(3, device="cuda"),
+        "embed": make((vocab + 5, hidden), embed_dtype) if hidden else None,
+        "x": make((batch, hidden or 1), embed_dtype),
+        "workspace": next_token_workspace(batch, "cuda"),
+    }
+
+
+def run_next_token(fn, scores, state):
+    s = {k: v.clone() if v is not None else None for k, v in state.items()}
+    fn(scores, s["tokens"], s["slot"], s["finished"], s["eos"], s["pad_token"], s["embed"], s["x"], s["workspace"])
+    return s
+
+
+def assert_same_state(kernel_state, ref_state):
+    for name in ("tokens", "slot", "finished", "x"):
+        assert torch.equal(kernel_state[name], ref_state[name]), name
+
+
+# Scores with many ties (values on a coarse grid), NaNs, an all -inf row, and rows whose maximum sits at the ends,
+# in the given memory layout.
+def tricky_scores(batch, vocab, dtype, layout):
+    s = make((batch, vocab), dtype, layout)
+    s.copy_((s.float() * 4).round() / 4)
+    s[0, -1] = 100.0  # the last element
+    if batch > 1:
+        s[1, 0] = 100.0  # the first
+    if batch > 2:
+        s[2, vocab // 3] = float("nan")
+        s[2, vocab // 2] = float("nan")  # two NaNs: the first one's index
+    if batch > 3:
+        s[3] = float("-inf")  # all equal: index 0
+    return s
+
+
+def on_cpu(state):
+    return {k: v.cpu() if v is not None else None for k, v in state.items()}
+
+
+def on_cuda(state):
+    return {k: v.cuda() for k, v in state.items() if v is not None}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 4, 8])
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 49152, 50304, 128256, 151936])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_next_token_argmax(kernels, layout, vocab, batch, dtype):
+    from patcher.ops import reference
+
+    if vocab < 4 and batch > 1:
+        pytest.skip("the tricky rows need a few columns")
+    scores = tricky_scores(batch, vocab, dtype, layout)
+    state = next_token_state(batch, vocab, 576, dtype if dtype != torch.float32 else torch.float16, [False] * batch, [])
+    got = run_next_token(kernels.next_token, scores, state)
+    want = run_next_token(reference.next_token, scores.cpu(), on_cpu(state))
+    assert_same_state(got, on_cuda(want))
+    assert int(got["slot"]) == 10 and not got["workspace"][0], "the ticket must be left at zero"
+
+
+@pytest.mark.parametrize("embed_dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [0, 7, 576, 2560, 4096])
+def test_next_token_finished_rows_eos_and_embedding(kernels, hidden, embed_dtype):
+    """Finished rows take the pad id; a row that emits an EOS id finishes; x gets each new token's embedding
+    (rows of odd length take the kernel's 2- or 4-byte copy); without an embedding x is left alone."""
+    from patcher.ops import reference
+
+    batch, vocab = 5, 3000
+    scores = make((batch, vocab), torch.float32)
+    top = torch.tensor([11, 22, 33, 44, 55])
+    scores[torch.arange(batch), top] = 10.0  # above every randn value
+    finished = [False, True, False, False, True]
+    eos = [int(top[2]), int(top[1]), 3]  # row 2 emits an EOS id; row 1 would, but it has finished (pad 3 is EOS too)
+    state = next_token_state(batch, vocab, hidden, embed_dtype, finished, eos)
+    got = run_next_token(kernels.next_token, scores, state)
+    want = run_next_token(reference.next_token, scores.cpu(), on_cpu(state))
+    assert_same_state(got, on_cuda(want))
+    assert got["finished"].tolist() == [False, True, True, False, True]
+    assert got["tokens"][:, 10].tolist() == [int(top[0]), 3, int(top[2]), int(top[3]), 3]
+    if not hidden:
+        assert torch.equal(got["x"], state["x"])
+
+
+def test_next_token_in_a_graph(kernels):
+    """Replayed in a CUDA graph, each replay writes the next column and advances the slot once (the workspace's
+    ticket goes back to zero for the next replay)."""
+    batch, vocab = 3, 50304
+    scores = make((batch, vocab), torch.float16)
+    state = next_token_state(batch, vocab, 2560, torch.float16, [False] * batch, [])
+    s = state
+    args = (scores, s["tokens"], s["slot"], s["finished"], s["eos"], s["pad_token"], s["embed"], s["x"], s["workspace"])
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        kernels.next_token(*args)  # warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        kernels.next_token(*args)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert int(s["slot"]) == 9 + 6 and not s["workspace"][0]
+    top = scores.argmax(-1)
+    assert torch.equal(s["tokens"][:, 10:16], top[:, None].expand(batch, 6))
+    assert torch.equal(s["x"], s["embed"][top])
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("scores 1-D", "scores must be"),
+        ("int scores", "unsupported dtype"),
+        ("short embed", "at least as many rows"),
+        ("x shape", "x must be"),
+        ("finished dtype", "finished must be"),
+        ("workspace dtype", "workspace must be"),
+        ("small workspace", "workspace must be"),
+    ],
+)
+def test_next_token_bad_inputs(kernels, case, message):
+    state = next_token_state(2, 100, 64, torch.float16, [False, False], [])
+    scores = make((2, 100), torch.float16)
+    if case == "scores 1-D":
+        scores = scores[0]
+    elif case == "int scores":
+        scores = scores.to(torch.int32)
+    elif case == "short embed":
+        state["embed"] = state["embed"][:50]
+    elif case == "x shape":
+        state["x"] = state["x"][:, :10]
+    elif case == "finished dtype":
+        state["finished"] = state["finished"].long()
+    elif case == "workspace dtype":
+        state["workspace"] = state["workspace"].long()
+    elif case == "small workspace":
+        state["workspace"] = state["workspace"][:-1]
+    with pytest.raises(RuntimeError, match=message):
+        run_next_token(kernels.next_token, scores, state)

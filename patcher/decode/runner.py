@@ -4,8 +4,9 @@
                  into the static cache, and the first token is chosen from its last logits
     decode step  embedding -> per layer: add+norm, QKV gemv with RoPE in its epilogue (K/V written into the cache),
                  decode_attention (only the filled part of the cache), output gemv, add+norm, MLP gemvs with the
-                 activation fused -> final add+norm -> lm_head gemv -> argmax or sampling -> the token is written
-                 after the current one and the position counter advances
+                 activation fused -> final add+norm -> lm_head gemv -> (sampling warpers) -> next_token: the
+                 argmax, written after the current token, the position counter advanced and the new token's
+                 embedding looked up for the next step, in one kernel
 On CUDA the step is captured once per batch size and cache size and replayed for every token: one host call per
 token, no host sync (the loop checks for EOS every few steps). The cache position lives in a device tensor, so
 the same graph serves every step. On the CPU (tests, reference backend) the same step runs eagerly.
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ops import decode_attention_workspace, int4
+from ..ops import REFERENCE, decode_attention_workspace, int4, next_token_workspace
 from ..registry import REGISTRY
 from .step import StepKernel, StepKernelUnavailable
 from .step import enabled as step_enabled
@@ -116,6 +117,8 @@ class StepState:
         self.finished = torch.zeros(batch, dtype=torch.bool, device=dev)
         self.eos = torch.full((MAX_EOS_IDS,), -1, dtype=torch.long, device=dev)  # EOS ids, -1 for unused entries
         self.pad_token = torch.zeros((), dtype=torch.long, device=dev)
+        self.x = torch.zeros(batch, runner.hidden, dtype=runner.dtype, device=dev)  # the current tokens' embeddings
+        self.next_token_workspace = next_token_workspace(batch, dev)
         self.cublas = runner.device.type == "cuda" and batch >= CUBLAS_MIN_BATCH
         # Norms inside the GEMVs' prologues (on the CPU always: the reference path is the same either way).
         self.fused_norms = not self.cublas and (runner.device.type != "cuda" or runner.hidden <= FUSED_NORM_MAX_HIDDEN)
@@ -135,7 +138,6 @@ class StepState:
         self.branch_int4_workspace = torch.zeros(branch_size, dtype=torch.int32, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_sampling: Sampling | None = None
-        self.graph_has_eos = False
         # Every layer in one persistent kernel (int4 models on Hopper), or the reason it is not used.
         self.step_kernel: StepKernel | None = None
         self.step_kernel_reason: str | None = None
@@ -149,7 +151,7 @@ class StepState:
 
     @property
     def nbytes(self) -> int:
-        buffers = (self.k, self.v, self.tokens, self.workspace, self.int4_workspace, self.branch_int4_workspace)
+        buffers = (self.k, self.v, self.tokens, self.x, self.workspace, self.int4_workspace, self.branch_int4_workspace)
         step = self.step_kernel.nbytes if self.step_kernel is not None else 0
         return sum(t.numel() * t.element_size() for t in buffers) + step
 
@@ -162,6 +164,7 @@ class DecodeRunner:
         use_step_kernel: bool | None = None,
         step_timeline: bool = False,
         merge_int4: bool = True,
+        fuse_next_token: bool = True,
     ):
         config = model.config
         entry = REGISTRY[config.model_type]
@@ -169,6 +172,15 @@ class DecodeRunner:
         base = getattr(model, spec.base_model, model)
         self.model, self.config, self.spec = model, config, spec
         self.embed = model.get_input_embeddings()
+        # next_token writes the next step's input itself where the embedding is a plain table lookup; otherwise
+        # (a subclass with its own forward, max_norm) the step runs the module on the tokens.
+        plain = type(self.embed).forward is torch.nn.Embedding.forward and self.embed.max_norm is None
+        self.embed_weight = self.embed.weight if plain and self.embed.weight.is_contiguous() else None
+        # fuse_next_token=False: the step's end as torch ops instead (next_token's reference: argmax, the token
+        # write and the slot add; the embedding looked up at the next step's start), for comparison.
+        self.next_token_ops = None if fuse_next_token else REFERENCE
+        if not fuse_next_token:
+            self.embed_weight = None
         lm_head = model.get_output_embeddings()
         self.lm_weight, self.lm_bias = lm_head.weight, getattr(lm_head, "bias", None)
         self.rotary = base.rotary_emb
@@ -420,12 +432,14 @@ class DecodeRunner:
                 delta, delta2 = self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4), None
         return residual, delta, delta2
 
-    def logits(self, st: StepState) -> torch.Tensor:
+    def logits(self, st: StepState, x: torch.Tensor | None = None) -> torch.Tensor:
         """The next-token logits [B, V] of the current tokens (st.tokens[:, slot]); K/V land in the cache.
+        x: their embeddings [B, H] where already looked up (st.x, by next_token), else they are looked up here.
 
         The stream is carried as (residual, delta, delta2): each layer's first op adds the previous layer's
         output(s) into the residual as part of its norm prologue, and the final norm's add is the lm_head's."""
-        x = self.embed(st.tokens.index_select(1, st.slot).squeeze(1))
+        if x is None:
+            x = self.embed(st.tokens.index_select(1, st.slot).squeeze(1))
         if st.step_kernel is not None:
             residual, delta, delta2 = st.step_kernel.run(x)
         else:
@@ -438,49 +452,52 @@ class DecodeRunner:
             residual, pro, self.final_separate_norm, self.lm_weight, self.lm_bias, "none", st, fuse=fuse
         )[0]
 
-    def choose(self, logits: torch.Tensor, st: StepState, sampling: Sampling, has_eos: bool) -> torch.Tensor:
-        """Next tokens from logits, HF's order of warpers (temperature, top-k, top-p); EOS bookkeeping."""
-        if sampling.do_sample:
-            scores = logits.float()
-            if sampling.temperature != 1.0:
-                scores = scores / sampling.temperature
-            if 0 < sampling.top_k < scores.shape[-1]:
-                kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
-                scores = scores.masked_fill(scores < kth, float("-inf"))
-            if sampling.top_p < 1.0:
-                sorted_scores, order = torch.sort(scores, descending=False)
-                remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - sampling.top_p)
-                remove[..., -1:] = False
-                scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
-            probs = scores.softmax(dim=-1)
-            # A draw from `probs`: argmax of p / E with E ~ Exp(1) (no host sync, graph-capturable RNG).
-            tokens = (probs / torch.empty_like(probs).exponential_(1.0)).argmax(dim=-1)
-        else:
-            tokens = logits.argmax(dim=-1)
-        if has_eos:
-            tokens = torch.where(st.finished, st.pad_token, tokens)
-            st.finished |= (tokens[:, None] == st.eos[None, :]).any(-1)
-        return tokens
+    @staticmethod
+    def scores(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+        """What next_token takes the argmax of: the logits (greedy), or for sampling, after HF's warpers in HF's
+        order (temperature, top-k, top-p), probs / E with E ~ Exp(1), whose argmax is a draw from probs (no host
+        sync, a graph-capturable RNG)."""
+        if not sampling.do_sample:
+            return logits
+        scores = logits.float()
+        if sampling.temperature != 1.0:
+            scores = scores / sampling.temperature
+        if 0 < sampling.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if sampling.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=False)
+            remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - sampling.top_p)
+            remove[..., -1:] = False
+            scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+        probs = scores.softmax(dim=-1)
+        return probs / torch.empty_like(probs).exponential_(1.0)
 
-    def step(self, st: StepState, sampling: Sampling, has_eos: bool) -> None:
-        tokens = self.choose(self.logits(st), st, sampling, has_eos)
-        st.tokens.index_copy_(1, st.slot + 1, tokens[:, None])
-        st.slot += 1
+    def next_token(self, scores: torch.Tensor, st: StepState) -> None:
+        """The token after the current one from `scores` (pad for finished rows; EOS ids finish a row) written at
+        slot + 1, the slot advanced, and (plain embeddings) the new token's embedding in st.x: one kernel."""
+        ops = self.next_token_ops or self.ops
+        ops.next_token(scores, st.tokens, st.slot, st.finished, st.eos, st.pad_token, self.embed_weight, st.x,
+                       st.next_token_workspace)  # fmt: skip
+
+    def step(self, st: StepState, sampling: Sampling) -> None:
+        x = st.x if self.embed_weight is not None else None
+        self.next_token(self.scores(self.logits(st, x), sampling), st)
 
     # ---- CUDA graph -----------------------------------------------------------------------------------------
-    def _capture(self, st: StepState, sampling: Sampling, has_eos: bool) -> None:
+    def _capture(self, st: StepState, sampling: Sampling) -> None:
         """Captures one step on the state's buffers. Runs before prefill: the warm-up's writes are overwritten."""
         rng = torch.cuda.get_rng_state(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.no_grad():
-            self.step(st, sampling, has_eos)  # warm-up: allocator, lazy module state
+            self.step(st, sampling)  # warm-up: allocator, lazy module state
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), torch.no_grad():
-            self.step(st, sampling, has_eos)
+            self.step(st, sampling)
         torch.cuda.set_rng_state(rng, self.device)
-        st.graph, st.graph_sampling, st.graph_has_eos = graph, sampling, has_eos
+        st.graph, st.graph_sampling = graph, sampling
 
     # ---- generate -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -497,9 +514,14 @@ class DecodeRunner:
         B, T = input_ids.shape
         st = self.state_for(B, T + new_tokens)
         has_eos = bool(eos)
-        if self.use_graphs and (st.graph is None or st.graph_sampling != sampling or st.graph_has_eos != has_eos):
+        if has_eos and self.embed_weight is not None and not 0 <= pad_token_id < self.embed_weight.shape[0]:
+            raise ValueError(
+                f"pad_token_id {pad_token_id} is outside the vocabulary (0 .. {self.embed_weight.shape[0] - 1}): "
+                "finished rows continue with it"
+            )
+        if self.use_graphs and (st.graph is None or st.graph_sampling != sampling):
             st.graph = None
-            self._capture(st, sampling, has_eos)
+            self._capture(st, sampling)
         st.eos.fill_(-1)
         if eos:
             st.eos[: len(eos)].copy_(torch.tensor(eos, dtype=torch.long))
@@ -522,16 +544,15 @@ class DecodeRunner:
             st.v[i, :, :, :T].copy_(layer.values)
         last_logits = out.logits[:, -1]
         del out
-        first = self.choose(last_logits, st, sampling, has_eos)
-        st.tokens[:, T].copy_(first)
-        st.slot.fill_(T)
+        st.slot.fill_(T - 1)  # next_token writes the first new token at T and advances the slot to it
+        self.next_token(self.scores(last_logits, sampling), st)
 
         steps = new_tokens - 1
         for i in range(steps):
             if st.graph is not None:
                 st.graph.replay()
             else:
-                self.step(st, sampling, has_eos)
+                self.step(st, sampling)
             if has_eos and (i + 1) % EOS_CHECK_EVERY == 0 and bool(st.finished.all()):
                 steps = i + 1
                 break

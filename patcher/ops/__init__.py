@@ -31,6 +31,7 @@ OP_NAMES = (
     "rope_qkv_cache",
     "norm_gemv_rope_cache",
     "decode_attention",
+    "next_token",
     "int4_linear",
     "int4_gemv",
     "int4_gemv_cat",
@@ -76,6 +77,7 @@ def backend_for(device: torch.device, requested: str = "auto") -> Backend:
 
 
 decode_attention_workspace = reference.decode_attention_workspace
+next_token_workspace = reference.next_token_workspace
 
 __all__ = [
     "KERNELS",
@@ -85,5 +87,6 @@ __all__ = [
     "ExtensionError",
     "backend_for",
     "decode_attention_workspace",
+    "next_token_workspace",
     "reference",
 ]

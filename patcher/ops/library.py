@@ -3,8 +3,9 @@
 The schemas live here, in Python, beside their references. The CUDA kernels are registered for the same names
 by the compiled extension (`kernels/torch_bindings.cpp`, `TORCH_LIBRARY_IMPL(patcher, CUDA, m)`), which is
 loaded on first use on a CUDA machine. The fake kernels give shapes to torch.compile and FakeTensor tracing;
-every op returns fresh contiguous tensors and never mutates or aliases its inputs, so they need no
-functionalization and are safe to capture in CUDA graphs.
+every op returns fresh contiguous tensors that alias none of its inputs. The ops that also write into an argument
+(the decode path's KV caches, workspaces and loop state) mark it `Tensor(a!)` in their schema; all are safe to
+capture in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def _define(schema: str, reference, fake) -> None:
 
     def cpu_kernel(*args):
         out = reference(*args)
+        if out is None:  # an op that only writes into its (a!) arguments
+            return None
         if isinstance(out, tuple):
             return tuple(_fresh(o, args) for o in out)
         return _fresh(out, args)
@@ -182,6 +185,13 @@ _define(
     lambda q, kc, vc, slot, pad, scale, splits, ws: q.new_empty((q.shape[0], q.shape[1] * q.shape[2])),
 )
 
+# The decode loop's step after the lm_head (or the sampling warpers): it writes the decode state in place.
+_define(
+    "next_token(Tensor scores, Tensor(a!) tokens, Tensor(b!) slot, Tensor(c!) finished, Tensor eos, Tensor pad_token,"
+    " Tensor? embed_weight, Tensor(d!) x, Tensor(e!) workspace) -> ()",
+    ref.next_token,
+    lambda *args: None,
+)
 
 # GPTQ int4: a linear is given as parallel lists of its segments' tensors (q, k, v or gate, up side by side).
 _INT4 = (
