@@ -118,10 +118,11 @@ def attention_forward(
     attention_mask: torch.Tensor | None = None,
     past_key_values=None,
     layer_past=None,  # GPT-NeoX's name for the cache
+    cache=None,  # LLaMA's and Qwen2's name for it since transformers 5.24 (past_key_values before)
     **kwargs,
 ):
     plan: AttentionPlan = self._patcher
-    cache = past_key_values if past_key_values is not None else layer_past
+    cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
     bsz, q_len = hidden_states.shape[:2]
     qkv = weights.project(plan.ops, hidden_states, plan.qkv_weight, plan.qkv_bias, plan.qkv_int4)
     cos, sin = position_embeddings

@@ -18,7 +18,6 @@ SPEC = ArchSpec(
     qkv_interleaved=True,
     qkv_bias="attention_bias",
     out_proj="dense",
-    cache_kwarg="layer_past",
     attention_kwargs=(),
     mlp="mlp",
     mlp_gated=False,

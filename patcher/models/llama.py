@@ -18,7 +18,6 @@ SPEC = ArchSpec(
     qkv_interleaved=False,
     qkv_bias="attention_bias",
     out_proj="o_proj",
-    cache_kwarg="past_key_values",
     attention_kwargs=(),
     mlp="mlp",
     mlp_gated=True,

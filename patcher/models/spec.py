@@ -29,7 +29,6 @@ class ArchSpec:
     qkv_interleaved: bool  # fused output is [head][q | k | v] (GPT-NeoX query_key_value), else [q | k | v]
     qkv_bias: str | bool  # config attribute saying whether q/k/v have a bias, or a constant (Qwen2: True)
     out_proj: str
-    cache_kwarg: str  # how the layer passes the KV cache to attention ("past_key_values", "layer_past")
     attention_kwargs: tuple[str, ...]  # attention-module attributes HF passes to its attention function
 
     mlp: str
