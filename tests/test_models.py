@@ -62,6 +62,30 @@ def test_greedy_generate_identical(name):
     assert torch.equal(model.generate(ids, **kwargs), expected)
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])
+def test_patched_attention_updates_the_cache_under_any_name(name):
+    """transformers renamed the attention's cache argument once (LLaMA/Qwen2: past_key_values -> cache in 5.24), and
+    the patched attention then dropped the cache: decoding attended to the current token only. A cache passed under
+    any name is updated, the same as under the known ones."""
+    from transformers import DynamicCache
+
+    model = rm.build(name)
+    patch_model(model)
+    base = model.base_model
+    layer = base.layers[0]
+    attn = layer.self_attn if hasattr(layer, "self_attn") else layer.attention
+    h = torch.randn(1, 5, model.config.hidden_size)
+    position_embeddings = base.rotary_emb(h, torch.arange(5)[None])
+    keys = []
+    for kwarg in ("past_key_values", "layer_past", "cache", "a_future_name"):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            attn(hidden_states=h, position_embeddings=position_embeddings, attention_mask=None, **{kwarg: cache})
+        keys.append(cache.layers[0].keys)
+    assert keys[0] is not None and keys[0].shape[-2] == 5
+    assert all(k is not None and torch.equal(k, keys[0]) for k in keys)
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_unpatch_is_bit_identical(name):
     model = rm.build(name)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..models.spec import ArchSpec
@@ -123,6 +124,8 @@ def attention_forward(
 ):
     plan: AttentionPlan = self._patcher
     cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
+    if cache is None:  # under a name this code does not know (it was renamed once): a cache must never be dropped
+        cache = next((v for v in kwargs.values() if isinstance(v, Cache)), None)
     bsz, q_len = hidden_states.shape[:2]
     qkv = weights.project(plan.ops, hidden_states, plan.qkv_weight, plan.qkv_bias, plan.qkv_int4)
     cos, sin = position_embeddings
