@@ -292,6 +292,38 @@ def case_decode_attention(batch, arch, dtype, ops, context):
     return fused, unfused, nbytes
 
 
+VOCAB = {"pythia-2.8b": 50304, "llama-3.1-8b": 128256, "qwen2-1.5b": 151936}
+
+
+def case_next_token(batch, arch, dtype, ops, _variant):
+    """The decode step's end: next_token (argmax, token write, slot advance, the next input's embedding) against
+    the torch ops it replaced (argmax, index_copy_, the slot add, the token read and the embedding lookup). The
+    logits are read where the lm_head left them (L2) on both sides; the slot grows by one per call, so the token
+    table is wide enough for every call of the timing."""
+    from patcher.ops import next_token_workspace
+
+    H, V = ARCHS[arch][0], VOCAB[arch]
+    logits = _rand(batch, V, dtype=dtype)
+    embed = torch.zeros(V, H, dtype=dtype, device="cuda")
+    tokens = torch.zeros(batch, 1 << 15, dtype=torch.long, device="cuda")
+    slot = torch.zeros(1, dtype=torch.long, device="cuda")
+    finished = torch.zeros(batch, dtype=torch.bool, device="cuda")
+    eos = torch.full((8,), -1, dtype=torch.long, device="cuda")
+    pad = torch.zeros((), dtype=torch.long, device="cuda")
+    x = torch.empty(batch, H, dtype=dtype, device="cuda")
+    workspace = next_token_workspace(batch, "cuda")
+
+    def fused():
+        ops.next_token(logits, tokens, slot, finished, eos, pad, embed, x, workspace)
+
+    def unfused():
+        tokens.index_copy_(1, slot + 1, logits.argmax(dim=-1)[:, None])
+        slot.add_(1)
+        return F.embedding(tokens.index_select(1, slot).squeeze(1), embed)
+
+    return [fused], [unfused], (batch * V + 2 * batch * H) * dtype.itemsize
+
+
 def _random_int4(k, widths, group_size=128):
     from patcher.ops.int4 import Int4Linear
 
@@ -418,6 +450,7 @@ DECODE_CASES = {  # op -> (builder, architectures, variants)
     "rope_qkv_cache": (case_rope_qkv_cache, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [""]),
     "int4": (case_int4, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], ["norm_qkv", "out", "mlp_in", "mlp_out"]),
     "int4_neox": (case_int4_neox, ["pythia-2.8b"], ["qkv_mlp", "out_pair"]),
+    "next_token": (case_next_token, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [""]),
 }
 
 
