@@ -95,8 +95,8 @@ __device__ void finish_rows(const NextTokenParams& p, const float* part_values, 
     const int64_t row_bytes = p.hidden * p.embed_elem_bytes;
     for (int b = 0; b < p.batch; ++b) {
       if (chosen[b] >= 0 && chosen[b] < p.embed_rows)
-        block_copy(static_cast<char*>(p.x) + b * row_bytes,
-                   static_cast<const char*>(p.embed) + chosen[b] * row_bytes, row_bytes, p.embed_elem_bytes);
+        block_copy(static_cast<char*>(p.x) + b * row_bytes, static_cast<const char*>(p.embed) + chosen[b] * row_bytes,
+                   row_bytes, p.embed_elem_bytes);
     }
   }
   if (threadIdx.x == 0) *p.slot = slot + 1;

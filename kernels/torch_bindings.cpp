@@ -361,12 +361,13 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   return out;
 }
 
-// A device tensor of the decode loop's state: on scores' device, of `type`, contiguous, `n` elements.
+// A device tensor of the decode loop's state that check_index (int64 [n]) does not cover: the finished flags and the
+// 0-d pad id. On scores' device, of `type`, contiguous, `n` elements.
 void check_state(const Tensor& t, at::ScalarType type, int64_t n, const Tensor& like, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.device() == like.device(), "patcher: ", name, " must be on ", like.device());
-  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.numel() == n, "patcher: ", name, " must be a contiguous ",
-              c10::toString(type), " tensor of ", std::to_string(n), " element(s), got ", t.scalar_type(), " ",
-              dims(t.sizes()));
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.numel() == n, "patcher: ", name,
+              " must be a contiguous ", c10::toString(type), " tensor of ", std::to_string(n), " element(s), got ",
+              t.scalar_type(), " ", dims(t.sizes()));
 }
 
 void next_token(const Tensor& scores, Tensor& tokens, Tensor& slot, Tensor& finished, const Tensor& eos,
@@ -383,10 +384,10 @@ void next_token(const Tensor& scores, Tensor& tokens, Tensor& slot, Tensor& fini
                   tokens.dim() == 2 && tokens.size(0) == B && tokens.stride(1) == 1,
               "patcher: tokens must be an int64 [", std::to_string(B), ", columns] tensor on ", scores.device(),
               " with contiguous rows, got ", tokens.scalar_type(), " ", dims(tokens.sizes()));
-  check_state(slot, at::kLong, 1, scores, "slot");
+  check_index(slot, 1, scores, "slot");
   check_state(finished, at::kBool, B, scores, "finished");
   TORCH_CHECK(eos.dim() == 1 && eos.numel() <= 64, "patcher: eos must be a 1-D tensor of at most 64 ids");
-  check_state(eos, at::kLong, eos.numel(), scores, "eos");
+  check_index(eos, eos.numel(), scores, "eos");
   check_state(pad_token, at::kLong, 1, scores, "pad_token");
   const int64_t needed = patcher::next_token_workspace_size(B);
   TORCH_CHECK(workspace.is_cuda() && workspace.device() == scores.device() && workspace.scalar_type() == at::kInt &&
@@ -409,13 +410,15 @@ void next_token(const Tensor& scores, Tensor& tokens, Tensor& slot, Tensor& fini
   p.pad_token = pad_token.data_ptr<int64_t>();
   if (embed_weight.has_value()) {
     const Tensor& e = *embed_weight;
-    TORCH_CHECK(e.dim() == 2 && e.is_contiguous() && e.size(0) >= V, "patcher: embed_weight must be a contiguous [rows, ",
+    TORCH_CHECK(e.dim() == 2 && e.is_contiguous() && e.size(0) >= V,
+                "patcher: embed_weight must be a contiguous [rows, ",
                 "hidden] tensor with at least as many rows as scores has columns (", std::to_string(V), "), got ",
                 dims(e.sizes()));
     (void)dtype_of(e);  // float16, bfloat16 or float32
     check_like(x, e, "x");
     TORCH_CHECK(x.dim() == 2 && x.size(0) == B && x.size(1) == e.size(1) && x.is_contiguous(), "patcher: x must be ",
-                "a contiguous [", std::to_string(B), ", ", std::to_string(e.size(1)), "] tensor, got ", dims(x.sizes()));
+                "a contiguous [", std::to_string(B), ", ", std::to_string(e.size(1)), "] tensor, got ",
+                dims(x.sizes()));
     TORCH_CHECK(e.device() == scores.device(), "patcher: embed_weight is on ", e.device(), " but scores are on ",
                 scores.device());
     p.embed = e.data_ptr();

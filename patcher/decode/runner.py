@@ -173,14 +173,13 @@ class DecodeRunner:
         self.model, self.config, self.spec = model, config, spec
         self.embed = model.get_input_embeddings()
         # next_token writes the next step's input itself where the embedding is a plain table lookup; otherwise
-        # (a subclass with its own forward, max_norm) the step runs the module on the tokens.
+        # (a subclass with its own forward, max_norm) the step runs the module on the tokens. fuse_next_token=False:
+        # the step's end as torch ops instead (next_token's reference: argmax, the token write and the slot add; the
+        # embedding looked up at the next step's start), for comparison.
         plain = type(self.embed).forward is torch.nn.Embedding.forward and self.embed.max_norm is None
-        self.embed_weight = self.embed.weight if plain and self.embed.weight.is_contiguous() else None
-        # fuse_next_token=False: the step's end as torch ops instead (next_token's reference: argmax, the token
-        # write and the slot add; the embedding looked up at the next step's start), for comparison.
+        fused = fuse_next_token and plain and self.embed.weight.is_contiguous()
+        self.embed_weight = self.embed.weight if fused else None
         self.next_token_ops = None if fuse_next_token else REFERENCE
-        if not fuse_next_token:
-            self.embed_weight = None
         lm_head = model.get_output_embeddings()
         self.lm_weight, self.lm_bias = lm_head.weight, getattr(lm_head, "bias", None)
         self.rotary = base.rotary_emb
