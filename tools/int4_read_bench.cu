@@ -58,6 +58,47 @@ __global__ void __launch_bounds__(256)
   bench::keep(acc, sink);
 }
 
+// The same geometry and work per warp, on a copy laid out for it: in `units` order a warp step's 512 bytes (4 rows x
+// 32 columns) are contiguous and the units of one 4-row step lie side by side over all N ([K/32][N/32][4][32]), so
+// the warps of all tiles at one step read one contiguous stretch; in `sweep` order the units are in the order the
+// launch reads them (step s of global warp w at unit s * warps + w), so that the whole grid reads one contiguous
+// window, as the plain read does.
+template <int DEPTH, bool SWEEP>
+__global__ void __launch_bounds__(256)
+    layout_read(const uint4* __restrict__ qw, int64_t rows, int64_t n, int splits, unsigned* sink) {
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t per_split = ((rows + splits - 1) / splits + 3) / 4 * 4;
+  const int64_t r_begin = blockIdx.y * per_split;
+  const int64_t r_end = r_begin + per_split < rows ? r_begin + per_split : rows;
+  const int steps = r_end > r_begin ? static_cast<int>((r_end - r_begin + 3) / 4) : 0;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * gridDim.y * 8;
+  const int64_t gw = (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * 8 + warp;
+  const int64_t col_warp = static_cast<int64_t>(blockIdx.x) * 8 + warp, units_per_step = n / 32;
+  const int64_t count = rows * n / 4;  // uint4 in the matrix
+  // uint4 index of step s (within the split) of this lane.
+  auto at = [&](int s) -> int64_t {
+    const int64_t unit = SWEEP ? s * warps + gw : (r_begin / 4 + s) * units_per_step + col_warp;
+    return unit * 32 + lane;
+  };
+  uint4 w[DEPTH] = {};
+#pragma unroll
+  for (int j = 0; j < DEPTH; ++j) {
+    if (j < steps && at(j) < count) w[j] = __ldcs(qw + at(j));
+  }
+  unsigned acc = 0;
+  for (int s0 = 0; s0 < steps; s0 += DEPTH) {
+#pragma unroll
+    for (int j = 0; j < DEPTH; ++j) {
+      const int s = s0 + j;
+      if (s >= steps) break;
+      const uint4 chunk = w[j];
+      if (s + DEPTH < steps && at(s + DEPTH) < count) w[j] = __ldcs(qw + at(s + DEPTH));
+      acc ^= mix(chunk);
+    }
+  }
+  bench::keep(acc, sink);
+}
+
 // Mean microseconds of one launch over 50, rotating through the copies so that L2 holds none of them.
 template <typename Launch>
 float time_us(const std::vector<int32_t*>& copies, Launch launch) {
@@ -84,6 +125,12 @@ float time_pattern(const std::vector<int32_t*>& copies, int64_t rows, int64_t n,
                  [&](const uint4* qw) { pattern_read<DEPTH, TILED><<<grid, 256>>>(qw, rows, n, splits, sink); });
 }
 
+template <int DEPTH, bool SWEEP>
+float time_layout(const std::vector<int32_t*>& copies, int64_t rows, int64_t n, int splits, unsigned* sink) {
+  const dim3 grid(static_cast<unsigned>(n / 256), static_cast<unsigned>(splits));
+  return time_us(copies, [&](const uint4* qw) { layout_read<DEPTH, SWEEP><<<grid, 256>>>(qw, rows, n, splits, sink); });
+}
+
 }  // namespace
 
 int main() {
@@ -107,6 +154,12 @@ int main() {
       printf("  splits x%d (%3d): row-major depth 8 %6.0f GB/s, depth 4 %6.0f | tiled depth 8 %6.0f, depth 4 %6.0f\n",
              scale, splits, bench::gbs(bytes, t[0]), bench::gbs(bytes, t[1]), bench::gbs(bytes, t[2]),
              bench::gbs(bytes, t[3]));
+      const float u[4] = {time_layout<8, false>(copies, rows, s.n, splits, sink),
+                          time_layout<4, false>(copies, rows, s.n, splits, sink),
+                          time_layout<8, true>(copies, rows, s.n, splits, sink),
+                          time_layout<4, true>(copies, rows, s.n, splits, sink)};
+      printf("  %15s  units     depth 8 %6.0f GB/s, depth 4 %6.0f | sweep depth 8 %6.0f, depth 4 %6.0f\n", "",
+             bench::gbs(bytes, u[0]), bench::gbs(bytes, u[1]), bench::gbs(bytes, u[2]), bench::gbs(bytes, u[3]));
     }
   });
 }
