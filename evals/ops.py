@@ -325,8 +325,6 @@ def case_next_token(batch, arch, dtype, ops, _variant):
 
 
 def _random_int4(k, widths, group_size=128):
-    from patcher.gptq import format as fmt
-    from patcher.ops import int4 as int4_ops
     from patcher.ops.int4 import Int4Linear
 
     def seg(n):
@@ -338,8 +336,6 @@ def _random_int4(k, widths, group_size=128):
         return qweight, qzeros, scales, g_idx, None
 
     parts = [list(t) for t in zip(*(seg(n) for n in widths))]
-    if int4_ops.units_layout():  # as patch_model lays them out
-        parts[0] = [fmt.to_units(q) if fmt.fits_units(q) else q for q in parts[0]]
     return Int4Linear(*parts, group_size=group_size, act_order=False, zero_offset=1)
 
 

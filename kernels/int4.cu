@@ -14,8 +14,7 @@ __global__ void __launch_bounds__(256) int4_dequantize_kernel(const Int4DequantP
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= (p.k / 8) * n) return;
   const int64_t r = i / n, col = i % n;
-  const int64_t at = p.seg.units ? chunk_index(p.seg, r, col & ~int64_t{3}) * 4 + (col & 3) : i;
-  const uint32_t word = static_cast<uint32_t>(p.seg.qweight[at]);
+  const uint32_t word = static_cast<uint32_t>(p.seg.qweight[i]);
   const __half* scales = static_cast<const __half*>(p.seg.scales);
   T* out = static_cast<T*>(p.out);
 #pragma unroll

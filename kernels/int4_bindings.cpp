@@ -32,9 +32,7 @@ int64_t fill_segments(const Tensor& x, TensorList qweight, TensorList qzeros, Te
               std::to_string(patcher::kInt4MaxSegments), " weight segments, got ", std::to_string(count));
   TORCH_CHECK(qzeros.size() == count && scales.size() == count && g_idx.size() == count && bias.size() == count,
               "patcher: qweight, qzeros, scales, g_idx and bias must list the same number of segments");
-  // qweight [K / 8, N] in the checkpoint layout, or [K / 32, N / 32, 128] in the units layout.
-  const auto in_features = [](const Tensor& qw) { return qw.size(0) * (qw.dim() == 3 ? 32 : 8); };
-  const int64_t K = in_features(qweight[0]);
+  const int64_t K = qweight[0].size(0) * 8;
   TORCH_CHECK(act_order || (group_size > 0 && group_size % 8 == 0),
               "patcher: without act-order the group size must "
               "be a positive multiple of 8 (pass in_features for one group), got ",
@@ -43,15 +41,12 @@ int64_t fill_segments(const Tensor& x, TensorList qweight, TensorList qzeros, Te
     const std::string seg = "segment " + std::to_string(s) + ": ";
     const Tensor& qw = qweight[s];
     TORCH_CHECK(qw.is_cuda() && qw.device() == x.device(), "patcher: ", seg, "qweight must be on ", x.device());
-    const bool units = qw.dim() == 3;
-    TORCH_CHECK(qw.scalar_type() == at::kInt && (qw.dim() == 2 || (units && qw.size(2) == 128)) && qw.is_contiguous(),
-                "patcher: ", seg,
-                "qweight must be a contiguous int32 [in_features / 8, out_features] tensor (or [in_features / 32, "
-                "out_features / 32, 128] in the units layout), got ",
-                qw.scalar_type(), " ", dims(qw.sizes()));
-    TORCH_CHECK(in_features(qw) == K, "patcher: ", seg, "in_features ", std::to_string(in_features(qw)),
+    TORCH_CHECK(qw.scalar_type() == at::kInt && qw.dim() == 2 && qw.is_contiguous(), "patcher: ", seg,
+                "qweight must be a contiguous int32 [in_features / 8, out_features] tensor, got ", qw.scalar_type(),
+                " ", dims(qw.sizes()));
+    TORCH_CHECK(qw.size(0) * 8 == K, "patcher: ", seg, "in_features ", std::to_string(qw.size(0) * 8),
                 " differs from segment 0's ", std::to_string(K));
-    const int64_t n = qw.size(1) * (units ? 32 : 1);
+    const int64_t n = qw.size(1);
     TORCH_CHECK(n % 8 == 0 && n > 0, "patcher: ", seg, "out_features must be a positive multiple of 8, got ",
                 std::to_string(n));
     const int64_t groups = act_order ? scales[s].size(0) : (K + group_size - 1) / group_size;
@@ -81,8 +76,7 @@ int64_t fill_segments(const Tensor& x, TensorList qweight, TensorList qzeros, Te
               scales[s].data_ptr(),
               g_idx[s].data_ptr<int32_t>(),
               b,
-              n,
-              units};
+              n};
   }
   return K;
 }

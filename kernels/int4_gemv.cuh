@@ -41,8 +41,8 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
   const int64_t t_begin = min(r_end, r_begin + ty * per_thread), t_end = min(r_end, t_begin + per_thread);
   const int64_t col = t.col0 + 4 * tx;
   const bool live = 4 * tx < t.width;
-  const uint4* qw = reinterpret_cast<const uint4*>(seg.qweight);
-  const auto chunk = [&](int64_t r) { return qw + chunk_index(seg, r, col); };  // row r of this thread's 4 columns
+  const int64_t qw_stride = seg.n / 4;                                                        // uint4 per qweight row
+  const uint4* qw = reinterpret_cast<const uint4*>(seg.qweight + col) + t_begin * qw_stride;  // this run's first row
   // qweight rows in flight per thread: 8, or 4 where 4-8 rows of x already take the registers (8 spills there).
   constexpr int kPreload = BMAX <= 2 ? 8 : 4;
 
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
   uint4 w[kPreload] = {};
 #pragma unroll
   for (int j = 0; j < kPreload; ++j) {
-    if (live && t_begin + j < t_end) w[j] = __ldcs(chunk(t_begin + j));
+    if (live && t_begin + j < t_end) w[j] = __ldcs(qw + j * qw_stride);
   }
   const int64_t group_rows = ACT_ORDER ? 1 : p.group_size / 8;  // qweight rows per group (group_size % 8 == 0)
   int64_t group = t_begin / group_rows, group_end = (group + 1) * group_rows;  // group_end: its first row past
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
         const int64_t r = r0 + j;
         if (r >= t_end) break;
         const uint4 word = w[j];
-        if (r + kPreload < t_end) w[j] = __ldcs(chunk(r + kPreload));
+        if (r + kPreload < t_end) w[j] = __ldcs(qw + (r + kPreload - t_begin) * qw_stride);
         const uint32_t words[4] = {word.x, word.y, word.z, word.w};
         const float* xr = xs + (r - r_begin) * 8;
         if constexpr (!ACT_ORDER) {

@@ -199,10 +199,8 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
   const int run_rows = static_cast<int>(run_end - run_begin), steps = (run_rows + 3) / 4, lane_rows = run_rows - q;
   const bool warp_live = warp_col < t.width, live = warp_col + 4 * g < t.width;
   const int64_t col = t.col0 + warp_col + 4 * g;
-  // A lane's chunks are 4 rows apart: n uint4 in either layout (runs start on a multiple of 4 rows, and the warp's
-  // 32 columns on a multiple of 32, so in units a warp step is one unit).
-  const int64_t step_stride = seg.n;
-  const uint4* next_chunk = reinterpret_cast<const uint4*>(seg.qweight) + chunk_index(seg, run_begin + q, col);
+  const int64_t row_stride = seg.n / 4, step_stride = 4 * row_stride;  // uint4 per qweight row; per lane step
+  const uint4* next_chunk = reinterpret_cast<const uint4*>(seg.qweight + col) + (run_begin + q) * row_stride;
 
   // Constant data before griddepcontrol.wait, as in the CUDA-core kernel: the first chunks, the first two groups.
   uint4 w[kMmaPreload] = {};
@@ -212,18 +210,12 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
   }
   next_chunk += kMmaPreload * step_stride;
   // The rows after those into L2 while the block waits for the previous kernel and stages x, when HBM would
-  // otherwise idle: lane i the warp's 32 columns (128 bytes) of rows 32 + i, 64 + i, ... of its run, or in units
-  // its steps (512 bytes) 8 + i, 40 + i, ...
+  // otherwise idle: lane i the warp's 32 columns (128 bytes) of rows 32 + i, 64 + i, ... of its run.
   if (warp_live) {
     const int ahead = min(run_rows, 4 * kMmaPreload + p.prefetch_rows);
-    if (seg.units) {
-      const uint4* steps0 = reinterpret_cast<const uint4*>(seg.qweight) + chunk_index(seg, run_begin, col - 4 * g);
-      for (int s = kMmaPreload + lane; 4 * s < ahead; s += 32) prefetch_l2(steps0 + s * step_stride, 512);
-    } else {
-      const uint32_t bytes = static_cast<uint32_t>(min(32, t.width - warp_col)) * 4;
-      const int32_t* rows0 = seg.qweight + t.col0 + warp_col + run_begin * seg.n;
-      for (int r = 4 * kMmaPreload + lane; r < ahead; r += 32) prefetch_l2(rows0 + r * seg.n, bytes);
-    }
+    const uint32_t bytes = static_cast<uint32_t>(min(32, t.width - warp_col)) * 4;
+    const int32_t* rows0 = seg.qweight + t.col0 + warp_col + run_begin * seg.n;
+    for (int r = 4 * kMmaPreload + lane; r < ahead; r += 32) prefetch_l2(rows0 + r * seg.n, bytes);
   }
   const int64_t k0 = r_begin * 8, len = (r_end - r_begin) * 8;
   const SliceGroups groups = stage_groups(p, seg, t, tile_width, k0, k0 + len,

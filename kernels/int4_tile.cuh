@@ -2,11 +2,8 @@
 // int4_mma.cuh: tensor cores, fp16/bf16 activations): the column tiles, the group parameters, the x stage with the
 // optional norm prologue, the K-split reduction and the epilogues.
 //
-// Weights: qweight int32 holds 8 consecutive k of one column per word, so one 16-byte load is 4 adjacent columns x
-// 8 k. In the checkpoint's layout [K/8, N] the threads of a warp read consecutive bytes of a row; in the units
-// layout that patch_model puts it in (launchers.h: Int4Segment::units) a tensor-core warp's step of 4 rows x 32
-// columns is 512 contiguous bytes, and the steps of all column warps side by side. chunk_index finds a chunk in
-// either.
+// Weights stay in the checkpoint's layout: qweight int32 [K/8, N] holds 8 consecutive k of one column per word,
+// so one 16-byte load is 4 adjacent columns x 8 k, and the threads of a warp read consecutive bytes of a row.
 //
 // Work split. The output columns are cut into tiles (128 columns; with RoPE whole heads, so that the two halves a
 // rotation pairs sit in one tile) and K into `splits` slices; one block per (tile, slice). Each thread issues its
@@ -104,12 +101,6 @@ __device__ __forceinline__ int64_t total_width(const Int4Params& p) {
   int64_t n = 0;
   for (int s = 0; s < p.num_segments; ++s) n += p.seg[s].n;
   return n;
-}
-
-// uint4 index in qweight of the 16-byte chunk of row r, columns col .. col + 3 (col % 4 == 0).
-__host__ __device__ __forceinline__ int64_t chunk_index(const Int4Segment& s, int64_t r, int64_t col) {
-  if (s.units) return ((r >> 2) * (s.n >> 5) + (col >> 5)) * 32 + (col & 31) + (r & 3);
-  return r * (s.n / 4) + col / 4;
 }
 
 __device__ __forceinline__ int zero_point(const Int4Segment& s, int64_t g, int64_t col, int offset) {

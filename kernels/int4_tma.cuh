@@ -309,7 +309,6 @@ bool tma_plan(const Int4Params& p, TmaPlan& plan, size_t& smem) {
   if (tw % 32 || tw > 7 * 32 || p.batch * p.k > kTmaStageX) return false;
   for (int s = 0; s < p.num_segments; ++s) {
     if (p.seg[s].n % 32) return false;  // (qzeros rows must be whole 16 bytes for the copy engine)
-    if (p.seg[s].units) return false;   // its tensor maps read the checkpoint layout
   }
   plan.tile_width = static_cast<int>(tw);
   plan.col_warps = plan.tile_width / 32;

@@ -199,15 +199,12 @@ cudaError_t launch_next_token(const NextTokenParams& p, cudaStream_t stream);
 // one logical output (q | k | v of LLaMA/Qwen2, gate | up), so fused projections need no concatenated copy.
 //   W[k, n] = scales[g, n] * (q[k, n] - zero[g, n]),  g = act_order ? g_idx[k] : k / group_size
 struct Int4Segment {
-  const int32_t* qweight;  // [k / 8, n]: 8 consecutive k of one column per word; with `units` [k / 32, n / 32, 128]
+  const int32_t* qweight;  // [k / 8, n]: 8 consecutive k of one column per word
   const int32_t* qzeros;   // [groups, n / 8]: 8 consecutive columns per word
   const void* scales;      // [groups, n] fp16
   const int32_t* g_idx;    // [k] (read only with act_order)
   const void* bias;        // [n] fp16, or nullptr
   int64_t n;
-  // qweight in the units layout (patcher/gptq/format.py): the 16-byte chunk of rows 4r .. 4r + 3 (row 4r + j),
-  // columns 32c + 4i .. + 3 at uint4 (r * n / 32 + c) * 32 + 4i + j. int4_tile.cuh: chunk_index.
-  bool units;
 };
 constexpr int kInt4MaxSegments = 3;
 

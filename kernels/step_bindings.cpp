@@ -53,7 +53,7 @@ patcher::Int4Segment segment(const Tensor& qweight, const Tensor& qzeros, const 
                 "patcher: ", name, ": bias must be contiguous float16 [", std::to_string(n), "]");
     b = bias->data_ptr();
   }
-  return {qweight.data_ptr<int32_t>(), qzeros.data_ptr<int32_t>(), scales.data_ptr(), nullptr, b, n, false};
+  return {qweight.data_ptr<int32_t>(), qzeros.data_ptr<int32_t>(), scales.data_ptr(), nullptr, b, n};
 }
 
 std::tuple<Tensor, Tensor, Tensor, int64_t> int4_step_plan(

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from . import ops as ops_module
-from .gptq import format as fmt
 from .layers.attention import attention_plan, check_attention, undo_attention_plan
 from .layers.decoder import LayerPlan
 from .layers.mlp import check_mlp, mlp_plan, undo_mlp_plan
@@ -35,7 +34,6 @@ from .layers.out_pair import FUSED as OUT_PAIR_FUSED
 from .layers.out_pair import fuse_out_pair, out_pair_reason, undo_out_pair
 from .layers.weights import is_int4
 from .models.spec import ArchSpec
-from .ops import int4 as int4_ops
 from .registry import REGISTRY, Entry
 from .report import ModuleRecord, PatchReport
 
@@ -238,10 +236,6 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         attn, mlp = getattr(layer, spec.attention), getattr(layer, spec.mlp)
         in_norm, post_norm = getattr(layer, spec.input_norm), getattr(layer, spec.post_norm)
 
-        # GPTQ weights first go to the kernels' layout: the plans below take the tensors as they then are.
-        in_units = _int4_to_units(layer)
-        if in_units:
-            state.undo.append(functools.partial(_int4_to_checkpoint, in_units))
         qkv_detail = "fused q/k/v GEMM" if len(spec.qkv) > 1 else "QKV GEMM"
         if is_int4(getattr(attn, spec.qkv[0])):
             qkv_detail = "GPTQ int4 q/k/v side by side" if len(spec.qkv) > 1 else "GPTQ int4 QKV"
@@ -287,8 +281,6 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
             fn, detail = entry.sequential_layer, f"residual adds fused into the next {spec.norm} norm"
         if not plan.next_patched:
             detail += "; hands a summed tensor to the unpatched module after it"
-        if in_units:
-            detail += f"; {len(in_units)} GPTQ qweights in the kernels' units layout"
         swap(layer, fn, plan, f"{detail} ({ops.name})", undo_layer)
 
     if final_reason is None:
@@ -337,22 +329,6 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         report.messages.append("no module could be patched; the model is unchanged")
     model._patcher_state = state
     return report
-
-
-def _int4_to_units(layer: nn.Module) -> list[nn.Module]:
-    """Puts the qweight of the layer's GPTQ linears in the int4 kernels' units layout (gptq/format.py: their reads
-    in one contiguous sweep), where it tiles and ops.int4.units_layout allows; returns the modules changed."""
-    if not int4_ops.units_layout():
-        return []
-    changed = [m for m in layer.modules() if is_int4(m) and fmt.fits_units(m.qweight)]
-    for m in changed:
-        m.to_units()
-    return changed
-
-
-def _int4_to_checkpoint(modules: list[nn.Module]) -> None:
-    for m in modules:
-        m.to_checkpoint()
 
 
 def _drop_plan(module: nn.Module, undo: Callable | None) -> None:

@@ -35,44 +35,6 @@ def test_pack_and_unpack_round_trip_every_nibble():
     assert torch.equal(fmt.unpack_cols(fmt.pack_cols(zeros)).long(), zeros)
 
 
-def test_units_layout_puts_each_lane_chunk_where_the_kernel_reads_it():
-    """Unit (r, c) holds qweight rows 4r .. 4r + 3 and columns 32c .. 32c + 31; the 4 words at 4l (l = 4i + j) are
-    row 4r + j, columns 32c + 4i .. 32c + 4i + 3 (what lane l of the tensor-core kernel loads in one step)."""
-    qweight = torch.randint(-(2**31), 2**31 - 1, (12, 96), dtype=torch.int32)
-    units = fmt.to_units(qweight)
-    assert units.shape == (3, 3, 128) and fmt.qweight_shape(units) == fmt.qweight_shape(qweight) == (96, 96)
-    for r, c, lane, word in [(0, 0, 0, 0), (2, 1, 13, 3), (1, 2, 31, 2), (2, 2, 6, 1)]:
-        i, j = divmod(lane, 4)
-        assert units[r, c, 4 * lane + word] == qweight[4 * r + j, 32 * c + 4 * i + word]
-    assert torch.equal(fmt.from_units(units), qweight) and torch.equal(fmt.checkpoint_layout(units), qweight)
-    assert not fmt.fits_units(qweight[:, :40]) and not fmt.fits_units(qweight[:10])
-    with pytest.raises(ValueError, match="units"):
-        fmt.to_units(qweight[:, :40])
-
-
-def test_gptq_linear_in_units_keeps_the_checkpoint_format_outside():
-    """A GPTQLinear in the units layout computes what it computed before, hands out the checkpoint layout in its
-    state dict, and converts a checkpoint-layout state dict it loads."""
-    torch.manual_seed(0)
-    lin = GPTQLinear(128, 64, 32, bias=True)
-    lin.qweight.copy_(torch.randint(-(2**31), 2**31 - 1, lin.qweight.shape, dtype=torch.int32))
-    lin.scales.copy_(torch.rand_like(lin.scales.float()).half() / 32)
-    lin.qzeros.copy_(torch.randint(-(2**31), 2**31 - 1, lin.qzeros.shape, dtype=torch.int32))
-    state = {k: v.clone() for k, v in lin.state_dict().items()}
-    x = torch.randn(3, 128)
-    expected = lin(x)
-    lin.to_units()
-    assert lin.units and lin.qweight.shape == (4, 2, 128) and "units" in repr(lin)
-    assert torch.equal(lin(x), expected)
-    assert all(torch.equal(v, state[k]) for k, v in lin.state_dict().items())
-    other = GPTQLinear(128, 64, 32, bias=True)
-    other.to_units()
-    other.load_state_dict(state)
-    assert other.units and torch.equal(other.qweight, lin.qweight)
-    lin.to_checkpoint()
-    assert not lin.units and torch.equal(lin.qweight, state["qweight"])
-
-
 def dequantize_by_hand(qweight, qzeros, scales, g_idx, version):
     """An independent reading of the format: one element at a time, with Python integers."""
     K, N = qweight.shape[0] * 8, qweight.shape[1]
@@ -247,7 +209,6 @@ def test_int4_out_pair(tmp_path):
     report = patch_model(model)
     layer = model.gpt_neox.layers[0]
     dense, out = layer.attention.dense, layer.mlp.dense_4h_to_h
-    assert dense.units and out.units and layer._patcher_out_qweight.dim() == 3  # stacked in the units layout
     storage = layer._patcher_out_qweight.untyped_storage().data_ptr()
     assert dense.qweight.untyped_storage().data_ptr() == out.qweight.untyped_storage().data_ptr() == storage
     assert all("one int4 GEMV" in r.detail for r in report.replaced if r.kind == "GPTNeoXLayer")
@@ -265,7 +226,6 @@ def test_int4_out_pair(tmp_path):
     assert max_err(logits[True][1], logits[False][1]) <= FP32_LOGIT_ATOL
     unpatch_model(model)
     assert dense.qweight.untyped_storage().data_ptr() != out.qweight.untyped_storage().data_ptr()
-    assert not dense.units and not out.units
     assert not any(name.startswith("_patcher") for name in layer._buffers)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
@@ -273,31 +233,6 @@ def test_int4_out_pair(tmp_path):
     report = patch_model(act_order)
     assert all("apart (act-order" in r.detail for r in report.replaced if r.kind == "GPTNeoXLayer")
     assert DecodeRunner(act_order, use_graphs=False).layers[0].out_pair is None
-
-
-def test_units_layout_switch(tmp_path, monkeypatch):
-    """patch_model puts every GPTQ qweight that tiles in the units layout and says so in the report; with
-    PATCHER_INT4_LAYOUT=checkpoint (or an opt-in kernel that reads the checkpoint layout switched on) it keeps the
-    checkpoint layout, and both compute the same logits (test_step.py: the step kernel's reason for a units model)."""
-    model = gptq_model("tiny-llama", tmp_path)
-    ids = torch.randint(3, 500, (1, 9))
-    logits = {}
-    for env in ({}, {"PATCHER_INT4_LAYOUT": "checkpoint"}, {"PATCHER_STEP_KERNEL": "1"}):
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        report = patch_model(model)
-        qweights = [m.qweight for m in model.modules() if isinstance(m, GPTQLinear)]
-        assert all(q.dim() == (2 if env else 3) for q in qweights), env
-        layers = [r for r in report.replaced if r.kind == "LlamaDecoderLayer"]
-        assert all(("units layout" in r.detail) != bool(env) for r in layers)
-        with torch.no_grad():
-            logits[str(env)] = model(ids).logits
-        unpatch_model(model)
-        assert all(q.dim() == 2 for q in (m.qweight for m in model.modules() if isinstance(m, GPTQLinear)))
-        for name in env:
-            monkeypatch.delenv(name)
-    first = logits.pop("{}")
-    assert all(torch.equal(first, other) for other in logits.values())
 
 
 def test_gptq_layers_the_kernels_cannot_read_are_left_with_a_reason(tmp_path):

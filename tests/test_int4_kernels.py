@@ -61,13 +61,9 @@ def gptq_segment(k: int, n: int, group_size: int, act_order: bool, bias: bool, s
     return (*cuda, None if b is None else b.half().cuda())
 
 
-def gptq_linear(k, widths, group_size=128, act_order=False, bias=False, version=1, units=None) -> int4_ops.Int4Linear:
-    """An Int4Linear of random segments, qweight in the units layout where it tiles (as patch_model lays it out,
-    unless the environment keeps the checkpoint layout: int4_ops.units_layout), or as `units` says."""
+def gptq_linear(k, widths, group_size=128, act_order=False, bias=False, version=1) -> int4_ops.Int4Linear:
     segments = [gptq_segment(k, n, group_size, act_order, bias, seed=i + n) for i, n in enumerate(widths)]
     qweight, qzeros, scales, g_idx, biases = (list(t) for t in zip(*segments))
-    if int4_ops.units_layout() if units is None else units:
-        qweight = [fmt.to_units(q) if fmt.fits_units(q) else q for q in qweight]
     group = k if group_size == -1 else group_size
     return int4_ops.Int4Linear(qweight, qzeros, scales, g_idx, biases, group, act_order, 1 if version == 1 else 0)
 
@@ -89,34 +85,6 @@ def test_int4_linear(k, widths, group_size, act_order, rows, dtype):
     lin = gptq_linear(k, widths, group_size, act_order, bias=len(widths) == 3)
     x = torch.randn(rows, k, device="cuda").to(dtype)
     check_op("int4_linear", (x, *lin.args()))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "k,widths,group_size,act_order",
-    [
-        (2560, [7680], 128, False),  # tensor cores for fp16/bf16
-        (1024, [512, 256, 256], 64, True),  # act-order: the CUDA-core kernel
-        (512, [256], 16, False),  # a group of 16: the CUDA-core kernel
-    ],
-)
-def test_int4_units_layout_reads_as_the_checkpoint_layout(k, widths, group_size, act_order, dtype, kernels):
-    """The units layout changes where each 16-byte chunk of qweight lies, not what is computed: every int4 path
-    (the decode kernels with and without a K split and a norm prologue, and the dequantize + cuBLAS prefill) gives
-    the same bits in both layouts."""
-    lin = {units: gptq_linear(k, widths, group_size, act_order, units=units) for units in (False, True)}
-    assert lin[True].units and not lin[False].units
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for batch in (1, 5):
-        x, pro = prologue_args("add_rms", batch, k, dtype)
-        out = {}
-        for units, w in lin.items():
-            splits = int4_ops.splits_for(batch, w, sms)
-            space = torch.zeros(int4_ops.workspace_numel(batch, w, splits), dtype=torch.int32, device="cuda")
-            out[units] = kernels.int4_gemv(x, *pro, *w.args(), "none", splits, space)[0]
-        assert torch.equal(out[True], out[False]), f"batch {batch}"
-    x = torch.randn(83, k, device="cuda").to(dtype)  # the prefill path
-    assert torch.equal(kernels.int4_linear(x, *lin[True].args()), kernels.int4_linear(x, *lin[False].args()))
 
 
 @pytest.mark.parametrize("version", [1, 2])

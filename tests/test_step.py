@@ -25,12 +25,6 @@ HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 requires_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
 
 
-@pytest.fixture(autouse=True)
-def checkpoint_layout(monkeypatch):
-    """The step kernel reads GPTQ qweight in the checkpoint layout: patch_model keeps it there in these tests."""
-    monkeypatch.setenv("PATCHER_INT4_LAYOUT", "checkpoint")
-
-
 @pytest.mark.parametrize(
     "blocks,strips0,ku0,strips1,ku1",
     [
@@ -169,18 +163,6 @@ def test_models_the_step_kernel_cannot_take_keep_the_per_op_step(tmp_path, monke
     path = generate_path(model)
     assert out.shape == (1, 15) and not path["step_kernel"]
     assert "group size" in path["step_kernel_reason"]
-
-
-@requires_hopper
-def test_units_layout_keeps_the_per_op_step(tmp_path, monkeypatch):
-    """A model patched with its qweight in the units layout (the default) decodes op by op, and says why."""
-    monkeypatch.delenv("PATCHER_INT4_LAYOUT")
-    model = gptq_model("tiny-llama", tmp_path, dtype=torch.float16, device="cuda", group_size=128)
-    patch_model(model)
-    runner = DecodeRunner(model, use_graphs=False, use_step_kernel=True)
-    ids = torch.randint(3, 500, (1, 7), device="cuda")
-    runner.generate(ids, torch.ones_like(ids), 3, Sampling(), eos=[], pad_token_id=0)
-    assert "units layout" in runner.step_kernel_reason(1)
 
 
 def real_size_int4(name, layers, dtype=torch.float32):

@@ -114,11 +114,6 @@ def model_reason(runner) -> str | None:
         if any(lin is None for lin in group):
             return "not every decoder linear is GPTQ int4"
         linears.extend(group)
-    if any(lin.units for lin in linears):
-        return (
-            "GPTQ qweight in the units layout (the step kernel reads the checkpoint layout: set PATCHER_STEP_KERNEL=1 "
-            "or PATCHER_INT4_LAYOUT=checkpoint before patch_model)"
-        )
     if any(lin.act_order for lin in linears):
         return "act-order (g_idx) or a group size that is not a multiple of 8"
     if len({lin.zero_offset for lin in linears}) != 1:

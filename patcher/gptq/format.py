@@ -10,16 +10,6 @@ Per quantized linear with in_features K and out_features N, G groups:
 
     W[k, n] = scales[g, n] * (q[k, n] - zero[g, n]),  g = g_idx[k];  y = x @ W + bias
 
-The int4 kernels also read qweight in a second layout, "units", which patch_model puts it in (the state dict
-still holds the checkpoint layout, GPTQLinear): int32 [K / 32, N / 32, 128], one unit the 4 x 32 words of qweight
-rows 4r .. 4r + 3 and columns 32c .. 32c + 31, contiguous (512 bytes), the units of 4 rows side by side along N.
-Inside a unit, the 16 bytes at 16 l (l = 4i + j) hold row 4r + j, columns 32c + 4i .. 32c + 4i + 3: what lane l of
-the tensor-core kernel loads in one step (kernels/int4_mma.cuh). Why: the kernel's warps all read the same 4 rows at
-about the same time, and in the checkpoint layout each warp's step is four 128-byte pieces 4N bytes apart, so the
-reads of the whole grid are scattered; in units they are one contiguous stretch. Measured on the H100
-(tools/int4_read_bench.cu, reads alone in the kernel's launch geometry): Llama-3.1-8B gate/up 1610 -> 2584 GB/s,
-down 1704 -> 2303, qkv 1445 -> 1778, Pythia-2.8B mlp_in 1372 -> 1826, query_key_value 1347 -> 1608.
-
 The zero points are stored two ways: v1 ("gptq", what AutoGPTQ writes and GPTQModel saves by default) stores
 zero - 1 and adds the 1 back after unpacking (so a stored 15 reads as 16: the v1 format cannot hold a zero of 0);
 v2 ("gptq_v2", GPTQModel's internal layout) stores the zero itself. Both are read here.
@@ -34,42 +24,6 @@ PACK = 32 // BITS  # values per int32 word
 MAXQ = (1 << BITS) - 1
 FORMAT_VERSIONS = {"gptq": 1, "gptq_v2": 2}
 _SHIFTS = torch.arange(0, 32, BITS, dtype=torch.int32)
-
-
-UNIT_ROWS, UNIT_COLS = 4, 32  # qweight rows and columns of one unit of the units layout
-
-
-def fits_units(qweight: torch.Tensor) -> bool:
-    """Whether a checkpoint-layout qweight [K/8, N] tiles into units (K a multiple of 32, N of 32)."""
-    return qweight.dim() == 2 and qweight.shape[0] % UNIT_ROWS == 0 and qweight.shape[1] % UNIT_COLS == 0
-
-
-def to_units(qweight: torch.Tensor) -> torch.Tensor:
-    """qweight int32 [K/8, N] (checkpoint layout) -> [K/32, N/32, 128] (units layout); a copy."""
-    if not fits_units(qweight):
-        raise ValueError(f"qweight {tuple(qweight.shape)} does not tile into units of 4 rows x 32 columns")
-    rows, n = qweight.shape
-    units = qweight.view(rows // UNIT_ROWS, UNIT_ROWS, n // UNIT_COLS, UNIT_COLS // 4, 4)  # [r, j, c, i, word]
-    return units.permute(0, 2, 3, 1, 4).reshape(rows // UNIT_ROWS, n // UNIT_COLS, UNIT_ROWS * UNIT_COLS)
-
-
-def from_units(units: torch.Tensor) -> torch.Tensor:
-    """The inverse of to_units: [K/32, N/32, 128] -> [K/8, N]; a copy."""
-    r, c, _ = units.shape
-    view = units.view(r, c, UNIT_COLS // 4, UNIT_ROWS, 4)  # [r, c, i, j, word]
-    return view.permute(0, 3, 1, 2, 4).reshape(r * UNIT_ROWS, c * UNIT_COLS)
-
-
-def checkpoint_layout(qweight: torch.Tensor) -> torch.Tensor:
-    """qweight as [K/8, N]: itself, or the checkpoint layout of a units-layout tensor."""
-    return from_units(qweight) if qweight.dim() == 3 else qweight
-
-
-def qweight_shape(qweight: torch.Tensor) -> tuple[int, int]:
-    """(in_features, out_features) of a qweight in either layout."""
-    if qweight.dim() == 3:
-        return qweight.shape[0] * UNIT_ROWS * PACK, qweight.shape[1] * UNIT_COLS
-    return qweight.shape[0] * PACK, qweight.shape[1]
 
 
 def unpack_rows(qweight: torch.Tensor) -> torch.Tensor:
@@ -119,8 +73,8 @@ def zero_points(qzeros: torch.Tensor, version: int) -> torch.Tensor:
 
 def dequantize(qweight, qzeros, scales, g_idx, version: int = 1) -> torch.Tensor:
     """W [K, N] in the dtype of `scales`: scales[g_idx] * (q - zero[g_idx]), one rounding (the multiply), as the
-    AutoGPTQ/GPTQModel torch kernels compute it. qweight in either layout."""
-    q = unpack_rows(checkpoint_layout(qweight)).to(torch.int16)
+    AutoGPTQ/GPTQModel torch kernels compute it."""
+    q = unpack_rows(qweight).to(torch.int16)
     g = g_idx.long()
     return scales[g] * (q - zero_points(qzeros, version)[g]).to(scales.dtype)
 

@@ -9,12 +9,9 @@ untouched.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
-
-from ..gptq import format as fmt
 
 MAX_SEGMENTS = 3
 TILE = 128  # output columns per block of the int4 kernels (whole heads when RoPE follows: tile_width)
@@ -40,16 +37,11 @@ class Int4Linear:
 
     @property
     def in_features(self) -> int:
-        return fmt.qweight_shape(self.qweight[0])[0]
+        return self.qweight[0].shape[0] * 8
 
     @property
     def widths(self) -> list[int]:
-        return [fmt.qweight_shape(q)[1] for q in self.qweight]
-
-    @property
-    def units(self) -> bool:
-        """Whether any segment's qweight is in the units layout (gptq/format.py)."""
-        return any(q.dim() == 3 for q in self.qweight)
+        return [q.shape[1] for q in self.qweight]
 
     def args(self) -> tuple:
         return (
@@ -66,15 +58,6 @@ class Int4Linear:
     def nbytes(self) -> int:
         tensors = [*self.qweight, *self.qzeros, *self.scales, *(b for b in self.bias if b is not None)]
         return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def units_layout() -> bool:
-    """Whether patch_model puts GPTQ qweight in the kernels' units layout (gptq/format.py): yes, unless
-    PATCHER_INT4_LAYOUT=checkpoint, or an opt-in kernel that reads the checkpoint layout is switched on
-    (PATCHER_STEP_KERNEL=1, PATCHER_INT4_TMA=1)."""
-    if os.environ.get("PATCHER_INT4_LAYOUT", "units") == "checkpoint":
-        return False
-    return not any(os.environ.get(flag, "0") == "1" for flag in ("PATCHER_STEP_KERNEL", "PATCHER_INT4_TMA"))
 
 
 def int4_reason(modules) -> str | None:

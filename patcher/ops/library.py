@@ -200,13 +200,8 @@ _INT4 = (
 )
 
 
-def _n(qweight) -> int:
-    """out_features of a segment's qweight in either layout (checkpoint [K/8, N], units [K/32, N/32, 128])."""
-    return qweight.shape[1] * (32 if qweight.dim() == 3 else 1)
-
-
 def _int4_gemv_fake(x, delta, d2, w, b, w2, b2, eps, rms, qw, qz, sc, gi, bias, gs, ao, zo, activation, splits, ws):
-    n = _n(qw[0]) if activation == "silu_mul" else sum(_n(q) for q in qw)
+    n = qw[0].shape[1] if activation == "silu_mul" else sum(q.shape[1] for q in qw)
     return (x.new_empty((*x.shape[:-1], n)), *_prologue_fakes(x, delta, w2))
 
 
@@ -218,7 +213,7 @@ def _int4_qkv_fake(x, delta, d2, w, b, w2, b2, eps, rms, qw, qz, sc, gi, bias, g
 _define(
     f"int4_linear(Tensor x, {_INT4}) -> Tensor",
     ref.int4_linear,
-    lambda x, qw, qz, sc, gi, b, gs, ao, zo: x.new_empty((*x.shape[:-1], sum(_n(q) for q in qw))),
+    lambda x, qw, qz, sc, gi, b, gs, ao, zo: x.new_empty((*x.shape[:-1], sum(q.shape[1] for q in qw))),
 )
 _define(
     f"int4_gemv({_PROLOGUE}, {_INT4}, str activation, int splits, Tensor(a!) workspace) -> (Tensor, Tensor, Tensor)",
@@ -229,7 +224,7 @@ _define(
     f"int4_gemv_cat(Tensor x, Tensor x2, {_INT4}, int splits, Tensor(a!) workspace, bool x2_early=False) -> Tensor",
     ref.int4_gemv_cat,
     lambda x, x2, qw, qz, sc, gi, b, gs, ao, zo, splits, ws, early=False: x.new_empty(
-        (x.shape[0], sum(_n(q) for q in qw))
+        (x.shape[0], sum(q.shape[1] for q in qw))
     ),
 )
 _define(
@@ -243,7 +238,7 @@ _define(
 
 def _int4_qkv_mlp_fake(x, delta, d2, w, b, w2, b2, eps, rms, qw, qz, sc, gi, bias, gs, ao, zo, *rest):
     hq, d, qkv_segments = rest[6], rest[8], rest[10]  # (cos, sin, slot, pad, k_cache, v_cache, hq, hkv, d, inter, n)
-    hidden = sum(_n(q) for q in qw[qkv_segments:])
+    hidden = sum(q.shape[1] for q in qw[qkv_segments:])
     sum_ = _like(x) if delta is not None else x.new_empty(0)
     return x.new_empty((x.shape[0], hq, d)), x.new_empty((x.shape[0], hidden)), sum_
 

@@ -247,11 +247,10 @@ def next_token_workspace(batch: int, device) -> torch.Tensor:
 
 
 def int4_weight(qweight, qzeros, scales, g_idx, group_size: int, act_order: bool, zero_offset: int) -> torch.Tensor:
-    """W [K, N] in the scales' dtype: scales[g] * (q - zero[g]), g = g_idx[k] (act-order) or k // group_size.
-    qweight in either layout (gptq/format.py)."""
+    """W [K, N] in the scales' dtype: scales[g] * (q - zero[g]), g = g_idx[k] (act-order) or k // group_size."""
     from ..gptq import format as fmt  # (patcher.gptq imports the patching module, which imports this one)
 
-    K = fmt.qweight_shape(qweight)[0]
+    K = qweight.shape[0] * fmt.PACK
     g = g_idx.long() if act_order else torch.arange(K, device=qweight.device) // group_size
     return fmt.dequantize(qweight, qzeros, scales, g, version=2 if zero_offset == 0 else 1)
 
@@ -325,9 +324,7 @@ def int4_gemv_cat(
             f"int4_gemv_cat takes x [batch, k1] and x2 [batch, k2] of one dtype, got {x.dtype} {list(x.shape)} "
             f"and {x2.dtype} {list(x2.shape)}"
         )
-    from ..gptq import format as fmt
-
-    k = fmt.qweight_shape(qweight[0])[0]
+    k = qweight[0].shape[0] * 8
     if x.shape[1] + x2.shape[1] != k:
         raise ValueError(f"x and x2 widths {x.shape[1]} + {x2.shape[1]} do not add up to the weight's in_features {k}")
     return int4_linear(torch.cat([x, x2], dim=-1), qweight, qzeros, scales, g_idx, bias, group_size, act_order,
