@@ -77,9 +77,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
       for (int j = 0; j < kPreload; ++j) {
         const int64_t r = r0 + j;
         if (r >= t_end) break;
-        const uint4 word = w[j];
-        if (r + kPreload < t_end) w[j] = __ldcs(qw + (r + kPreload - t_begin) * qw_stride);
-        const uint32_t words[4] = {word.x, word.y, word.z, word.w};
+        const uint32_t words[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
         const float* xr = xs + (r - r_begin) * 8;
         if constexpr (!ACT_ORDER) {
           if (r == group_end) {  // a new group: the prefetched parameters, and the next group's are loaded
@@ -121,6 +119,9 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
             }
           }
         }
+        // The row kPreload on, into the registers just read (as in int4_mma_kernel: loaded before the use, into a
+        // copy, the compiler waited for each load one row later).
+        if (r + kPreload < t_end) w[j] = __ldcs(qw + (r + kPreload - t_begin) * qw_stride);
       }
     }
   }

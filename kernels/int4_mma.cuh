@@ -32,8 +32,13 @@
 // much slower (Pythia mlp_in 12.1 -> 21.4 us, int4 TPOT Pythia 1.81 -> 2.07-2.42 ms), so the warps per SM are what the
 // ops need most; yet more 16-byte chunks in flight per lane (12 or 16 in the kernel without the norm prologue, which
 // has the registers for them since its group parameters moved to shared memory) made decode no faster (int4 TPOT
-// Pythia 1.80 -> 1.84-1.90 ms, Llama 3.43 -> 3.44-3.53); skipping the norm prologue's two block reductions (a bound for
-// statistics computed once elsewhere) saved only 0.5 us on Pythia's fused LN+QKV.
+// Pythia 1.80 -> 1.84-1.90 ms, Llama 3.43 -> 3.44-3.53; measured while the loop's loads had 1-2 chunks in flight, see
+// the main loop; with that fixed, 12 again made no op faster: Llama gate/up 36.9 -> 36.8 us, the others 0.1-0.8 us
+// slower); skipping the norm prologue's two block reductions (a bound for statistics computed once elsewhere) saved
+// only 0.5 us on Pythia's fused LN+QKV. With every weight's dequantization replaced by 3 shifts (wrong results, a
+// bound) Llama gate/up took 33.0 us and Pythia's int4_qkv_mlp_in 16.6 (against 35.9 and 20.0, the kernels of that
+// day); Nsight Compute (evals/results/ncu_int4_stalls.txt) has a warp issuing every 7.3 cycles, 2.5 of them
+// waiting on global loads (the fault below) and 1.7 on fixed-latency dependencies, with 3.4 warps a scheduler.
 //
 // Layout. A warp owns 32 columns of the tile. In each step lane 4g + q loads the 16-byte chunk at qweight row
 // r0 + q, columns 4g .. 4g + 3 of the warp's 32, so a warp step is 4 rows x 32 columns (four 128-byte row
@@ -249,9 +254,6 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
       for (int j = 0; j < kMmaPreload; ++j) {
         const int s = s0 + j;
         if (s < steps) {
-          const uint4 chunk = w[j];
-          if (live && 4 * (s + kMmaPreload) < lane_rows) w[j] = __ldcs(next_chunk);
-          next_chunk += step_stride;
           if (s == change) {  // the next group (a step the warp has lies in the slice, so its group is staged)
             d = group_dequant(live ? groups.at(next_group, tile_col) : GroupParams{}, p.zero_offset);
             change += group_steps;
@@ -260,7 +262,14 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
           // B is zero past the batch and past the run (whose x is not staged), so whatever A holds there adds 0.
           uint4 xv = make_uint4(0, 0, 0, 0);
           if (x_row && 4 * s < lane_rows) xv = *reinterpret_cast<const uint4*>(x_lane + 32 * s);
-          mma_chunk<T>(acc, chunk, xv, d);
+          mma_chunk<T>(acc, w[j], xv, d);
+          // The chunk kPreload steps on, into the registers just read. Loaded before the use into a copy instead
+          // (`chunk = w[j]`, then the load), the compiler loaded into spare registers and moved the chunk home at
+          // the next step, so each step waited there for the load issued one step before: in flight were 1-2
+          // chunks, not kMmaPreload (SASS of int4_mma_kernel; Nsight Compute: 2.5 of 7.3 cycles between a warp's
+          // instructions waiting on global loads, Llama-3.1-8B gate/up on the H100).
+          if (live && 4 * (s + kMmaPreload) < lane_rows) w[j] = __ldcs(next_chunk);
+          next_chunk += step_stride;
         }
       }
     }
