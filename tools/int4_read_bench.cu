@@ -8,7 +8,12 @@
 //               4g + 3 of its warp, so a warp step is 4 rows x 128 bytes; DEPTH chunks in flight per lane
 //               (int4_mma_kernel's kMmaPreload is 8)
 //   tiled       the same work on a column-tiled copy [N/32][K/8][32], where a warp step is 512 contiguous bytes
+//   units       the same work with each warp step's 512 bytes contiguous and the steps of all column warps side by
+//               side ([K/32][N/32][4][32]); sweep: every warp step in the order the whole grid reads them
 //
+// Every loop uses a chunk before it loads the next one into the same registers: the other way round the compiler
+// kept only 1-2 chunks in flight (int4_mma_kernel's main loop says how), and this benchmark's first tables measured
+// that instead of the geometry.
 // splits x1 gives the block count and bytes per block that patcher.ops.int4.splits_for picks at batch 1 (one wave of
 // two blocks per SM; the real kernels' blocks are 128-column tiles of 4 column warps x 2 runs of K, the same 8 warps
 // and bytes); x2 .. x8 give more blocks. Each matrix is read from enough copies to exceed L2.
