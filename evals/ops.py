@@ -292,17 +292,15 @@ def case_decode_attention(batch, arch, dtype, ops, context):
     return fused, unfused, nbytes
 
 
-VOCAB = {"pythia-2.8b": 50304, "llama-3.1-8b": 128256, "qwen2-1.5b": 151936}
-
-
 def case_next_token(batch, arch, dtype, ops, _variant):
     """The decode step's end: next_token (argmax, token write, slot advance, the next input's embedding) against
     the torch ops it replaced (argmax, index_copy_, the slot add, the token read and the embedding lookup). The
     logits are read where the lm_head left them (L2) on both sides; the slot grows by one per call, so the token
     table is wide enough for every call of the timing."""
+    from patcher import random_models
     from patcher.ops import next_token_workspace
 
-    H, V = ARCHS[arch][0], VOCAB[arch]
+    H, V = ARCHS[arch][0], random_models.config(arch).vocab_size
     logits = _rand(batch, V, dtype=dtype)
     embed = torch.zeros(V, H, dtype=dtype, device="cuda")
     tokens = torch.zeros(batch, 1 << 15, dtype=torch.long, device="cuda")
