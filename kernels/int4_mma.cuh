@@ -266,8 +266,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
           // The chunk kPreload steps on, into the registers just read. Loaded before the use into a copy instead
           // (`chunk = w[j]`, then the load), the compiler loaded into spare registers and moved the chunk home at
           // the next step, so each step waited there for the load issued one step before: in flight were 1-2
-          // chunks, not kMmaPreload (SASS of int4_mma_kernel; Nsight Compute: 2.5 of 7.3 cycles between a warp's
-          // instructions waiting on global loads, Llama-3.1-8B gate/up on the H100).
+          // chunks, not kMmaPreload (its SASS; the Nsight Compute stalls are in the header).
           if (live && 4 * (s + kMmaPreload) < lane_rows) w[j] = __ldcs(next_chunk);
           next_chunk += step_stride;
         }
