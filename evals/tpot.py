@@ -2,8 +2,9 @@
 
 TPOT (time per output token) excludes prefill: (time(generate N+1) - time(generate 1)) / N, after warm-up, with
 the GPU synchronized, median over repeats. Each mode also reports TTFT (generate 1), tokens/s, kernels per decode
-step and their GPU time (torch.profiler; `--kernel-table` prints the costliest), achieved bandwidth and TPOT over the roofline (bytes read per step / HBM read bandwidth
-measured in the same run), and peak GPU memory.
+step and each kernel's share of the step's critical path (torch.profiler; `--kernel-table` prints the costliest),
+achieved bandwidth and TPOT over the roofline (bytes read per step / HBM read bandwidth measured in the same run),
+and peak GPU memory.
 
 Modes:
   hf-eager                 unpatched, HF generate with its dynamic cache
@@ -75,20 +76,44 @@ MAX_TIMING_TRIES = 5  # per repeat, for a (1 token, N + 1 tokens) pair whose dif
 
 
 def profile_kernels(fn) -> dict[str, list]:
-    """GPU kernels executed while fn() runs, by name: [launches, total GPU us] (torch.profiler / CUPTI; kernels
-    inside CUDA graphs are recorded one by one too)."""
+    """GPU kernels executed while fn() runs, by name: [launches, total GPU us, critical us] (torch.profiler / CUPTI;
+    kernels inside CUDA graphs are recorded one by one too; `kernel_shares` says what critical means)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    kernels: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")):
-            entry = kernels.setdefault(e.name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += e.time_range.elapsed_us()
-    return kernels
+    spans = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset"))
+    ]
+    return kernel_shares(spans)
+
+
+def kernel_shares(spans: list[tuple[str, float, float]]) -> dict[str, list]:
+    """(name, start us, end us) of each kernel run -> by name: [launches, total us, critical us].
+
+    Under programmatic dependent launch a kernel starts while the one before it runs (its blocks wait on-chip), so
+    durations overlap and add up to more than the step. A kernel's critical time is the part of its run that no
+    kernel which ended before it covers. In a chain of dependent kernels that is the time from the previous kernel's
+    end to its own, its share of the critical path; the shares add up to the time any kernel ran (gaps with none
+    running are in no share)."""
+    shares: dict[str, list] = {}
+    covered: list[list[float]] = []  # disjoint [start, end] of the runs so far, in order
+    for name, start, end in sorted(spans, key=lambda s: s[2]):
+        # Every interval so far ends by `end`, so only the trailing ones that reach past `start` overlap this run.
+        overlap, merged_start = 0.0, start
+        while covered and covered[-1][1] > start:
+            c_start, c_end = covered.pop()
+            overlap += c_end - max(c_start, start)
+            merged_start = min(merged_start, c_start)
+        covered.append([merged_start, end])
+        entry = shares.setdefault(name, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += end - start
+        entry[2] += end - start - overlap
+    return shares
 
 
 def short_kernel_name(name: str, limit: int = 100) -> str:
@@ -106,18 +131,27 @@ def short_kernel_name(name: str, limit: int = 100) -> str:
 
 def step_profile(generate, steps: int = 8, top: int = 12) -> dict:
     """Kernels per decode step and where the step's GPU time goes: profile (1 token) and (steps + 1 tokens) and
-    take the difference per step."""
+    take the difference per step. Ranked by critical time (kernel_shares), which adds up to the step; the summed
+    durations overlap under programmatic dependent launch."""
     one, many = profile_kernels(lambda: generate(1)), profile_kernels(lambda: generate(steps + 1))
     per_step = {}
-    for name, (count, us) in many.items():
-        c0, us0 = one.get(name, (0, 0.0))
+    for name, (count, us, critical) in many.items():
+        c0, us0, critical0 = one.get(name, (0, 0.0, 0.0))
         if count > c0:
-            per_step[short_kernel_name(name)] = [(count - c0) / steps, (us - us0) / steps]
-    ranked = sorted(per_step.items(), key=lambda kv: -kv[1][1])
+            per_step[short_kernel_name(name)] = [
+                (count - c0) / steps,
+                (us - us0) / steps,
+                (critical - critical0) / steps,
+            ]
+    ranked = sorted(per_step.items(), key=lambda kv: -kv[1][2])
     return {
-        "kernels_per_step": sum(c for c, _ in per_step.values()),
-        "kernel_us_per_step": sum(us for _, us in per_step.values()),
-        "top_kernels": [{"kernel": k, "launches": c, "us": us} for k, (c, us) in ranked[:top]],
+        "kernels_per_step": sum(c for c, _, _ in per_step.values()),
+        "kernel_us_per_step": sum(us for _, us, _ in per_step.values()),
+        "critical_us_per_step": sum(critical for _, _, critical in per_step.values()),
+        "top_kernels": [
+            {"kernel": k, "launches": c, "us": us, "critical_us": critical, "critical_us_each": critical / c}
+            for k, (c, us, critical) in ranked[:top]
+        ],
     }
 
 
@@ -197,7 +231,7 @@ def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True)
             row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
             if profile:
                 row.update(step_profile(generate))
-                row["gpu_busy"] = row["kernel_us_per_step"] / 1e3 / row["tpot_ms"]
+                row["gpu_busy"] = row["critical_us_per_step"] / 1e3 / row["tpot_ms"]
     return row
 
 
@@ -265,7 +299,13 @@ COLUMNS = [
 ]
 
 
-KERNEL_COLUMNS = [("kernel", "kernel", ""), ("launches", "launches/step", ".1f"), ("us", "us/step", ".1f")]
+KERNEL_COLUMNS = [
+    ("kernel", "kernel", ""),
+    ("launches", "launches/step", ".1f"),
+    ("critical_us", "critical us/step", ".1f"),
+    ("critical_us_each", "critical us/launch", ".2f"),
+    ("us", "duration us/step", ".1f"),
+]
 
 
 def main(argv=None) -> int:
@@ -343,8 +383,9 @@ def main(argv=None) -> int:
         for row in rows:
             if row.get("top_kernels"):
                 print(
-                    f"\n{row['mode']}, context {row['context']}: GPU busy {row['kernel_us_per_step']:.0f} us of "
-                    f"{row['tpot_ms'] * 1e3:.0f} us per step ({100 * row['gpu_busy']:.0f}%)"
+                    f"\n{row['mode']}, context {row['context']}: a kernel running {row['critical_us_per_step']:.0f} us "
+                    f"of {row['tpot_ms'] * 1e3:.0f} us per step ({100 * row['gpu_busy']:.0f}%); durations sum to "
+                    f"{row['kernel_us_per_step']:.0f} us (they overlap under programmatic dependent launch)"
                 )
                 print(common.table(row["top_kernels"], KERNEL_COLUMNS))
     if bandwidth:

@@ -182,3 +182,24 @@ def test_perplexity_smollm2_on_a_wikitext_slice(tmp_path):
 def test_kernel_names_in_the_step_profile(raw, short):
     assert tpot.short_kernel_name(raw) == short
     assert len(tpot.short_kernel_name("k" * 300)) == 100
+
+
+def test_kernel_shares_add_up_to_the_time_a_kernel_ran():
+    # A chain under programmatic dependent launch: each kernel starts before the previous one ends; then a gap with
+    # no kernel, and a kernel that runs entirely inside another one's span.
+    spans = [
+        ("a", 0.0, 10.0),
+        ("b", 4.0, 15.0),  # adds 10 .. 15
+        ("a", 12.0, 20.0),  # adds 15 .. 20
+        ("c", 30.0, 33.0),  # after a gap of 10: adds its whole 3
+        ("inside", 31.0, 32.0),  # ends first, adds 31 .. 32; c then adds 32 .. 33 only
+    ]
+    shares = tpot.kernel_shares(spans)
+    assert shares["a"] == [2, 18.0, 15.0]
+    assert shares["b"] == [1, 11.0, 5.0]
+    assert shares["inside"] == [1, 1.0, 1.0]
+    assert shares["c"] == [1, 3.0, 2.0]
+    assert sum(s[2] for s in shares.values()) == 23.0  # 0 .. 20 and 30 .. 33
+    # A long run over two shorter ones with a gap between them: it adds the gap and its ends, not the others' time.
+    shares = tpot.kernel_shares([("x", 0.0, 1.0), ("y", 5.0, 6.0), ("long", 0.5, 10.0)])
+    assert shares["long"] == [1, 9.5, 8.0]
