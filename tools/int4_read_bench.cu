@@ -30,6 +30,28 @@ namespace {
 
 using bench::mix;
 
+// A lane's chunks of steps 0 .. steps - 1 (has(s): whether the lane has one at step s; at(s): its address), DEPTH in
+// flight, folded into a checksum; each used before the next is loaded into its registers (the header says why).
+template <int DEPTH, typename Has, typename At>
+__device__ unsigned read_lane(int steps, Has has, At at) {
+  uint4 w[DEPTH] = {};
+#pragma unroll
+  for (int j = 0; j < DEPTH; ++j) {
+    if (j < steps && has(j)) w[j] = __ldcs(at(j));
+  }
+  unsigned acc = 0;
+  for (int s0 = 0; s0 < steps; s0 += DEPTH) {
+#pragma unroll
+    for (int j = 0; j < DEPTH; ++j) {
+      const int s = s0 + j;
+      if (s >= steps) break;
+      acc ^= mix(w[j]);
+      if (s + DEPTH < steps && has(s + DEPTH)) w[j] = __ldcs(at(s + DEPTH));
+    }
+  }
+  return acc;
+}
+
 template <int DEPTH, bool TILED>
 __global__ void __launch_bounds__(256)
     pattern_read(const uint4* __restrict__ qw, int64_t rows, int64_t n, int splits, unsigned* sink) {
@@ -44,21 +66,8 @@ __global__ void __launch_bounds__(256)
   const uint4* p = TILED ? qw + ((col / 32) * rows * 32 + col % 32) / 4 + row0 * 8 : qw + col / 4 + row0 * (n / 4);
   const int64_t stride = TILED ? 8 : n / 4;
   const int steps = static_cast<int>((r_end - r_begin + 3) / 4);
-  uint4 w[DEPTH] = {};
-#pragma unroll
-  for (int j = 0; j < DEPTH; ++j) {
-    if (row0 + 4 * j < r_end) w[j] = __ldcs(p + 4 * j * stride);
-  }
-  unsigned acc = 0;
-  for (int s0 = 0; s0 < steps; s0 += DEPTH) {
-#pragma unroll
-    for (int j = 0; j < DEPTH; ++j) {
-      const int s = s0 + j;
-      if (s >= steps) break;
-      if (row0 + 4 * s < r_end) acc ^= mix(w[j]);  // used before it is reloaded (int4_mma_kernel says why)
-      if (row0 + 4 * (s + DEPTH) < r_end) w[j] = __ldcs(p + 4 * (s + DEPTH) * stride);
-    }
-  }
+  const unsigned acc =
+      read_lane<DEPTH>(steps, [&](int s) { return row0 + 4 * s < r_end; }, [&](int s) { return p + 4 * s * stride; });
   bench::keep(acc, sink);
 }
 
@@ -84,21 +93,7 @@ __global__ void __launch_bounds__(256)
     const int64_t unit = SWEEP ? s * warps + gw : (r_begin / 4 + s) * units_per_step + col_warp;
     return unit * 32 + lane;
   };
-  uint4 w[DEPTH] = {};
-#pragma unroll
-  for (int j = 0; j < DEPTH; ++j) {
-    if (j < steps && at(j) < count) w[j] = __ldcs(qw + at(j));
-  }
-  unsigned acc = 0;
-  for (int s0 = 0; s0 < steps; s0 += DEPTH) {
-#pragma unroll
-    for (int j = 0; j < DEPTH; ++j) {
-      const int s = s0 + j;
-      if (s >= steps) break;
-      acc ^= mix(w[j]);
-      if (s + DEPTH < steps && at(s + DEPTH) < count) w[j] = __ldcs(qw + at(s + DEPTH));
-    }
-  }
+  const unsigned acc = read_lane<DEPTH>(steps, [&](int s) { return at(s) < count; }, [&](int s) { return qw + at(s); });
   bench::keep(acc, sink);
 }
 
