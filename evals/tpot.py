@@ -131,8 +131,8 @@ def short_kernel_name(name: str, limit: int = 100) -> str:
 
 def step_profile(generate, steps: int = 8, top: int = 12) -> dict:
     """Kernels per decode step and where the step's GPU time goes: profile (1 token) and (steps + 1 tokens) and
-    take the difference per step. Ranked by critical time (kernel_shares), which adds up to the step; the summed
-    durations overlap under programmatic dependent launch."""
+    take the difference per step. Ranked by critical time (kernel_shares), which adds up to the time a kernel ran; the
+    summed durations overlap under programmatic dependent launch."""
     one, many = profile_kernels(lambda: generate(1)), profile_kernels(lambda: generate(steps + 1))
     per_step = {}
     for name, (count, us, critical) in many.items():

@@ -191,8 +191,8 @@ def test_kernel_shares_add_up_to_the_time_a_kernel_ran():
         ("a", 0.0, 10.0),
         ("b", 4.0, 15.0),  # adds 10 .. 15
         ("a", 12.0, 20.0),  # adds 15 .. 20
-        ("c", 30.0, 33.0),  # after a gap of 10: adds its whole 3
-        ("inside", 31.0, 32.0),  # ends first, adds 31 .. 32; c then adds 32 .. 33 only
+        ("c", 30.0, 33.0),  # after a gap of 10; `inside` ends first, so c adds 30 .. 31 and 32 .. 33
+        ("inside", 31.0, 32.0),  # adds 31 .. 32
     ]
     shares = tpot.kernel_shares(spans)
     assert shares["a"] == [2, 18.0, 15.0]
