@@ -222,7 +222,6 @@ __device__ __forceinline__ TileInfo pair_info(const Int4Params& p, int pair, int
 // slices of one tile do, both members' rows of partial sums written by every block.
 template <typename T>
 __device__ void finish_pair(const Int4Params& p, const TileInfo& t, float* smem, int runs, int tile_width) {
-  __shared__ int s_last;
   const Team team = whole_block();
   team.sync();
   const int half = tile_width / 2, per_member = static_cast<int>(p.batch) * half;
@@ -243,13 +242,7 @@ __device__ void finish_pair(const Int4Params& p, const TileInfo& t, float* smem,
       p.partials[(static_cast<int64_t>(split.slot) * p.batch + b) * n_total + segment_offset(p, m) + t.col0 + c] =
           fin[i];
   }
-  team.sync();  // the arrival publishes the stores, as in finish_tile
-  if (team.tid == 0) {
-    s_last = arrive_acq_rel(p.counters + t.group) + 1 == split.expected;
-    if (s_last) p.counters[t.group] = 0;
-  }
-  team.sync();
-  if (s_last) finish_from_partials<T>(p, t, fin, half, split, team);
+  if (last_to_arrive(p, t, split.expected, team)) finish_from_partials<T>(p, t, fin, half, split, team);
 }
 
 template <typename T, bool NORM>
