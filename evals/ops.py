@@ -339,15 +339,20 @@ def _random_int4(k, widths, group_size=128):
 
 def case_int4(batch, arch, dtype, ops, which):
     """A decode-step GPTQ int4 linear (g128). "norm_qkv": the fused [add +] norm -> int4 QKV -> RoPE -> cache op,
-    against the same work as separate ops (add+norm kernel, int4 matrix-vector product, rope_qkv_cache)."""
+    against the same work as separate ops (add+norm kernel, int4 matrix-vector product, rope_qkv_cache).
+    "norm_mlp_in" (LLaMA/Qwen2): the add + RMSNorm -> int4 gate/up -> SwiGLU op of the decode step, against the
+    separate add+norm kernel in front of the int4 gate/up."""
     from patcher.ops import int4 as int4_ops
 
     H, inter, hq, hkv, D, _, interleaved = ARCHS[arch]
     gated = arch != "pythia-2.8b"
+    if which == "norm_mlp_in" and not gated:
+        return None  # GPT-NeoX's MLP input runs in the QKV op (int4_neox: qkv_mlp)
     k, widths, act = {
         "norm_qkv": (H, [(hq + 2 * hkv) * D] if interleaved else [hq * D, hkv * D, hkv * D], "none"),
         "out": (hq * D, [H], "none"),
         "mlp_in": (H, [inter, inter] if gated else [inter], "silu_mul" if gated else "gelu"),
+        "norm_mlp_in": (H, [inter, inter], "silu_mul"),
         "mlp_out": (inter, [H], "none"),
     }[which]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -359,6 +364,11 @@ def case_int4(batch, arch, dtype, ops, which):
     workspace = torch.zeros(int4_ops.workspace_numel(batch, linears[0], splits, head), dtype=torch.int32, device="cuda")
     x = _rand(batch, k, dtype=dtype)
     nbytes = weight_bytes + (batch * k + batch * (widths[0] if act == "silu_mul" else n_total)) * dtype.itemsize
+    if which == "norm_mlp_in":
+        pro, separate_norm = _norm_prologue(batch, k, arch, dtype, ops, x)
+        fused = [lambda w=w: ops.int4_gemv(x, *pro, *w.args(), act, splits, workspace) for w in linears]
+        unfused = [lambda w=w: ops.silu_and_mul(ops.int4_linear(separate_norm(), *w.args())) for w in linears]
+        return fused, unfused, nbytes + 2 * batch * k * dtype.itemsize  # the delta read, the residual sum written
     if which != "norm_qkv":
         none = (None,) * 6 + (0.0, False)
         fused = [lambda w=w: ops.int4_gemv(x, *none, *w.args(), act, splits, workspace) for w in linears]
@@ -446,7 +456,11 @@ DECODE_CASES = {  # op -> (builder, architectures, variants)
     ),
     "decode_attention": (case_decode_attention, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [256, 512, 4096]),
     "rope_qkv_cache": (case_rope_qkv_cache, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [""]),
-    "int4": (case_int4, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], ["norm_qkv", "out", "mlp_in", "mlp_out"]),
+    "int4": (
+        case_int4,
+        ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"],
+        ["norm_qkv", "out", "mlp_in", "norm_mlp_in", "mlp_out"],
+    ),
     "int4_neox": (case_int4_neox, ["pythia-2.8b"], ["qkv_mlp", "out_pair"]),
     "next_token": (case_next_token, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [""]),
 }

@@ -55,9 +55,9 @@
 // (B column g = batch row g). The C fragments are columns x batch rows: lane (g, q) ends with column 4g + 2h (c0, c1)
 // and column 4g + 2h + 1 (c2, c3), for batch rows 2q and 2q + 1.
 //
-// A block's warps are its tile's column warps times runs of the K slice (in whole steps of 4 rows); the runs and
-// the slices meet as in the CUDA-core kernel (int4_tile.cuh: finish_tile), or for SwiGLU in pairs of gate and up
-// columns (finish_pair).
+// A block's warps are its tile's column warps times runs of the K slice (in whole steps of 4 rows: 2 runs of a
+// 128-column tile, or 3 in the wide shape for long slices, MmaShape); the runs and the slices meet as in the
+// CUDA-core kernel (int4_tile.cuh: finish_tile), or for SwiGLU in pairs of gate and up columns (finish_pair).
 #pragma once
 #include <type_traits>
 
@@ -66,7 +66,17 @@
 namespace patcher {
 namespace {
 
-constexpr int kMmaPreload = 8;  // 16-byte qweight chunks in flight per lane
+// Two block shapes. A 128-column tile as 4 column warps x 2 runs of K (256 threads), each lane with 8 16-byte
+// qweight chunks in flight, or "wide": 4 x 3 runs (384 threads) with 4 chunks a lane, at 80 registers a thread so
+// that two blocks still share an SM (24 warps where there were 16: more warps to issue from, as the loop's warps
+// mostly wait; mma_wide says for which ops). The norm prologue holds at most kNormElems row elements a thread
+// (NORM_ELEMS of stage_x; fewer registers at 384 threads, K <= 16 x 384).
+template <bool WIDE>
+struct MmaShape {
+  static constexpr int kThreads = WIDE ? 384 : 256;
+  static constexpr int kPreload = WIDE ? 4 : 8;  // 16-byte qweight chunks in flight per lane
+  static constexpr int kNormElems = WIDE ? 16 : 32;
+};
 
 // qweight rows per K slice: whole steps of 4 rows, so that every lane's rows stay 4 apart across slices and runs.
 __host__ __device__ inline int64_t mma_rows_per_split(int64_t rows, int64_t splits) {
@@ -245,8 +255,9 @@ __device__ void finish_pair(const Int4Params& p, const TileInfo& t, float* smem,
   if (last_to_arrive(p, t, split.expected, team)) finish_from_partials<T>(p, t, fin, half, split, team);
 }
 
-template <typename T, bool NORM>
-__global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params p, int tile_width) {
+template <typename T, bool NORM, bool WIDE>
+__global__ void __launch_bounds__(MmaShape<WIDE>::kThreads, 2) int4_mma_kernel(const Int4Params p, int tile_width) {
+  constexpr int kMmaPreload = MmaShape<WIDE>::kPreload;
   extern __shared__ float smem[];
   const bool paired = mma_paired(p);
   const TileInfo t = paired ? pair_info(p, blockIdx.x, tile_width) : tile_info(p, blockIdx.x, tile_width);
@@ -293,9 +304,10 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
   griddep_launch_dependents();
 
   T* xs = reinterpret_cast<T*>(smem);  // [batch][len], every 8 k in the pair order (0,4) (1,5) (2,6) (3,7)
-  stage_x<T, NORM>(p, k0, len, blockIdx.x == 0, in_second(p, t), [=](int b, int64_t i, float v) {
-    xs[b * len + (i & ~int64_t{7}) + 2 * (i & 3) + ((i >> 2) & 1)] = from_float<T>(v);
-  });
+  stage_x<T, NORM, MmaShape<WIDE>::kNormElems>(
+      p, k0, len, blockIdx.x == 0, in_second(p, t), [=](int b, int64_t i, float v) {
+        xs[b * len + (i & ~int64_t{7}) + 2 * (i & 3) + ((i >> 2) & 1)] = from_float<T>(v);
+      });
   cp_async_wait_all();
   __syncthreads();
 
@@ -366,10 +378,29 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
 // its noise).
 constexpr int64_t kMmaPrefetchBytes = 16 << 20;
 
+// Fewest qweight rows a K slice must have for the wide blocks (MmaShape) to pay, without and with the norm prologue
+// (which spills 68 bytes a thread at 80 registers). Measured on the H100 (fp16, batch 1, `evals.ops --ops
+// int4,int4_neox` with PATCHER_INT4_MMA_BLOCK=256 and =384, twice interleaved; rows a slice: 256 -> 384 threads, us):
+// Llama-3.1-8B gate/up (512) 36.9 -> 32.6-32.8, with the norm (512) 37.6 -> 35.1, down (224) 19.0 -> 18.3-18.4,
+// Pythia-2.8B output pair (124) 13.4 -> 12.6-12.8, mlp_out (99) 11.4 -> 11.1-11.2; slower: Llama o_proj (64) 8.9 ->
+// 9.3, QKV with the norm (103) 12.9 -> 13.3, Qwen2-1.5B gate/up with the norm (192) 13.4 -> 13.8-13.9, Pythia
+// dense (25) 6.4 -> 6.6-6.7, mlp_in (107, GELU: the one exception) 10.9 -> 11.3.
+constexpr int64_t kMmaWideRows = 96, kMmaWideNormRows = 384;
+
 template <typename T>
-cudaError_t launch_mma(const Int4Params& op, cudaStream_t stream) {
-  const int tile_width = static_cast<int>(int4_tile_width(op));
-  const int col_warps = tile_width / 32, runs = kThreads / 32 / col_warps;
+bool mma_wide(const Int4Params& p, int tile_width) {
+  static const int forced = [] {
+    const char* v = std::getenv("PATCHER_INT4_MMA_BLOCK");
+    return v ? std::atoi(v) : 0;
+  }();
+  if (tile_width != 128 || !norm_fits<T>(p, MmaShape<true>::kThreads, MmaShape<true>::kNormElems)) return false;
+  if (forced == 256 || forced == 384) return forced == 384;
+  return mma_rows_per_split(p.k / 8, p.splits) >= (p.norm.weight ? kMmaWideNormRows : kMmaWideRows);
+}
+
+template <typename T, bool WIDE>
+cudaError_t launch_mma_shape(const Int4Params& op, int tile_width, cudaStream_t stream) {
+  const int col_warps = tile_width / 32, runs = MmaShape<WIDE>::kThreads / 32 / col_warps;
   const dim3 block(col_warps * runs * 32);
   const int64_t tiles = mma_paired(op) ? mma_pairs(op, tile_width) : int4_tiles(op);  // at most int4_tiles(op)
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(op.splits));
@@ -378,15 +409,22 @@ cudaError_t launch_mma(const Int4Params& op, cudaStream_t stream) {
   p.prefetch_rows = static_cast<int32_t>(kMmaPrefetchBytes / row_bytes);
   size_t smem = 0;
   const cudaError_t fits = launch_smem<T>(p, mma_x_stage_bytes(p, sizeof(T)), int4_group_stage_bytes(p), runs,
-                                          static_cast<int>(block.x), tile_width, smem);
+                                          static_cast<int>(block.x), tile_width, smem, MmaShape<WIDE>::kNormElems);
   if (fits != cudaSuccess) return fits;
-  const auto kernel = p.norm.weight ? int4_mma_kernel<T, true> : int4_mma_kernel<T, false>;
+  const auto kernel = p.norm.weight ? int4_mma_kernel<T, true, WIDE> : int4_mma_kernel<T, false, WIDE>;
   if (smem + 1024 > 48 * 1024) {  // with the kernel's static shared memory, past the default limit
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
   return launch_pdl(kernel, grid, block, smem, stream, p, tile_width);
+}
+
+template <typename T>
+cudaError_t launch_mma(const Int4Params& op, cudaStream_t stream) {
+  const int tile_width = static_cast<int>(int4_tile_width(op));
+  if (mma_wide<T>(op, tile_width)) return launch_mma_shape<T, true>(op, tile_width, stream);
+  return launch_mma_shape<T, false>(op, tile_width, stream);
 }
 
 }  // namespace

@@ -178,7 +178,7 @@ __device__ __forceinline__ void dequantize_word(uint32_t word, const Dequant& d,
 // weights for `second_norm` (a tile of Int4Params::second). Blocks of tile 0 write `sum` and `h2` (where asked
 // for) for their slice, so every element is written once. Each thread holds its share of a row in registers
 // (16-byte loads, all issued at once), so the statistics cost one pass of loads, not three dependent ones.
-template <typename T, bool NORM, typename Store>
+template <typename T, bool NORM, int NORM_ELEMS = kNormElems, typename Store>
 __device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool writer, bool second_norm, Store store) {
   const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
   if constexpr (!NORM) {
@@ -205,7 +205,7 @@ __device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool write
       }
     }
   } else {
-    constexpr int V = 16 / sizeof(T), PER = kNormElems / V;  // vector width, vectors per thread
+    constexpr int V = 16 / sizeof(T), PER = NORM_ELEMS / V;  // vector width, vectors per thread
     __shared__ float scratch[32];
     const auto block_total = [&](float v) {  // block_sum for a 2-D block (a whole number of warps)
       v = warp_sum(v);
@@ -452,9 +452,9 @@ __device__ void finish_tile(const Int4Params& p, const TileInfo& t, float* smem,
 }
 
 // Whether the norm prologue (when there is one) takes this x in a block of `threads`: 16-byte vectors in
-// registers, at most kNormElems per thread.
+// registers, at most norm_elems per thread.
 template <typename T>
-bool norm_fits(const Int4Params& p, int threads) {
+bool norm_fits(const Int4Params& p, int threads, int norm_elems = kNormElems) {
   if (!p.norm.weight) return true;
   constexpr int V = 16 / sizeof(T);
   const void* pointers[] = {p.x,          p.norm.delta, p.norm.delta2, p.norm.weight, p.norm.bias, p.norm.weight2,
@@ -463,7 +463,7 @@ bool norm_fits(const Int4Params& p, int threads) {
     if (ptr && !aligned16(ptr)) return false;
   }
   return !(p.k % V || p.x_stride % V || (p.norm.delta && p.norm.delta_stride % V) ||
-           (p.norm.delta2 && p.norm.delta2_stride % V) || p.k > static_cast<int64_t>(kNormElems) * threads);
+           (p.norm.delta2 && p.norm.delta2_stride % V) || p.k > static_cast<int64_t>(norm_elems) * threads);
 }
 
 // Shared memory of a launch (into `smem`): the x stage, followed by the tensor-core kernel's group parameters
@@ -473,14 +473,14 @@ bool norm_fits(const Int4Params& p, int threads) {
 // this x (16-byte vectors in registers, at most kNormElems per thread), which the bindings report as such.
 template <typename T>
 cudaError_t launch_smem(const Int4Params& p, int64_t stage_bytes, int64_t group_bytes, int runs, int threads,
-                        int tile_width, size_t& smem) {
+                        int tile_width, size_t& smem, int norm_elems = kNormElems) {
   const int64_t reduce = static_cast<int64_t>(runs) * p.batch * tile_width * 4;
   const int64_t members = p.epilogue == kInt4SiluMul ? 2 : 1;
   const int64_t staged = stage_bytes + group_bytes;
   const int64_t bytes = (staged > reduce ? staged : reduce) + members * p.batch * tile_width * 4;
   if (stage_bytes > kInt4StageElems * 4 || group_bytes > kInt4GroupStageBytes || bytes - group_bytes > 48 * 1024)
     return cudaErrorInvalidConfiguration;
-  if (!norm_fits<T>(p, threads)) return cudaErrorNotSupported;
+  if (!norm_fits<T>(p, threads, norm_elems)) return cudaErrorNotSupported;
   smem = static_cast<size_t>(bytes);
   return cudaSuccess;
 }

@@ -386,12 +386,12 @@ def test_int4_gemv_largest_group_stage(batch, dtype, kernels):
         kernels.int4_gemv(x, *pro, *lin.args(), "none", 1, workspace)
 
 
-def _run_with_switch(variable: str):
-    """The fp16/bf16 matrix-vector tests (dtype0, dtype1) in a process of their own with `variable`=1 (the int4
-    kernel switches are read once per process)."""
-    if os.environ.get(variable) == "1":
+def _run_with_switch(variable: str, value: str = "1"):
+    """The fp16/bf16 matrix-vector tests (dtype0, dtype1) in a process of their own with `variable`=`value` (the
+    int4 kernel switches are read once per process)."""
+    if os.environ.get(variable) == value:
         pytest.skip("this is the process the switch is tested in")
-    env = {**os.environ, variable: "1"}
+    env = {**os.environ, variable: value}
     selection = "(test_int4_gemv or test_int4_qkv or test_int4_linear) and (dtype0 or dtype1)"
     # (test_int4_gemv takes in test_int4_gemv_cat, test_int4_qkv both ops of the attention prologue)
     run = subprocess.run(
@@ -416,3 +416,11 @@ def test_hopper_kernel_switch():
     """PATCHER_INT4_TMA=1 puts the fp16/bf16 ops it takes on the Hopper kernel (on an H100/H200; elsewhere the switch
     changes nothing and the same tests pass again)."""
     _run_with_switch("PATCHER_INT4_TMA")
+
+
+@pytest.mark.parametrize("threads", ["256", "384"])
+def test_mma_block_switch(threads):
+    """PATCHER_INT4_MMA_BLOCK=256 / =384 run every op that can take both block shapes of the tensor-core kernel
+    (kernels/int4_mma.cuh: MmaShape, mma_wide) as that one, so each shape passes every test shape whichever the
+    default rule picks for it."""
+    _run_with_switch("PATCHER_INT4_MMA_BLOCK", threads)
