@@ -248,9 +248,7 @@ __device__ void finish_pair(const Int4Params& p, const TileInfo& t, float* smem,
   const int64_t n_total = total_width(p);
   for (int i = team.tid; i < 2 * per_member; i += team.size) {
     const int m = i / per_member, b = (i % per_member) / half, c = i % half;
-    if (c < t.width)
-      p.partials[(static_cast<int64_t>(split.slot) * p.batch + b) * n_total + segment_offset(p, m) + t.col0 + c] =
-          fin[i];
+    if (c < t.width) *partial_at(p, n_total, split.slot, b, segment_offset(p, m) + t.col0 + c) = fin[i];
   }
   if (last_to_arrive(p, t, split.expected, team)) finish_from_partials<T>(p, t, fin, half, split, team);
 }

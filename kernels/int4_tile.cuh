@@ -352,15 +352,19 @@ __device__ __forceinline__ int arrive_acq_rel(int* counter) {
   return old;
 }
 
+// The workspace's partial sums are one row [batch][n_total] (the segments side by side) per K slice or block of a
+// tile group (`slot`): the element of batch row b, logical output column col.
+__device__ __forceinline__ float* partial_at(const Int4Params& p, int64_t n_total, int slot, int b, int64_t col) {
+  return p.partials + (static_cast<int64_t>(slot) * p.batch + b) * n_total + col;
+}
+
 // This block's sums of tile t (red, as add_runs takes them) as row `slot` of the workspace's partial sums.
 __device__ void store_partials(const Int4Params& p, const TileInfo& t, const float* red, int runs, int tile_width,
                                int slot, const Team& team) {
   const int64_t n_total = total_width(p), base = segment_offset(p, t.seg) + t.col0;
   for (int i = team.tid; i < p.batch * tile_width; i += team.size) {
     const int b = i / tile_width, c = i % tile_width;
-    if (c < t.width)
-      p.partials[(static_cast<int64_t>(slot) * p.batch + b) * n_total + base + c] =
-          add_runs(p, red, runs, tile_width, b, c);
+    if (c < t.width) *partial_at(p, n_total, slot, b, base + c) = add_runs(p, red, runs, tile_width, b, c);
   }
 }
 
@@ -409,7 +413,7 @@ __device__ void finish_from_partials(const Int4Params& p, const TileInfo& t, flo
   for (int i = team.tid; i < t.members * per_member; i += team.size) {
     const int m = i / per_member, b = (i % per_member) / tile_width, c = i % tile_width;
     if (c >= t.width) continue;
-    const float* sums = p.partials + b * n_total + segment_offset(p, t.members == 2 ? m : t.seg) + t.col0 + c;
+    const float* sums = partial_at(p, n_total, 0, b, segment_offset(p, t.members == 2 ? m : t.seg) + t.col0 + c);
     const int64_t row_stride = p.batch * n_total;
     // The rows kPartialLoads at a time, each batch of loads issued before any is added (predicated, no exit test
     // between them): added as they came, each row waited one L2 round trip behind the previous row's exit test.
