@@ -167,12 +167,15 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #endif
 }
 
-// Whether the environment variable `name` is set to 1: the kernels' switches for comparing and bisecting (each read
-// once per process by its caller).
-inline bool env_flag(const char* name) {
+// The environment variable `name` as an integer, 0 when unset: the kernels' switches for comparing and bisecting
+// (each read once per process, or once per plan, by its caller).
+inline int env_int(const char* name) {
   const char* v = std::getenv(name);
-  return v && v[0] == '1';
+  return v ? std::atoi(v) : 0;
 }
+
+// Whether the environment variable `name` is set to 1.
+inline bool env_flag(const char* name) { return env_int(name) == 1; }
 
 // Whether the current GPU is a Hopper or newer (programmatic dependent launch, bulk tensor copies).
 inline bool hopper_or_newer() {

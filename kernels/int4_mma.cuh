@@ -387,10 +387,7 @@ constexpr int64_t kMmaWideRows = 96, kMmaWideNormRows = 384;
 
 template <typename T>
 bool mma_wide(const Int4Params& p, int tile_width) {
-  static const int forced = [] {
-    const char* v = std::getenv("PATCHER_INT4_MMA_BLOCK");
-    return v ? std::atoi(v) : 0;
-  }();
+  static const int forced = env_int("PATCHER_INT4_MMA_BLOCK");
   if (tile_width != 128 || !norm_fits<T>(p, MmaShape<true>::kThreads, MmaShape<true>::kNormElems)) return false;
   if (forced == 256 || forced == 384) return forced == 384;
   return mma_rows_per_split(p.k / 8, p.splits) >= (p.norm.weight ? kMmaWideNormRows : kMmaWideRows);

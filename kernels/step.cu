@@ -287,6 +287,7 @@ cudaError_t plan_step(const StepDesc& d, StepLayout& layout) {
   P.red_offset = static_cast<int32_t>(P.norm_offset + norm_bytes);
   P.attn_offset = static_cast<int32_t>(P.red_offset + red_bytes);
   P.smem_bytes = static_cast<int32_t>(P.attn_offset + attn_bytes);
+  P.bounds = env_int("PATCHER_STEP_BOUNDS");  // a diagnostic (launchers.h: StepPlan::bounds)
   layout.array_bytes = align_up(static_cast<int64_t>(built.stages.size() * sizeof(StepStage)), alignof(StepLinear)) +
                        static_cast<int64_t>(built.linears.size() * sizeof(StepLinear));
   const int64_t attn_partials = d.batch * d.num_q_heads * d.attention_splits * (d.head_dim + 2);

@@ -10,7 +10,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -169,8 +168,6 @@ std::tuple<Tensor, Tensor, Tensor, int64_t> int4_step_plan(
                 " elements (blocks x stages x marks)");
     layout.plan.timeline = reinterpret_cast<unsigned long long*>(timeline->data_ptr<int64_t>());
   }
-  const char* bounds = std::getenv("PATCHER_STEP_BOUNDS");  // a diagnostic (launchers.h: StepPlan::bounds)
-  layout.plan.bounds = bounds ? std::atoi(bounds) : 0;
   std::memcpy(header.data_ptr(), &layout.plan, sizeof(patcher::StepPlan));
   return {header, arrays, workspace, layout.final_resid};
 }
