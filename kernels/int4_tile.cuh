@@ -478,7 +478,7 @@ bool norm_fits(const Int4Params& p, int threads, int norm_elems = kNormElems) {
 // (group_bytes; 0 for the CUDA-core kernel), or the runs' partial sums (which reuse them once the products are
 // done), then the finished tile values. The group parameters come on top of the 48 KB the rest keeps to.
 // cudaErrorInvalidConfiguration where that does not fit; cudaErrorNotSupported where the norm prologue cannot take
-// this x (16-byte vectors in registers, at most kNormElems per thread), which the bindings report as such.
+// this x (16-byte vectors in registers, at most norm_elems per thread: norm_fits), which the bindings report as such.
 template <typename T>
 cudaError_t launch_smem(const Int4Params& p, int64_t stage_bytes, int64_t group_bytes, int runs, int threads,
                         int tile_width, size_t& smem, int norm_elems = kNormElems) {
