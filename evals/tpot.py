@@ -19,6 +19,8 @@ Modes:
                            three (DecodeRunner(merge_int4=False)): the comparison for that change
   patched-torch-next-token `patched` with the step's end as torch ops (argmax, token write, slot add, embedding
                            lookup) instead of the next_token kernel (DecodeRunner(fuse_next_token=False))
+  patched-int4-meetings    `patched` with the int4 output projections' K slices meeting in the op, as before
+                           their sums went on unmet into the next op's prologue (DecodeRunner(defer_int4=False))
   patched-static-compiled  patch_model(model) + HF's static cache and auto-compile (torch.compile compatibility)
 
 With no model argument it runs Pythia-2.8B-shaped random weights on a GPU, a tiny model on a CPU.
@@ -41,6 +43,7 @@ RUNNER_MODES = {  # patched with a runner of other settings, for comparisons
     "patched-step-kernel": {"use_step_kernel": True},
     "patched-int4-unmerged": {"merge_int4": False},
     "patched-torch-next-token": {"fuse_next_token": False},
+    "patched-int4-meetings": {"defer_int4": False},
 }
 ALL_MODES = [*GPU_MODES, *RUNNER_MODES]
 CPU_MODES = ["hf-eager", "patched-eager", "patched"]

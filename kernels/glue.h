@@ -127,14 +127,16 @@ inline int64_t check_rope_cache_args(const Tensor& like, const Tensor& cos, cons
 
 // The optional norm prologue of the decode GEMVs (norm_gemv, norm_gemv_rope_cache, int4_gemv, int4_qkv_rope_cache):
 // x is then the residual stream, and the op computes sum = x + delta (+ delta2) and normalizes it. Returns the
-// op's extra outputs: sum (when delta is given) and h2 (when norm_weight2 is), else empty tensors.
+// op's extra outputs: sum (when delta is given) and h2 (when norm_weight2 is), else empty tensors. With
+// `fixed_delta` (the int4 ops) delta may also be an int4_gemv_acc accumulator: int64 [batch, k] in fixed point.
 struct Prologue {
   Tensor sum, h2;
 };
 
 inline Prologue fill_prologue(patcher::NormPrologue& p, const Tensor& x, int64_t K, const OptTensor& delta,
                               const OptTensor& delta2, const OptTensor& norm_weight, const OptTensor& norm_bias,
-                              const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps, bool rms) {
+                              const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps, bool rms,
+                              bool fixed_delta = false) {
   Prologue r;
   r.sum = at::empty({0}, x.options());
   r.h2 = at::empty({0}, x.options());
@@ -146,7 +148,13 @@ inline Prologue fill_prologue(patcher::NormPrologue& p, const Tensor& x, int64_t
               "patcher: RMSNorm takes no bias and no second weight");
   const auto sizes = x.sizes();
   if (delta.has_value()) {
-    check_like(*delta, x, "delta");
+    p.delta_fixed = fixed_delta && delta->scalar_type() == at::kLong;
+    if (p.delta_fixed) {
+      TORCH_CHECK(delta->is_cuda() && delta->device() == x.device(), "patcher: delta is on ", delta->device(),
+                  " but the input is on ", x.device());
+    } else {
+      check_like(*delta, x, "delta");
+    }
     TORCH_CHECK(delta->sizes() == sizes, "patcher: delta ", dims(delta->sizes()), " must match x ", dims(sizes));
     p.delta = delta->data_ptr();
     p.delta_stride = row_stride(*delta, "delta");

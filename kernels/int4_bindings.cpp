@@ -183,7 +183,7 @@ std::tuple<Tensor, Tensor, Tensor> int4_gemv(const Tensor& x, const OptTensor& d
   patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
   matrix_vector_input(p, x);
   const Prologue pro =
-      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
+      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, true);
   const int32_t act = activation_code(activation, p.num_segments);
   p.epilogue = act == patcher::kActSiluMul ? patcher::kInt4SiluMul : patcher::kInt4Store;
   p.act = act == patcher::kActSiluMul ? patcher::kActNone : act;
@@ -201,37 +201,96 @@ std::tuple<Tensor, Tensor, Tensor> int4_gemv(const Tensor& x, const OptTensor& d
   return {out, pro.sum, pro.h2};
 }
 
-// out = [x | x2] @ W + bias: one linear over two activations side by side along k (x [batch, k1], x2 [batch, k - k1]),
-// as GPT-NeoX's attention output and MLP hidden through its two output projections stacked along k. x2_early: x2 was
+// The parameters of a linear over [x | x2] (x [batch, k1], x2 [batch, k - k1]; or x alone where x2 is absent), as
+// GPT-NeoX's attention output and MLP hidden through its two output projections stacked along k. x2_early: x2 was
 // written before the stream's previous kernel began (Int4Params::x2_early; the caller's promise).
+patcher::Int4Params cat_params(const Tensor& x, const OptTensor& x2, TensorList qweight, TensorList qzeros,
+                               TensorList scales, TensorList g_idx, OptTensorList bias, int64_t group_size,
+                               bool act_order, int64_t zero_offset, bool x2_early, const char* op) {
+  if (!x2.has_value()) {
+    TORCH_CHECK(!x2_early, "patcher: ", op, ": x2_early needs x2");
+    patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
+    matrix_vector_input(p, x);
+    return p;
+  }
+  TORCH_CHECK(x2->is_cuda() && x2->device() == x.device(), "patcher: x and x2 must be CUDA tensors on one device, ",
+              "got ", x.device(), " and ", x2->device());
+  TORCH_CHECK(x.dim() == 2 && x2->dim() == 2 && x2->size(0) == x.size(0) && x2->scalar_type() == x.scalar_type(),
+              "patcher: ", op, " takes x [batch, k1] and x2 [batch, k2] of one dtype, got ", x.scalar_type(), " ",
+              dims(x.sizes()), " and ", x2->scalar_type(), " ", dims(x2->sizes()));
+  const int64_t k1 = x.size(1);
+  TORCH_CHECK(k1 % 8 == 0 && k1 > 0, "patcher: ", op, " needs x's width a positive multiple of 8, got ",
+              std::to_string(k1));
+  patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset, k1);
+  TORCH_CHECK(k1 + x2->size(1) == p.k, "patcher: x and x2 widths ", std::to_string(k1), " + ",
+              std::to_string(x2->size(1)), " do not add up to the weight's in_features ", std::to_string(p.k));
+  matrix_vector_input(p, x);
+  p.x2 = x2->data_ptr();
+  p.x2_stride = row_stride(*x2, "x2");
+  p.x2_k = k1;
+  p.x2_early = x2_early;
+  return p;
+}
+
+int64_t total_width(const patcher::Int4Params& p) {
+  int64_t n = 0;
+  for (int s = 0; s < p.num_segments; ++s) n += p.seg[s].n;
+  return n;
+}
+
+// out = [x | x2] @ W + bias (cat_params).
 Tensor int4_gemv_cat(const Tensor& x, const Tensor& x2, TensorList qweight, TensorList qzeros, TensorList scales,
                      TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order, int64_t zero_offset,
                      int64_t splits, Tensor& workspace, bool x2_early) {
-  TORCH_CHECK(x.is_cuda() && x2.is_cuda() && x2.device() == x.device(), "patcher: x and x2 must be CUDA tensors on ",
-              "one device, got ", x.device(), " and ", x2.device());
-  TORCH_CHECK(x.dim() == 2 && x2.dim() == 2 && x2.size(0) == x.size(0) && x2.scalar_type() == x.scalar_type(),
-              "patcher: int4_gemv_cat takes x [batch, k1] and x2 [batch, k2] of one dtype, got ", x.scalar_type(), " ",
-              dims(x.sizes()), " and ", x2.scalar_type(), " ", dims(x2.sizes()));
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t k1 = x.size(1);
-  TORCH_CHECK(k1 % 8 == 0 && k1 > 0, "patcher: int4_gemv_cat needs x's width a positive multiple of 8, got ",
-              std::to_string(k1));
-  patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset, k1);
-  TORCH_CHECK(k1 + x2.size(1) == p.k, "patcher: x and x2 widths ", std::to_string(k1), " + ",
-              std::to_string(x2.size(1)), " do not add up to the weight's in_features ", std::to_string(p.k));
-  matrix_vector_input(p, x);
-  p.x2 = x2.data_ptr();
-  p.x2_stride = row_stride(x2, "x2");
-  p.x2_k = k1;
-  p.x2_early = x2_early;
+  patcher::Int4Params p = cat_params(x, x2, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset,
+                                     x2_early, "int4_gemv_cat");
   p.epilogue = patcher::kInt4Store;
   p.act = patcher::kActNone;
-  int64_t n_out = 0;
-  for (int s = 0; s < p.num_segments; ++s) n_out += p.seg[s].n;
-  Tensor out = at::empty({x.size(0), n_out}, x.options());
+  Tensor out = at::empty({x.size(0), total_width(p)}, x.options());
   p.out = out.data_ptr();
   launch_split(p, splits, workspace, "int4_gemv_cat");
   return out;
+}
+
+// acc += [x | x2] @ W in fixed point (cat_params; x2 optional), with the meeting of the K slices left to the op that
+// reads acc as its norm prologue's delta (Int4Params::acc). No bias: the caller hands it to that prologue as delta2.
+// `clear`, when given, is zeroed once this op's inputs are ready (Int4Params::clear).
+void int4_gemv_acc(const Tensor& x, const OptTensor& x2, TensorList qweight, TensorList qzeros, TensorList scales,
+                   TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order, int64_t zero_offset,
+                   int64_t splits, Tensor& workspace, Tensor& acc, const OptTensor& clear, bool x2_early) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  for (size_t s = 0; s < bias.size(); ++s) {
+    TORCH_CHECK(!bias.get(s).has_value(), "patcher: int4_gemv_acc adds no bias (the reader of acc adds it, as its ",
+                "prologue's delta2); pass None for every segment");
+  }
+  patcher::Int4Params p = cat_params(x, x2, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset,
+                                     x2_early, "int4_gemv_acc");
+  p.epilogue = patcher::kInt4Store;
+  p.act = patcher::kActNone;
+  const int64_t n = total_width(p);
+  TORCH_CHECK(acc.is_cuda() && acc.device() == x.device() && acc.scalar_type() == at::kLong && acc.is_contiguous() &&
+                  acc.dim() == 2 && acc.size(0) == p.batch && acc.size(1) == n,
+              "patcher: acc must be a contiguous int64 [", std::to_string(p.batch), ", ", std::to_string(n),
+              "] tensor on ", x.device(), ", got ", acc.scalar_type(), " ", dims(acc.sizes()));
+  p.acc = acc.data_ptr<int64_t>();
+  if (clear.has_value()) {
+    TORCH_CHECK(clear->is_cuda() && clear->device() == x.device() && clear->scalar_type() == at::kLong &&
+                    clear->is_contiguous(),
+                "patcher: clear must be a contiguous int64 tensor on ", x.device());
+    TORCH_CHECK(!clear->is_same(acc), "patcher: clear must not be acc");
+    p.clear = clear->data_ptr<int64_t>();
+    p.clear_count = clear->numel();
+  }
+  // Each block sharing a tile adds one term of at most 2^52 (kernels/int4_tile.cuh: to_fixed): a K slice, or for
+  // the Hopper kernel at most one per 256 k; int4_partial_rows bounds both.
+  p.splits = static_cast<int32_t>(splits);
+  TORCH_CHECK(patcher::int4_partial_rows(p) < 2048, "patcher: int4_gemv_acc adds at most 2047 terms into an ",
+              "accumulator (K slices, or 256-k stages of the Hopper kernel); got splits ", std::to_string(splits),
+              " and in_features ", std::to_string(p.k));
+  launch_split(p, splits, workspace, "int4_gemv_acc");
 }
 
 // The attention prologue of int4_qkv_rope_cache and int4_qkv_mlp_in: p's segments [0, qkv_segments) are q | k | v
@@ -269,7 +328,7 @@ std::tuple<Tensor, Tensor, Tensor> int4_qkv_rope_cache(
   patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
   matrix_vector_input(p, x);
   const Prologue pro =
-      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
+      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, true);
   Tensor q = rope_cache_epilogue(p, x, p.num_segments, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, num_kv_heads,
                                  head_dim, interleaved, "int4_qkv_rope_cache");
   launch_split(p, splits, workspace, "int4_qkv_rope_cache");
@@ -296,7 +355,7 @@ std::tuple<Tensor, Tensor, Tensor> int4_qkv_mlp_in(
   TORCH_CHECK(norm_weight.has_value() && norm_weight2.has_value() && !rms,
               "patcher: int4_qkv_mlp_in takes both LayerNorms (norm_weight and norm_weight2)");
   const Prologue pro =
-      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
+      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, true);
   p.norm.h2 = nullptr;  // the MLP's tiles normalize with the second LayerNorm themselves
   Tensor q = rope_cache_epilogue(p, x, static_cast<int>(qkv_segments), cos, sin, slot, pad, k_cache, v_cache,
                                  num_q_heads, num_kv_heads, head_dim, interleaved, "int4_qkv_mlp_in");
@@ -371,6 +430,7 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int4_gemv_cat", &int4_gemv_cat);
+  m.impl("int4_gemv_acc", &int4_gemv_acc);
   m.impl("int4_qkv_rope_cache", &int4_qkv_rope_cache);
   m.impl("int4_qkv_mlp_in", &int4_qkv_mlp_in);
 }

@@ -62,6 +62,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
   }
   const int64_t k0 = r_begin * 8, len = (r_end - r_begin) * 8;
   if (!skips_wait(p, k0)) griddep_wait();
+  if (blockIdx.y == 0) clear_share(p, blockIdx.x, gridDim.x);  // slice 0 never skips the wait
   griddep_launch_dependents();
 
   float* xs = smem;  // [batch][len]

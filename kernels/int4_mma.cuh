@@ -299,6 +299,7 @@ __global__ void __launch_bounds__(MmaShape<WIDE>::kThreads, 2) int4_mma_kernel(c
   const SliceGroups groups = stage_groups(p, t, tile_width, span, k0, k0 + len,
                                           reinterpret_cast<char*>(smem) + mma_x_stage_bytes(p, sizeof(T)));
   if (!skips_wait(p, k0)) griddep_wait();
+  if (blockIdx.y == 0) clear_share(p, blockIdx.x, gridDim.x);  // slice 0 never skips the wait
   griddep_launch_dependents();
 
   T* xs = reinterpret_cast<T*>(smem);  // [batch][len], every 8 k in the pair order (0,4) (1,5) (2,6) (3,7)

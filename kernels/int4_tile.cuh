@@ -10,7 +10,9 @@
 // first weight loads before griddepcontrol.wait, so with programmatic dependent launch they are in flight while
 // the previous kernel finishes and while this block prepares x. Partial sums of the slices meet in a global fp32
 // workspace; the last block to finish a tile (an atomic counter per tile, reset by that block) adds them up and
-// runs the epilogue, so the whole op is one kernel.
+// runs the epilogue, so the whole op is one kernel. Or, where the next op's norm prologue reads the output
+// (int4_gemv_acc, Int4Params::acc), every block adds its sums into a fixed-point accumulator and the slices never
+// meet: rounding, bias and the residual add happen in that prologue.
 #pragma once
 #include "common.cuh"
 #include "rope.cuh"
@@ -21,6 +23,44 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kNormElems = 32;     // norm prologue: row elements per thread held in registers (K <= 32 x threads)
 constexpr int kPartialLoads = 16;  // rows of partial sums a finishing thread has in flight (finish_from_partials)
+
+// The fixed-point accumulators of int4_gemv_acc (Int4Params::acc): value * 2^28 in int64. Each block's fp32 sum is
+// clamped to +-2^24 first, so up to 2^11 - 1 blocks add up without overflow (int4_gemv_acc checks the K slices);
+// every fp32 value of magnitude 2^-5 or more converts exactly (its last mantissa bit is 2^-28 or coarser), so the
+// sum is exact but for smaller terms' last bits and is rounded once, when read (from_fixed). The clamp only matters
+// past +-2^24: fp16 outputs overflow at 65504 before it; a bf16 output beyond it saturates there. A NaN sum comes out
+// as -2^24. The reference mirrors both (patcher/ops/reference.py: to_fixed, from_fixed).
+constexpr float kFixedScale = 268435456.f;  // 2^28
+constexpr float kFixedClamp = 16777216.f;   // 2^24
+
+__device__ __forceinline__ long long to_fixed(float v) {
+  return __float2ll_rn(fminf(fmaxf(v, -kFixedClamp), kFixedClamp) * kFixedScale);
+}
+
+__device__ __forceinline__ float from_fixed(long long a) { return __ll2float_rn(a) * (1.f / kFixedScale); }
+
+// N accumulator values as the dtype: each rounded as an op's epilogue rounds its output.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> fixed_vec(const int64_t* src) {
+  static_assert(N % 2 == 0, "fixed_vec loads pairs");
+  Vec<T, N> v;
+#pragma unroll
+  for (int e = 0; e < N; e += 2) {
+    const longlong2 pair = *reinterpret_cast<const longlong2*>(src + e);
+    v.data[e] = from_float<T>(from_fixed(pair.x));
+    v.data[e + 1] = from_float<T>(from_fixed(pair.y));
+  }
+  return v;
+}
+
+// After griddepcontrol.wait: block `block` of `blocks` zeroes its share of p.clear (Int4Params::clear).
+__device__ __forceinline__ void clear_share(const Int4Params& p, int block, int blocks) {
+  if (!p.clear) return;
+  const int64_t threads = static_cast<int64_t>(blocks) * blockDim.x * blockDim.y;
+  for (int64_t i = static_cast<int64_t>(block) * blockDim.x * blockDim.y + threadIdx.y * blockDim.x + threadIdx.x;
+       i < p.clear_count; i += threads)
+    p.clear[i] = 0;
+}
 
 struct TileInfo {
   int seg;       // segment of this tile
@@ -227,7 +267,9 @@ __device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool write
     const T* b2 = static_cast<const T*>(p.norm.bias2);
     for (int b = 0; b < p.batch; ++b) {
       const T* x = static_cast<const T*>(p.x) + b * p.x_stride;
-      const T* d = p.norm.delta ? static_cast<const T*>(p.norm.delta) + b * p.norm.delta_stride : nullptr;
+      const bool fixed = p.norm.delta && p.norm.delta_fixed;
+      const T* d = p.norm.delta && !fixed ? static_cast<const T*>(p.norm.delta) + b * p.norm.delta_stride : nullptr;
+      const int64_t* dq = fixed ? static_cast<const int64_t*>(p.norm.delta) + b * p.norm.delta_stride : nullptr;
       const T* d2 = p.norm.delta2 ? static_cast<const T*>(p.norm.delta2) + b * p.norm.delta2_stride : nullptr;
       float s[PER][V];
       float acc = 0.f;
@@ -237,6 +279,7 @@ __device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool write
         if (v >= nvec) break;
         load_vec<T, V>(s[j], x + v * V);
         if (d) add_residual<T, V>(s[j], d + v * V, d2 ? d2 + v * V : nullptr);
+        if (dq) add_residual<T, V>(s[j], fixed_vec<T, V>(dq + v * V), vec_or_zero<T, V>(d2, v * V), d2 != nullptr);
 #pragma unroll
         for (int e = 0; e < V; ++e) acc += p.norm.rms ? s[j][e] * s[j][e] : s[j][e];
       }
@@ -442,13 +485,25 @@ __device__ void finish_from_partials(const Int4Params& p, const TileInfo& t, flo
 
 // The block's partial sums are in red = smem [runs][batch][tile_width] (every column of the tile that exists,
 // for every row of the batch). This adds up the runs; where other blocks share the tile group, the partial sums meet
-// in the workspace and the last block of the group goes on; it rounds, adds the bias and runs the epilogue.
+// in the workspace and the last block of the group goes on; it rounds, adds the bias and runs the epilogue. With
+// p.acc each block adds its sums into the accumulator instead (Int4Params::acc), whoever else shares the tile.
 template <typename T>
 __device__ void finish_tile(const Int4Params& p, const TileInfo& t, float* smem, int runs, int tile_width,
                             const TileSplit& split, const Team& team) {
   team.sync();
   const int per_member = static_cast<int>(p.batch) * tile_width;
   float* fin = smem + runs * per_member;  // [members][batch][tile_width]
+  if (p.acc) {  // the meeting deferred to the consumer: this block's sums into the accumulator, and done
+    const int64_t n_total = total_width(p), base = segment_offset(p, t.seg) + t.col0;
+    for (int i = team.tid; i < per_member; i += team.size) {
+      const int b = i / tile_width, c = i % tile_width;
+      if (c < t.width)
+        atomicAdd(reinterpret_cast<unsigned long long*>(p.acc + b * n_total + base + c),
+                  static_cast<unsigned long long>(to_fixed(add_runs(p, smem, runs, tile_width, b, c))));
+    }
+    team.sync();  // the caller may reuse the sums' shared memory next (the TMA kernel's next tile)
+    return;
+  }
   if (split.direct) {
     for (int i = team.tid; i < per_member; i += team.size)
       fin[i] = add_runs(p, smem, runs, tile_width, i / tile_width, i % tile_width);

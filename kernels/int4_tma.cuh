@@ -170,6 +170,7 @@ __global__ void __launch_bounds__(kTmaMaxWarps * 32, 1)
   }
   griddep_wait();
   griddep_launch_dependents();
+  clear_share(p, blockIdx.x, gridDim.x);
 
   T* xs = reinterpret_cast<T*>(ring + plan.x_offset);  // [batch][x_stride], every 8 k in the mma pair order
   const int64_t x_stride = plan.x_stride;

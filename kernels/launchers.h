@@ -106,6 +106,9 @@ cudaError_t launch_rope_qkv_cache(const RopeCacheParams& p, cudaStream_t stream)
 struct NormPrologue {
   const void* delta;  // [batch, k] rows, or nullptr
   int64_t delta_stride;
+  // delta is an int4 op's fixed-point accumulator (int64, Int4Params::acc) instead of rows in the dtype: the int4
+  // kernels' prologue rounds each value to the dtype first, as that op's own epilogue would have.
+  bool delta_fixed;
   const void* delta2;  // nullptr: at most one delta
   int64_t delta2_stride;
   const void* weight;   // [k]
@@ -239,6 +242,16 @@ struct Int4Params {
   // tensor-core kernel; its launcher sets it from an L2 budget).
   int32_t prefetch_rows;
   NormPrologue norm;
+  // The meeting deferred to the consumer (int4_gemv_acc): with `acc` set (kInt4Store, no activation, no bias, no
+  // norm prologue), every block adds its sums of its tile and K slice into acc [batch, sum of n] as fixed-point
+  // int64 (int4_tile.cuh: to_fixed) and ends there; no partial sums, counters or epilogue. The next op's norm
+  // prologue reads acc as its delta (NormPrologue::delta_fixed). Integer adds are associative, so the result does
+  // not depend on the order the blocks arrive in.
+  int64_t* acc;
+  // clear_count int64 zeroed after griddepcontrol.wait by the blocks that wait (or nullptr): the accumulator an
+  // earlier op filled and an op before this one consumed, made ready for its next use.
+  int64_t* clear;
+  int64_t clear_count;
   // Epilogue.
   int32_t epilogue;
   int32_t act;

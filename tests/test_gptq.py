@@ -235,6 +235,107 @@ def test_int4_out_pair(tmp_path):
     assert DecodeRunner(act_order, use_graphs=False).layers[0].out_pair is None
 
 
+def test_fixed_point_accumulators():
+    """int4_gemv_acc's fixed point (value * 2^28 in int64): exact for fp32 values of magnitude 2^-5 or more, the
+    rest within half a step of 2^-28; clamped to +-2^24 (NaN to -2^24), so 2^11 - 1 clamped terms still add up."""
+    from patcher.ops.reference import FIXED_CLAMP, from_fixed, to_fixed
+
+    v = torch.randn(10000) * torch.logspace(-12, 6, 10000, base=2.0)
+    back = from_fixed(to_fixed(v), torch.float32)
+    big = v.abs() >= 2.0**-5
+    assert big.sum() > 1000 and torch.equal(back[big], v[big])
+    assert (back[~big] - v[~big]).abs().max() <= 2.0**-29
+    edge = to_fixed(torch.tensor([1e9, -1e9, float("nan"), float("inf")]))
+    assert from_fixed(edge, torch.float32).tolist() == [FIXED_CLAMP, -FIXED_CLAMP, -FIXED_CLAMP, FIXED_CLAMP]
+    assert from_fixed(edge[:1] * (2**11 - 1), torch.float32).item() == FIXED_CLAMP * (2**11 - 1)  # no overflow
+
+
+def _quantized(n, k, group):
+    """The int4 argument tuple (qweight, qzeros, scales, g_idx, bias, group, act_order, zero_offset) of a random
+    [n, k] weight, one segment, no bias."""
+    q = quantize(torch.randn(n, k) / k**0.5, group, sym=False)
+    return [q["qweight"]], [q["qzeros"]], [q["scales"]], [q["g_idx"]], [None], group, False, 1
+
+
+def test_int4_gemv_acc_reference():
+    """CPU: int4_gemv_acc adds [x | x2] @ W into acc without rounding, bias or epilogue, zeroes `clear`, and rejects
+    a bias; an int4 op reading acc as its prologue's delta, with the bias rows as delta2, computes what it computes
+    from int4_gemv_cat's rounded, biased output."""
+    from patcher.ops import KERNELS, reference
+
+    torch.manual_seed(0)
+    k1, k2, n = 128, 256, 96
+    args = _quantized(n, k1 + k2, 64)
+    bias = torch.randn(n).half()
+    biased = (*args[:4], [bias], *args[5:])
+    x, x2 = torch.randn(2, k1).half(), torch.randn(2, k2).half()
+    start = torch.randint(-(2**40), 2**40, (2, n))
+    acc, clear = start.clone(), torch.randint(1, 9, (5,))
+    torch.library.opcheck(torch.ops.patcher.int4_gemv_acc.default, (x, x2, *args, 1, None, acc.clone(), clear.clone()))
+    KERNELS.int4_gemv_acc(x, x2, *args, 1, None, acc, clear)  # the CPU dispatch: the reference
+    assert int(clear.abs().sum()) == 0
+    w = reference.int4_weight(args[0][0], args[1][0], args[2][0], args[3][0], 64, False, 1)
+    exact = torch.cat([x, x2], -1).double() @ w.double()
+    added = (acc - start).double() / reference.FIXED_SCALE
+    assert (added - exact).abs().max() <= 1e-5 * exact.abs().max()
+    with pytest.raises(ValueError, match="no bias"):
+        reference.int4_gemv_acc(x, x2, *biased, 1, None, acc)
+    with pytest.raises(ValueError, match="acc must be int64"):
+        reference.int4_gemv_acc(x, x2, *args, 1, None, acc[:, :8])
+
+    acc = torch.zeros(2, n, dtype=torch.int64)
+    reference.int4_gemv_acc(x, x2, *args, 1, None, acc)
+    out = reference.int4_gemv_cat(x, x2, *biased, 1, None)
+    residual, norm_w = torch.randn(2, n).half(), torch.rand(n).half() + 0.5
+    reader = (*_quantized(32, n, 32), "none", 1, None)
+    norm = (norm_w, None, None, None, 1e-6, True)
+    from_acc = reference.int4_gemv(residual, acc, bias.expand(2, n).contiguous(), *norm, *reader)
+    from_out = reference.int4_gemv(residual, out, None, *norm, *reader)
+    # round(round(bias + round(acc)) + residual) against round(round(round(acc) + bias) + residual): the same sums,
+    # but where the fp32 product and the fp16 matmul round the last bit apart
+    assert max_err(from_acc[1], from_out[1]) <= 2e-3 * from_out[1].abs().max()
+    assert max_err(from_acc[0], from_out[0]) <= 2e-3 * from_out[0].abs().max()
+
+
+def deferred_expected(runner) -> set:
+    """The (kind, layer) producers that should run as int4_gemv_acc in an all-int4 model (runner.py)."""
+    last = runner.num_layers - 1
+    if runner.parallel:
+        return {("out", i) for i in range(last)}
+    return {("attn_out", i) for i in range(last + 1)} | {("mlp_out", i) for i in range(last)}
+
+
+def check_accumulators(runner, batch: int) -> None:
+    """After a step: each producer zeroes the accumulator of the producer of its kind before it, so of each kind only
+    the last one's holds a sum (which the next step's first producer zeroes)."""
+    st = runner.states[batch]
+    for kind in {k for k, _ in st.deferred}:
+        keys = sorted(key for key in st.deferred if key[0] == kind)
+        assert all(st.deferred[key].clear is st.deferred[prev].acc for prev, key in zip(keys[-1:] + keys[:-1], keys))
+        assert [bool(st.deferred[key].acc.any()) for key in keys] == [False] * (len(keys) - 1) + [True], kind
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-pythia", "tiny-neox-sequential"])
+def test_int4_output_projections_hand_on_unmet_sums(name, tmp_path):
+    """CPU, reference backend: the decode step runs every int4 output projection whose output an int4 norm prologue
+    reads as int4_gemv_acc (runner.py; the biases of GPT-NeoX's as the reader's delta2), and gives the tokens and
+    logits of the step with the K slices meeting (defer_int4=False), over steps that reuse every accumulator."""
+    model = gptq_model(name, tmp_path)
+    patch_model(model)
+    ids, mask = torch.randint(3, 500, (2, 11)), torch.ones(2, 11, dtype=torch.long)
+    results = {}
+    with torch.no_grad():
+        for defer in (True, False):
+            runner = DecodeRunner(model, use_graphs=False, defer_int4=defer)
+            assert set(runner.deferred) == (deferred_expected(runner) if defer else set())
+            tokens = runner.generate(ids, mask, 8, Sampling(), eos=[], pad_token_id=0)
+            results[defer] = (tokens, runner.logits(runner.states[2]))
+            if defer:
+                check_accumulators(runner, 2)
+    assert torch.equal(results[True][0], results[False][0])
+    assert max_err(results[True][1], results[False][1]) <= FP32_LOGIT_ATOL
+
+
 def test_gptq_layers_the_kernels_cannot_read_are_left_with_a_reason(tmp_path):
     model = gptq_model("tiny-qwen2", tmp_path)
     model.model.layers[1].self_attn.k_proj.scales.data = model.model.layers[1].self_attn.k_proj.scales.float()
@@ -271,6 +372,31 @@ def test_int4_model_on_the_gpu(name, dtype, act_order, tmp_path):
         graph = model.generate(ids[:batch], attention_mask=mask[:batch], max_new_tokens=24, do_sample=False)
         assert generate_path(model)["path"] == "graph"
         assert torch.equal(graph, eager)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia", "tiny-neox-sequential"])
+def test_int4_unmet_sums_on_the_gpu(name, tmp_path):
+    """GPU: the graph-captured decode with the int4 output projections as int4_gemv_acc leaves the accumulators
+    zeroed in turn across replays, and one step on the same cache and tokens gives the logits of the step with the
+    K slices meeting (defer_int4=False) within fp16 rounding (a missing bias, a stale or doubled sum: O(1) off)."""
+    model = gptq_model(name, tmp_path, False, dtype=torch.float16, device="cuda")
+    patch_model(model)
+    ids = torch.randint(3, 500, (3, 13), device="cuda")
+    mask = torch.ones_like(ids)
+    runners = {defer: DecodeRunner(model, defer_int4=defer) for defer in (True, False)}
+    with torch.no_grad():
+        for runner in runners.values():
+            runner.generate(ids, mask, 16, Sampling(), eos=[], pad_token_id=0)
+            assert runner.states[3].graph is not None
+        deferred = runners[True]
+        assert set(deferred.deferred) == deferred_expected(deferred)
+        check_accumulators(deferred, 3)
+        states = {defer: runner.states[3] for defer, runner in runners.items()}
+        for field in ("k", "v", "tokens", "slot", "pad"):
+            getattr(states[False], field).copy_(getattr(states[True], field))
+        logits = {defer: runners[defer].logits(states[defer]) for defer in (True, False)}
+    assert max_err(logits[True], logits[False]) <= 1e-2 * max(1.0, logits[False].abs().max().item())
 
 
 @requires_cuda

@@ -178,6 +178,94 @@ def test_int4_gemv_cat_bad_inputs(kernels):
         kernels.int4_gemv_cat(x[:, :60], torch.randn(2, 196, device="cuda").half(), *lin.args(), 2, workspace)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize(
+    "k1,k2,n,group_size,act_order,splits",
+    [
+        (2560, 10240, 2560, 128, False, None),  # Pythia-2.8B's out pair, the split rule's slices
+        (4096, 0, 4096, 128, False, None),  # Llama-3.1-8B's o_proj (no x2)
+        (1024, 0, 1040, 64, True, 5),  # act-order: the CUDA-core kernel; a last tile of 16 columns
+        (264, 1000, 200, 8, False, 3),  # slices across the seam of x and x2
+        (512, 0, 520, 128, False, 1),  # one slice: a block alone still adds into acc
+    ],
+)
+def test_int4_gemv_acc(k1, k2, n, group_size, act_order, splits, batch, dtype):
+    """acc += [x | x2] @ W in fixed point, every K slice's block adding its own sums (Int4Params::acc): the added
+    values against the float64 product with the 2x rule of the fp32 reference (the kernels accumulate in fp32);
+    acc's previous contents kept, `clear` zeroed, the tile counters untouched."""
+    from patcher.ops import KERNELS, reference
+
+    lin = gptq_linear(k1 + k2, [n], group_size, act_order)
+    splits = splits or int4_ops.splits_for(batch, lin, torch.cuda.get_device_properties(0).multi_processor_count)
+    workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits), dtype=torch.int32, device="cuda")
+    x = torch.randn(batch, k1 + 8, device="cuda").to(dtype)[:, 8:]
+    x2 = torch.randn(batch, k2 + 16, device="cuda").to(dtype)[:, :k2] if k2 else None
+    start = torch.randint(-(2**40), 2**40, (batch, n), device="cuda")
+    clear = torch.randint(1, 9, (3, 1000), device="cuda")
+    poison_cuda_cache()
+    got = start.clone()
+    KERNELS.int4_gemv_acc(x, x2, *lin.args(), splits, workspace, got, clear)
+    low = start.clone()
+    reference.int4_gemv_acc(x, x2, *lin.args(), splits, None, low)
+    h64 = x.double() if x2 is None else torch.cat([x, x2], dim=-1).double()
+    ref64 = reference.int4_linear(h64, *lin.args())
+    added = [((a - start).double() / reference.FIXED_SCALE).float() for a in (got, low)]
+    assert_within_torch_error(added[0], added[1], ref64, "int4_gemv_acc")
+    assert int(clear.abs().sum()) == 0, "clear must be zeroed"
+    assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0, "the tile counters must be left at zero"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rms", [True, False])
+def test_int4_prologue_reads_an_accumulator(rms, with_bias, batch, dtype):
+    """The norm prologue with delta an int4_gemv_acc accumulator (NormPrologue::delta_fixed) and delta2 the
+    producer's bias rows: each value rounded to the dtype, then added as the producer's epilogue and the residual add
+    would have; the residual sum bit for bit, the product with the 2x rule."""
+    from patcher.ops import reference
+
+    k = 2560
+    lin = gptq_linear(k, [1024], 128)
+    splits = int4_ops.splits_for(batch, lin, torch.cuda.get_device_properties(0).multi_processor_count)
+    workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits), dtype=torch.int32, device="cuda")
+    x = torch.randn(batch, k, device="cuda").to(dtype)
+    acc = reference.to_fixed(torch.randn(batch, k, device="cuda") * 3)
+    rows = (torch.randn(k, device="cuda") * 0.1).to(dtype).expand(batch, k).contiguous() if with_bias else None
+    w, b = ((torch.randn(k, device="cuda") * 0.3 + 1).to(dtype) for _ in range(2))
+    pro = (acc, rows, w, None, None, None, 1e-6, True) if rms else (acc, rows, w, b, None, None, 1e-5, False)
+    (_, total, _), (_, total_ref, _) = check_op("int4_gemv", (x, *pro, *lin.args(), "none", splits, workspace))
+    assert torch.equal(total, total_ref)
+
+
+def test_int4_gemv_acc_bad_inputs(kernels):
+    lin = gptq_linear(256, [128], 64)
+    biased = gptq_linear(256, [128], 64, bias=True)
+    workspace = torch.zeros(int4_ops.workspace_numel(2, lin, 2), dtype=torch.int32, device="cuda")
+    x, acc = torch.randn(2, 256, device="cuda").half(), torch.zeros(2, 128, dtype=torch.int64, device="cuda")
+    torch.library.opcheck(torch.ops.patcher.int4_gemv_acc.default, (x, None, *lin.args(), 2, workspace, acc))
+    with pytest.raises(RuntimeError, match="adds no bias"):
+        kernels.int4_gemv_acc(x, None, *biased.args(), 2, workspace, acc)
+    with pytest.raises(RuntimeError, match="acc must be a contiguous int64"):
+        kernels.int4_gemv_acc(x, None, *lin.args(), 2, workspace, acc.int())
+    with pytest.raises(RuntimeError, match="acc must be a contiguous int64"):
+        kernels.int4_gemv_acc(x, None, *lin.args(), 2, workspace, acc[:, :64])
+    with pytest.raises(RuntimeError, match="clear must not be acc"):
+        kernels.int4_gemv_acc(x, None, *lin.args(), 2, workspace, acc, acc)
+    with pytest.raises(RuntimeError, match="x2_early needs x2"):
+        kernels.int4_gemv_acc(x, None, *lin.args(), 2, workspace, acc, None, True)
+    with pytest.raises(RuntimeError, match="at most 2047 terms"):
+        kernels.int4_gemv_acc(torch.randn(1, 2**19, device="cuda").half(), None,
+                              *gptq_linear(2**19, [128], 128).args(), 1, workspace, acc[:1])  # fmt: skip
+    # The dense GEMVs' prologue takes no accumulator.
+    weight = torch.randn(64, 256, device="cuda").half()
+    with pytest.raises(RuntimeError, match="dtype Long"):
+        kernels.norm_gemv(x, acc.new_zeros(2, 256), None, torch.ones(256, device="cuda").half(), None, None, None,
+                          1e-6, True, weight, None, "none")  # fmt: skip
+    assert int(acc.abs().sum()) == 0, "a rejected call must leave acc as it was"
+
+
 def test_int4_ops_sharing_a_workspace():
     """The decode step runs all its int4 ops on one workspace: an op with more column tiles than the one before it
     (Llama's gate | up: 224 tiles, after o_proj's 32) must not take that op's leftover partial sums for its tile

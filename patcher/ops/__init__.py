@@ -35,6 +35,7 @@ OP_NAMES = (
     "int4_linear",
     "int4_gemv",
     "int4_gemv_cat",
+    "int4_gemv_acc",
     "int4_qkv_rope_cache",
     "int4_qkv_mlp_in",
 )

@@ -228,6 +228,12 @@ _define(
     ),
 )
 _define(
+    f"int4_gemv_acc(Tensor x, Tensor? x2, {_INT4}, int splits, Tensor(a!) workspace, Tensor(b!) acc,"
+    " Tensor(c!)? clear=None, bool x2_early=False) -> ()",
+    ref.int4_gemv_acc,
+    lambda *args, **kwargs: None,
+)
+_define(
     f"int4_qkv_rope_cache({_PROLOGUE}, {_INT4}, Tensor cos, Tensor sin, Tensor slot, Tensor pad,"
     " Tensor(b!) k_cache, Tensor(c!) v_cache, int num_q_heads, int num_kv_heads, int head_dim, bool interleaved,"
     " int splits, Tensor(a!) workspace) -> (Tensor, Tensor, Tensor)",

@@ -122,11 +122,16 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, tanh: bool) -> torch.T
 # ---- decode path -------------------------------------------------------------------------------------------------
 
 
-def _norm_prologue(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool):
-    """(h, sum, h2): the input of the projection and the extra outputs of the fused norm (empty when absent)."""
+def _norm_prologue(
+    x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool, fixed_delta=False
+):
+    """(h, sum, h2): the input of the projection and the extra outputs of the fused norm (empty when absent).
+    `fixed_delta` (the int4 ops): delta may be an int4_gemv_acc accumulator (int64), rounded to x's dtype first."""
     empty = x.new_empty(0)
     if norm_weight is None:
         return x, empty, empty
+    if fixed_delta and delta is not None and delta.dtype == torch.int64:
+        delta = from_fixed(delta, x.dtype)
     s = x if delta is None else _residual_sum(x, delta, delta2)
     h = _rms(s, norm_weight, eps) if rms else layer_norm(s, norm_weight, norm_bias, eps)
     h2 = empty if norm_weight2 is None else layer_norm(s, norm_weight2, norm_bias2, eps)
@@ -274,7 +279,9 @@ def int4_gemv(
     second LayerNorm of sum (GPT-NeoX's MLP input). sum/h2 are empty when not asked for. `splits` and `workspace`
     only shape the CUDA kernel's work.
     """
-    h, s, h2 = _norm_prologue(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms)
+    h, s, h2 = _norm_prologue(
+        x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, fixed_delta=True
+    )
     y = int4_linear(h, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset)
     if activation == "silu_mul":
         y = silu_and_mul(y)
@@ -299,7 +306,9 @@ def int4_qkv_mlp_in(
                          f"{len(qweight)}")  # fmt: skip
     if activation not in ("none", "gelu", "gelu_tanh"):
         raise ValueError(f"int4_qkv_mlp_in takes none, gelu or gelu_tanh, got {activation!r}")
-    h, s, h2 = _norm_prologue(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms)
+    h, s, h2 = _norm_prologue(
+        x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, fixed_delta=True
+    )
     parts = [(t[:qkv_segments], t[qkv_segments:]) for t in (qweight, qzeros, scales, g_idx, bias)]
     first, second = ([p[i] for p in parts] for i in (0, 1))
     qkv = int4_linear(h, *first, group_size, act_order, zero_offset)
@@ -319,16 +328,61 @@ def int4_gemv_cat(
     x [B, k1], x2 [B, k - k1]. `splits` and `workspace` only shape the CUDA kernel's work; `x2_early` promises the
     CUDA kernel that x2 was written before the stream's previous kernel began (its blocks that read only x2 then
     start before that kernel ends)."""
+    h = torch.cat([_cat_input(x, x2, qweight), x2], dim=-1)
+    return int4_linear(h, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset)
+
+
+def _cat_input(x, x2, qweight):
+    """x, checked as the first part of [x | x2] along the weight's in_features."""
     if x.dim() != 2 or x2.dim() != 2 or x.shape[0] != x2.shape[0] or x.dtype != x2.dtype:
         raise ValueError(
-            f"int4_gemv_cat takes x [batch, k1] and x2 [batch, k2] of one dtype, got {x.dtype} {list(x.shape)} "
+            f"[x | x2] takes x [batch, k1] and x2 [batch, k2] of one dtype, got {x.dtype} {list(x.shape)} "
             f"and {x2.dtype} {list(x2.shape)}"
         )
     k = qweight[0].shape[0] * 8
     if x.shape[1] + x2.shape[1] != k:
         raise ValueError(f"x and x2 widths {x.shape[1]} + {x2.shape[1]} do not add up to the weight's in_features {k}")
-    return int4_linear(torch.cat([x, x2], dim=-1), qweight, qzeros, scales, g_idx, bias, group_size, act_order,
-                       zero_offset)  # fmt: skip
+    return x
+
+
+# The fixed point of int4_gemv_acc's accumulators, as the CUDA kernels form it (kernels/int4_tile.cuh: to_fixed):
+# value * 2^28 in int64, each added term clamped to +-2^24 in fp32 first.
+FIXED_SCALE = 2.0**28
+FIXED_CLAMP = 2.0**24
+
+
+def to_fixed(y: torch.Tensor) -> torch.Tensor:
+    """fp32 sums -> int64 fixed point (round half to even, as __float2ll_rn). NaN -> -2^24, as the kernels' clamp."""
+    y = torch.nan_to_num(y.float(), nan=-FIXED_CLAMP).clamp(-FIXED_CLAMP, FIXED_CLAMP)
+    return torch.round(y * FIXED_SCALE).to(torch.int64)
+
+
+def from_fixed(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An accumulator as values in `dtype`: to fp32 (one rounding), then to dtype, as an op's output is rounded."""
+    return (acc.to(torch.float32) / FIXED_SCALE).to(dtype)
+
+
+def int4_gemv_acc(
+    x, x2, qweight, qzeros, scales, g_idx, bias, group_size: int, act_order: bool, zero_offset: int, splits: int,
+    workspace, acc, clear=None, x2_early: bool = False,
+):  # fmt: skip
+    """acc += [x | x2] @ W in fixed point (to_fixed; x2 may be None): the product of int4_gemv_cat without its
+    rounding, bias and epilogue, which the op reading acc as its prologue's delta applies (from_fixed, then delta2
+    = the bias rows). The CUDA kernel's blocks add their K slices' sums into acc, so the slices need not meet.
+    `clear` (int64, may be None) is zeroed: an accumulator whose reader has run, for its next use."""
+    if any(b is not None for b in bias):
+        raise ValueError("int4_gemv_acc adds no bias (the reader of acc adds it, as its prologue's delta2)")
+    h = x if x2 is None else torch.cat([_cat_input(x, x2, qweight), x2], dim=-1)
+    n = sum(q.shape[1] for q in qweight)
+    if acc.dtype != torch.int64 or tuple(acc.shape) != (h.shape[0], n):
+        raise ValueError(f"acc must be int64 [{h.shape[0]}, {n}], got {acc.dtype} {list(acc.shape)}")
+    if clear is not None:
+        if clear.dtype != torch.int64 or clear is acc:
+            raise ValueError("clear must be an int64 tensor other than acc")
+        clear.zero_()
+    outs = [h.float() @ int4_weight(*w, group_size, act_order, zero_offset).to(h.dtype).float()
+            for w in zip(qweight, qzeros, scales, g_idx)]  # fmt: skip
+    acc += to_fixed(torch.cat(outs, dim=-1))
 
 
 def int4_qkv_rope_cache(
@@ -339,7 +393,9 @@ def int4_qkv_rope_cache(
 ):  # fmt: skip
     """The decode-step attention prologue of an int4 model in one op: [add +] norm -> int4 QKV -> rope_qkv_cache.
     Returns (q, sum, h2) as int4_gemv does, with q [B, Hq, D] and K/V written into the caches at `slot`."""
-    h, s, h2 = _norm_prologue(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms)
+    h, s, h2 = _norm_prologue(
+        x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, fixed_delta=True
+    )
     qkv = int4_linear(h, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset)
     q = rope_qkv_cache(qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, interleaved)
     return q, s, h2
