@@ -610,6 +610,10 @@ class DecodeRunner:
         if self.use_graphs and (st.graph is None or st.graph_sampling != sampling):
             st.graph = None
             self._capture(st, sampling)
+        # Each step leaves the int4 accumulators as the next one needs them; one cut short (an exception in an eager
+        # step) may not have, so every generate starts from zeros.
+        for deferred in st.deferred.values():
+            deferred.acc.zero_()
         st.eos.fill_(-1)
         if eos:
             st.eos[: len(eos)].copy_(torch.tensor(eos, dtype=torch.long))
