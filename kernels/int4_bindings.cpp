@@ -88,10 +88,16 @@ void check_x(const Tensor& x, int64_t K, const char* name) {
               "in_features ", std::to_string(K));
 }
 
+// Output columns of the op: its segments side by side.
+int64_t total_width(const patcher::Int4Params& p) {
+  int64_t n = 0;
+  for (int s = 0; s < p.num_segments; ++s) n += p.seg[s].n;
+  return n;
+}
+
 // The workspace of a split-K launch: [counters (kInt4Counters) | partials (splits * batch * N floats)].
 void attach_workspace(patcher::Int4Params& p, Tensor& workspace) {
-  int64_t n_total = 0;
-  for (int s = 0; s < p.num_segments; ++s) n_total += p.seg[s].n;
+  const int64_t n_total = total_width(p);
   const int64_t counters = patcher::kInt4Counters;
   TORCH_CHECK(patcher::int4_tiles(p) <= counters, "patcher: ", std::to_string(patcher::int4_tiles(p)),
               " column tiles exceed the int4 workspace's ", std::to_string(counters), " counters");
@@ -190,9 +196,7 @@ std::tuple<Tensor, Tensor, Tensor> int4_gemv(const Tensor& x, const OptTensor& d
   if (p.epilogue == patcher::kInt4SiluMul) {
     TORCH_CHECK(p.seg[0].n == p.seg[1].n, "patcher: silu_mul needs gate and up of equal width");
   }
-  int64_t n_out = 0;
-  for (int s = 0; s < p.num_segments; ++s) n_out += p.seg[s].n;
-  if (p.epilogue == patcher::kInt4SiluMul) n_out = p.seg[0].n;
+  const int64_t n_out = p.epilogue == patcher::kInt4SiluMul ? p.seg[0].n : total_width(p);
   auto sizes = x.sizes().vec();
   sizes.back() = n_out;
   Tensor out = at::empty(sizes, x.options());
@@ -230,12 +234,6 @@ patcher::Int4Params cat_params(const Tensor& x, const OptTensor& x2, TensorList 
   p.x2_k = k1;
   p.x2_early = x2_early;
   return p;
-}
-
-int64_t total_width(const patcher::Int4Params& p) {
-  int64_t n = 0;
-  for (int s = 0; s < p.num_segments; ++s) n += p.seg[s].n;
-  return n;
 }
 
 // out = [x | x2] @ W + bias (cat_params).
@@ -379,8 +377,7 @@ Tensor int4_linear(const Tensor& x, TensorList qweight, TensorList qzeros, Tenso
   const c10::cuda::CUDAGuard guard(x.device());
   patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
   const int64_t K = p.k;
-  int64_t n_total = 0;
-  for (int s = 0; s < p.num_segments; ++s) n_total += p.seg[s].n;
+  const int64_t n_total = total_width(p);
   auto sizes = x.sizes().vec();
   sizes.back() = n_total;
   if (p.batch >= 1 && p.batch <= 8) {

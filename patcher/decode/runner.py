@@ -313,9 +313,8 @@ class DecodeRunner:
         """x (and x2 beside it along k) through the deferred linear (kind, i) into its accumulator: (delta, delta2)
         for the reader's prologue."""
         d = st.deferred[(kind, i)]
-        args = lin.args()
-        unbiased = (*args[:4], [None] * len(lin.bias), *args[5:])
-        self.ops.int4_gemv_acc(x, x2, *unbiased, st.int4_splits[id(lin)], st.int4_workspace, d.acc, d.clear, early)
+        args = lin.args(bias=False)
+        self.ops.int4_gemv_acc(x, x2, *args, st.int4_splits[id(lin)], st.int4_workspace, d.acc, d.clear, early)
         return d.acc, d.bias_rows
 
     def attention_splits(self, batch: int) -> int:

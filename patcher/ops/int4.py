@@ -43,13 +43,15 @@ class Int4Linear:
     def widths(self) -> list[int]:
         return [q.shape[1] for q in self.qweight]
 
-    def args(self) -> tuple:
+    def args(self, bias: bool = True) -> tuple:
+        """The op arguments (qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset); with
+        bias=False every segment's bias is None (int4_gemv_acc, whose reader adds the bias)."""
         return (
             self.qweight,
             self.qzeros,
             self.scales,
             self.g_idx,
-            self.bias,
+            self.bias if bias else [None] * len(self.bias),
             self.group_size,
             self.act_order,
             self.zero_offset,

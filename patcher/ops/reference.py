@@ -328,12 +328,11 @@ def int4_gemv_cat(
     x [B, k1], x2 [B, k - k1]. `splits` and `workspace` only shape the CUDA kernel's work; `x2_early` promises the
     CUDA kernel that x2 was written before the stream's previous kernel began (its blocks that read only x2 then
     start before that kernel ends)."""
-    h = torch.cat([_cat_input(x, x2, qweight), x2], dim=-1)
-    return int4_linear(h, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset)
+    return int4_linear(_cat(x, x2, qweight), qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset)
 
 
-def _cat_input(x, x2, qweight):
-    """x, checked as the first part of [x | x2] along the weight's in_features."""
+def _cat(x, x2, qweight):
+    """[x | x2] along k, checked against the weight's in_features."""
     if x.dim() != 2 or x2.dim() != 2 or x.shape[0] != x2.shape[0] or x.dtype != x2.dtype:
         raise ValueError(
             f"[x | x2] takes x [batch, k1] and x2 [batch, k2] of one dtype, got {x.dtype} {list(x.shape)} "
@@ -342,7 +341,7 @@ def _cat_input(x, x2, qweight):
     k = qweight[0].shape[0] * 8
     if x.shape[1] + x2.shape[1] != k:
         raise ValueError(f"x and x2 widths {x.shape[1]} + {x2.shape[1]} do not add up to the weight's in_features {k}")
-    return x
+    return torch.cat([x, x2], dim=-1)
 
 
 # The fixed point of int4_gemv_acc's accumulators, as the CUDA kernels form it (kernels/int4_tile.cuh: to_fixed):
@@ -372,7 +371,7 @@ def int4_gemv_acc(
     `clear` (int64, may be None) is zeroed: an accumulator whose reader has run, for its next use."""
     if any(b is not None for b in bias):
         raise ValueError("int4_gemv_acc adds no bias (the reader of acc adds it, as its prologue's delta2)")
-    h = x if x2 is None else torch.cat([_cat_input(x, x2, qweight), x2], dim=-1)
+    h = x if x2 is None else _cat(x, x2, qweight)
     n = sum(q.shape[1] for q in qweight)
     if acc.dtype != torch.int64 or tuple(acc.shape) != (h.shape[0], n):
         raise ValueError(f"acc must be int64 [{h.shape[0]}, {n}], got {acc.dtype} {list(acc.shape)}")
