@@ -21,8 +21,8 @@
 // split without the meeting, one 512-thread block per 32- or 64-column tile over all of K, measured faster only for
 // the out projections (Pythia dense 6.2 -> 5.3 us, Llama o_proj 8.7 -> 7.8) and slower elsewhere (Llama gate/up
 // 39.7 -> 61.1, int4 TPOT Llama 3.42 -> 4.09 ms for every op): dropped. Tried and dropped: L2 prefetches of the rows
-// ahead inside the loop (bulk or per line: every op 2-15% slower; kept instead: a prefetch of the rows after the
-// register preload issued before griddepcontrol.wait, when HBM would otherwise idle, kMmaPrefetchBytes); 3 or 4 blocks
+// ahead inside the loop (bulk or per line: every op 2-15% slower; kept for a while instead: a prefetch of the rows
+// after the register preload issued before griddepcontrol.wait, now off by default, mma_prefetch_bytes); 3 or 4 blocks
 // per SM (spills; only gate/up faster); the K slices of a tile meeting in a thread-block cluster through distributed
 // shared memory instead of the workspace (clusters of up to 8 blocks: slower, Pythia fused QKV 14.6 -> 22.2 us, Llama
 // down 21.0 -> 35.9, int4 TPOT Pythia 1.85 -> 2.08 ms, Llama 3.54 -> 4.31); earlier, a 16-stage cp.async ring for the
@@ -59,6 +59,7 @@
 // 128-column tile, or 3 in the wide shape for long slices, MmaShape); the runs and the slices meet as in the
 // CUDA-core kernel (int4_tile.cuh: finish_tile), or for SwiGLU in pairs of gate and up columns (finish_pair).
 #pragma once
+#include <algorithm>
 #include <type_traits>
 
 #include "int4_tile.cuh"
@@ -369,13 +370,22 @@ __global__ void __launch_bounds__(MmaShape<WIDE>::kThreads, 2) int4_mma_kernel(c
   }
 }
 
-// Bytes of an op's qweight prefetched into L2 before griddepcontrol.wait (int4_mma_kernel), at most: a third of the
-// H100's 50 MB L2, so that the previous kernel's data stays. Measured on the H100 (fp16, batch 1, one call; budgets
-// 0 / 16 / 32 MB): Llama-3.1-8B gate/up 39.9 / 38.5 / 38.6 us, down 19.9 / 19.3 / 19.4, Qwen2-1.5B gate/up 16.9 /
-// 14.2 / 14.1, Pythia-2.8B mlp_in 11.4 / 10.8 / 10.8, int4_qkv_mlp_in 20.9 / 20.0 / 20.0, the rest within 0.3 us;
-// int4 TPOT Llama 3.464, 3.468 / 3.418, 3.410 / 3.419 ms, Pythia 1.487, 1.456 / 1.476, 1.501 / 1.501 ms (within
-// its noise).
-constexpr int64_t kMmaPrefetchBytes = 16 << 20;
+// Bytes of an op's qweight prefetched into L2 before griddepcontrol.wait (int4_mma_kernel), at most: none by
+// default, PATCHER_INT4_PREFETCH_MB=n for n MB (to compare). The prefetch was to use HBM while a block waits for the
+// kernel before it; but that kernel's last blocks are still streaming then, and the prefetches compete with them on
+// the step's critical path. The 16 MB that had paid when it landed (int4 TPOT Llama-3.1-8B 3.464 -> 3.414 ms) cost
+// time once the output projections' sums went unmet (8222ec9), the more the larger the budget. Measured on the H100
+// (fp16, batch 1, g128; `python -m evals.tpot --random-config MODEL --int4-random 128 --modes patched --new-tokens 64
+// --repeats 3`, two rounds interleaved in one call; ms; evals/results/prefetch_budget_b73329a.txt has the sweep of
+// budgets in between, and the rows as one 2-D tensor-map box a warp, slower at every budget above 2 MB):
+//   budget          16 MB          none
+//   Llama-3.1-8B    3.046, 3.048   2.921, 2.912
+//   Pythia-2.8B     1.362, 1.401   1.343, 1.333
+//   Qwen2-1.5B      1.391, 1.405   1.398, 1.398
+inline int64_t mma_prefetch_bytes() {
+  static const int64_t bytes = int64_t{std::max(0, env_int("PATCHER_INT4_PREFETCH_MB"))} << 20;
+  return bytes;
+}
 
 // Fewest qweight rows a K slice must have for the wide blocks (MmaShape) to pay, without and with the norm prologue
 // (which spills 68 bytes a thread at 80 registers). Measured on the H100 (fp16, batch 1, `evals.ops --ops
@@ -402,7 +412,7 @@ cudaError_t launch_mma_shape(const Int4Params& op, int tile_width, cudaStream_t 
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(op.splits));
   Int4Params p = op;
   const int64_t row_bytes = static_cast<int64_t>(grid.x) * grid.y * block.x / 32 * 128;  // one row of every warp run
-  p.prefetch_rows = static_cast<int32_t>(kMmaPrefetchBytes / row_bytes);
+  p.prefetch_rows = static_cast<int32_t>(mma_prefetch_bytes() / row_bytes);
   size_t smem = 0;
   const cudaError_t fits = launch_smem<T>(p, mma_x_stage_bytes(p, sizeof(T)), int4_group_stage_bytes(p), runs,
                                           static_cast<int>(block.x), tile_width, smem, MmaShape<WIDE>::kNormElems);
