@@ -41,8 +41,9 @@
 // waiting on global loads (the fault below) and 1.7 on fixed-latency dependencies, with 3.4 warps a scheduler.
 // After that fault's fix (README, "What bounds the int4 kernels now"; bounds and a per-block timeline): with no
 // dequantization and no mma.sync Llama gate/up still took 35.2 us of 36.9, and with its weights in L2 97% of the
-// cold time; what is left is each block's fixed start (preload, prefetch issue, staging: 2.3-6.5 us to the wait) and
-// end (meeting, epilogue: 1.2-5.8 us) and SMs that run one block beside SMs that run two.
+// cold time; what is left is each block's fixed start (preload, prefetch issue, staging: 2.3-6.5 us to the wait; the
+// prefetch is off since, mma_prefetch_bytes) and end (meeting, epilogue: 1.2-5.8 us) and SMs that run one block
+// beside SMs that run two.
 //
 // Layout. A warp owns 32 columns of the tile. In each step lane 4g + q loads the 16-byte chunk at qweight row
 // r0 + q, columns 4g .. 4g + 3 of the warp's 32, so a warp step is 4 rows x 32 columns (four 128-byte row
