@@ -289,8 +289,9 @@ __global__ void __launch_bounds__(MmaShape<WIDE>::kThreads, 2) int4_mma_kernel(c
     if (live && 4 * j < lane_rows) w[j] = __ldcs(next_chunk + j * step_stride);
   }
   next_chunk += kMmaPreload * step_stride;
-  // The rows after those into L2 while the block waits for the previous kernel and stages x, when HBM would
-  // otherwise idle: lane i the warp's 32 columns (128 bytes) of rows 32 + i, 64 + i, ... of its run.
+  // The rows after those into L2 while the block waits for the previous kernel and stages x: lane i the warp's 32
+  // columns (128 bytes) of rows 32 + i, 64 + i, ... of its run. Off unless PATCHER_INT4_PREFETCH_MB is set
+  // (prefetch_rows is 0 then; mma_prefetch_bytes says why).
   if (warp_live) {
     const int ahead = min(run_rows, 4 * kMmaPreload + p.prefetch_rows);
     const uint32_t bytes = static_cast<uint32_t>(min(32, t.width - member_col)) * 4;
@@ -413,7 +414,7 @@ cudaError_t launch_mma_shape(const Int4Params& op, int tile_width, cudaStream_t 
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(op.splits));
   Int4Params p = op;
   const int64_t row_bytes = static_cast<int64_t>(grid.x) * grid.y * block.x / 32 * 128;  // one row of every warp run
-  p.prefetch_rows = static_cast<int32_t>(mma_prefetch_bytes() / row_bytes);
+  p.prefetch_rows = static_cast<int32_t>(mma_prefetch_bytes() / row_bytes);              // 0 by default
   size_t smem = 0;
   const cudaError_t fits = launch_smem<T>(p, mma_x_stage_bytes(p, sizeof(T)), int4_group_stage_bytes(p), runs,
                                           static_cast<int>(block.x), tile_width, smem, MmaShape<WIDE>::kNormElems);
