@@ -88,16 +88,9 @@ void check_x(const Tensor& x, int64_t K, const char* name) {
               "in_features ", std::to_string(K));
 }
 
-// Output columns of the op: its segments side by side.
-int64_t total_width(const patcher::Int4Params& p) {
-  int64_t n = 0;
-  for (int s = 0; s < p.num_segments; ++s) n += p.seg[s].n;
-  return n;
-}
-
 // The workspace of a split-K launch: [counters (kInt4Counters) | partials (splits * batch * N floats)].
 void attach_workspace(patcher::Int4Params& p, Tensor& workspace) {
-  const int64_t n_total = total_width(p);
+  const int64_t n_total = patcher::int4_total_width(p);
   const int64_t counters = patcher::kInt4Counters;
   TORCH_CHECK(patcher::int4_tiles(p) <= counters, "patcher: ", std::to_string(patcher::int4_tiles(p)),
               " column tiles exceed the int4 workspace's ", std::to_string(counters), " counters");
@@ -196,7 +189,7 @@ std::tuple<Tensor, Tensor, Tensor> int4_gemv(const Tensor& x, const OptTensor& d
   if (p.epilogue == patcher::kInt4SiluMul) {
     TORCH_CHECK(p.seg[0].n == p.seg[1].n, "patcher: silu_mul needs gate and up of equal width");
   }
-  const int64_t n_out = p.epilogue == patcher::kInt4SiluMul ? p.seg[0].n : total_width(p);
+  const int64_t n_out = p.epilogue == patcher::kInt4SiluMul ? p.seg[0].n : patcher::int4_total_width(p);
   auto sizes = x.sizes().vec();
   sizes.back() = n_out;
   Tensor out = at::empty(sizes, x.options());
@@ -246,7 +239,7 @@ Tensor int4_gemv_cat(const Tensor& x, const Tensor& x2, TensorList qweight, Tens
                                      x2_early, "int4_gemv_cat");
   p.epilogue = patcher::kInt4Store;
   p.act = patcher::kActNone;
-  Tensor out = at::empty({x.size(0), total_width(p)}, x.options());
+  Tensor out = at::empty({x.size(0), patcher::int4_total_width(p)}, x.options());
   p.out = out.data_ptr();
   launch_split(p, splits, workspace, "int4_gemv_cat");
   return out;
@@ -268,7 +261,7 @@ void int4_gemv_acc(const Tensor& x, const OptTensor& x2, TensorList qweight, Ten
                                      x2_early, "int4_gemv_acc");
   p.epilogue = patcher::kInt4Store;
   p.act = patcher::kActNone;
-  const int64_t n = total_width(p);
+  const int64_t n = patcher::int4_total_width(p);
   TORCH_CHECK(acc.is_cuda() && acc.device() == x.device() && acc.scalar_type() == at::kLong && acc.is_contiguous() &&
                   acc.dim() == 2 && acc.size(0) == p.batch && acc.size(1) == n,
               "patcher: acc must be a contiguous int64 [", std::to_string(p.batch), ", ", std::to_string(n),
@@ -377,7 +370,7 @@ Tensor int4_linear(const Tensor& x, TensorList qweight, TensorList qzeros, Tenso
   const c10::cuda::CUDAGuard guard(x.device());
   patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
   const int64_t K = p.k;
-  const int64_t n_total = total_width(p);
+  const int64_t n_total = patcher::int4_total_width(p);
   auto sizes = x.sizes().vec();
   sizes.back() = n_total;
   if (p.batch >= 1 && p.batch <= 8) {

@@ -247,7 +247,7 @@ __device__ void finish_pair(const Int4Params& p, const TileInfo& t, float* smem,
     finish_values<T>(p, t, fin, half, team);  // each thread reads back the fin elements it wrote
     return;
   }
-  const int64_t n_total = total_width(p);
+  const int64_t n_total = int4_total_width(p);
   for (int i = team.tid; i < 2 * per_member; i += team.size) {
     const int m = i / per_member, b = (i % per_member) / half, c = i % half;
     if (c < t.width) *partial_at(p, n_total, split.slot, b, segment_offset(p, m) + t.col0 + c) = fin[i];

@@ -136,13 +136,6 @@ __device__ __forceinline__ int64_t segment_offset(const Int4Params& p, int s) {
   return offset;
 }
 
-// Columns of the logical output (the segments side by side).
-__device__ __forceinline__ int64_t total_width(const Int4Params& p) {
-  int64_t n = 0;
-  for (int s = 0; s < p.num_segments; ++s) n += p.seg[s].n;
-  return n;
-}
-
 __device__ __forceinline__ int zero_point(const Int4Segment& s, int64_t g, int64_t col, int offset) {
   const uint32_t word = static_cast<uint32_t>(s.qzeros[g * (s.n / 8) + col / 8]);
   return static_cast<int>((word >> (4 * (col % 8))) & 0xFu) + offset;
@@ -350,7 +343,7 @@ __device__ void epilogue(const Int4Params& p, const TileInfo& t, const float* fi
       static_cast<T*>(p.out2)[b * n2 + base + c] = from_float<T>(y);
     }
   } else if (p.epilogue == kInt4Store) {
-    const int64_t n_total = total_width(p);
+    const int64_t n_total = int4_total_width(p);
     const int64_t base = segment_offset(p, t.seg) + t.col0;
     for (int i = tid; i < p.batch * tile_width; i += nthreads) {
       const int b = i / tile_width, c = i % tile_width;
@@ -408,7 +401,7 @@ __device__ __forceinline__ float* partial_at(const Int4Params& p, int64_t n_tota
 // This block's sums of tile t (red, as add_runs takes them) as row `slot` of the workspace's partial sums.
 __device__ void store_partials(const Int4Params& p, const TileInfo& t, const float* red, int runs, int tile_width,
                                int slot, const Team& team) {
-  const int64_t n_total = total_width(p), base = segment_offset(p, t.seg) + t.col0;
+  const int64_t n_total = int4_total_width(p), base = segment_offset(p, t.seg) + t.col0;
   for (int i = team.tid; i < p.batch * tile_width; i += team.size) {
     const int b = i / tile_width, c = i % tile_width;
     if (c < t.width) *partial_at(p, n_total, slot, b, base + c) = add_runs(p, red, runs, tile_width, b, c);
@@ -456,7 +449,7 @@ template <typename T>
 __device__ void finish_from_partials(const Int4Params& p, const TileInfo& t, float* fin, int tile_width,
                                      const TileSplit& split, const Team& team) {
   const int per_member = static_cast<int>(p.batch) * tile_width;
-  const int64_t n_total = total_width(p);
+  const int64_t n_total = int4_total_width(p);
   for (int i = team.tid; i < t.members * per_member; i += team.size) {
     const int m = i / per_member, b = (i % per_member) / tile_width, c = i % tile_width;
     if (c >= t.width) continue;
@@ -494,7 +487,7 @@ __device__ void finish_tile(const Int4Params& p, const TileInfo& t, float* smem,
   const int per_member = static_cast<int>(p.batch) * tile_width;
   float* fin = smem + runs * per_member;  // [members][batch][tile_width]
   if (p.acc) {  // the meeting deferred to the consumer: this block's sums into the accumulator, and done
-    const int64_t n_total = total_width(p), base = segment_offset(p, t.seg) + t.col0;
+    const int64_t n_total = int4_total_width(p), base = segment_offset(p, t.seg) + t.col0;
     for (int i = team.tid; i < per_member; i += team.size) {
       const int b = i / tile_width, c = i % tile_width;
       if (c < t.width)

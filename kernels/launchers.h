@@ -270,6 +270,17 @@ struct Int4Params {
   int32_t* counters;  // [tiles], the first of the workspace's kInt4Counters
   float* partials;    // [int4_partial_rows, batch, sum of n], after the counters
 };
+#ifdef __CUDACC__
+#define PATCHER_HOST_DEVICE __host__ __device__
+#else
+#define PATCHER_HOST_DEVICE  // the bindings' host compiler
+#endif
+// Columns of the op's logical output: its segments side by side (one rule for the bindings and the kernels).
+PATCHER_HOST_DEVICE inline int64_t int4_total_width(const Int4Params& p) {
+  int64_t n = 0;
+  for (int s = 0; s < p.num_segments; ++s) n += p.seg[s].n;
+  return n;
+}
 // Tile counters at the front of an int4 workspace, the same number for every op: the decode step runs all its int4
 // ops on one workspace, each leaving its counters zero and its partial sums behind, so an op with more tiles than
 // another must not find that op's partial sums where its counters are (as when the region was sized per op).
