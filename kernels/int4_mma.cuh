@@ -43,7 +43,11 @@
 // dequantization and no mma.sync Llama gate/up still took 35.2 us of 36.9, and with its weights in L2 97% of the
 // cold time; what is left is each block's fixed start (preload, prefetch issue, staging: 2.3-6.5 us to the wait; the
 // prefetch is off since, mma_prefetch_bytes) and end (meeting, epilogue: 1.2-5.8 us) and SMs that run one block
-// beside SMs that run two.
+// beside SMs that run two. That bound was probably faulty: built the same way at f9bd3c5, a loop that only loads
+// and folds its chunks makes the compiler load one step's chunk in every 4-8 into spare registers and move it home
+// right after the load (this kernel's loop has no such move). With the load unpredicated, the loads alone stream at
+// HBM rate (gate/up 19.4 us, 3.1 TB/s), and the arithmetic is about 10 of gate/up's 34 us with the norm prologue
+// (README, "What the int4 ops cost beyond their reads"; evals/results/int4_phase_bounds_f9bd3c5.txt).
 //
 // Layout. A warp owns 32 columns of the tile. In each step lane 4g + q loads the 16-byte chunk at qweight row
 // r0 + q, columns 4g .. 4g + 3 of the warp's 32, so a warp step is 4 rows x 32 columns (four 128-byte row
