@@ -1,6 +1,7 @@
-// What the standalone int4 read benchmarks (int4_read_bench.cu, int4_stream_bench.cu) share: the qweight shapes of
-// the decode ops, the copies that keep a matrix out of L2, the folding of loaded chunks into a sink (so the loads
-// are kept), a grid-stride plain read (the standalone ceiling) and the loop over shapes that prints their results.
+// What the standalone int4 read benchmarks (int4_read_bench.cu, int4_stream_bench.cu, pdl_probe.cu) share: the qweight
+// shapes of the decode ops, the copies that keep a matrix out of L2, the folding of loaded chunks into a sink (so the
+// loads are kept), a grid-stride plain read (the standalone ceiling) and the loop over shapes that prints their
+// results.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -23,6 +24,31 @@ __global__ void __launch_bounds__(256) plain_read(const uint4* __restrict__ p, i
        i += static_cast<int64_t>(gridDim.x) * 256)
     acc ^= mix(__ldcs(p + i));
   keep(acc, sink);
+}
+
+// A lane's first DEPTH chunks (has(s): whether the lane has one at step s; at(s): its address) into w.
+template <int DEPTH, typename Has, typename At>
+__device__ __forceinline__ void preload_lane(uint4 (&w)[DEPTH], int steps, Has has, At at) {
+#pragma unroll
+  for (int j = 0; j < DEPTH; ++j) {
+    if (j < steps && has(j)) w[j] = __ldcs(at(j));
+  }
+}
+
+// A lane's steps 0 .. steps - 1, its first DEPTH chunks in w, DEPTH in flight, folded into acc; each chunk is used
+// before the next is loaded into its registers (int4_read_bench.cu's header says why).
+template <int DEPTH, typename Has, typename At>
+__device__ __forceinline__ unsigned stream_lane(uint4 (&w)[DEPTH], int steps, Has has, At at, unsigned acc) {
+  for (int s0 = 0; s0 < steps; s0 += DEPTH) {
+#pragma unroll
+    for (int j = 0; j < DEPTH; ++j) {
+      const int s = s0 + j;
+      if (s >= steps) break;
+      acc ^= mix(w[j]);
+      if (s + DEPTH < steps && has(s + DEPTH)) w[j] = __ldcs(at(s + DEPTH));
+    }
+  }
+  return acc;
 }
 
 // A decode op's GPTQ qweight: int32 [k / 8, n].

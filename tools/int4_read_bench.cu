@@ -31,25 +31,12 @@ namespace {
 using bench::mix;
 
 // A lane's chunks of steps 0 .. steps - 1 (has(s): whether the lane has one at step s; at(s): its address), DEPTH in
-// flight, folded into a checksum; each used before the next is loaded into its registers (the header says why).
+// flight, folded into a checksum.
 template <int DEPTH, typename Has, typename At>
 __device__ unsigned read_lane(int steps, Has has, At at) {
   uint4 w[DEPTH] = {};
-#pragma unroll
-  for (int j = 0; j < DEPTH; ++j) {
-    if (j < steps && has(j)) w[j] = __ldcs(at(j));
-  }
-  unsigned acc = 0;
-  for (int s0 = 0; s0 < steps; s0 += DEPTH) {
-#pragma unroll
-    for (int j = 0; j < DEPTH; ++j) {
-      const int s = s0 + j;
-      if (s >= steps) break;
-      acc ^= mix(w[j]);
-      if (s + DEPTH < steps && has(s + DEPTH)) w[j] = __ldcs(at(s + DEPTH));
-    }
-  }
-  return acc;
+  bench::preload_lane(w, steps, has, at);
+  return bench::stream_lane(w, steps, has, at, 0u);
 }
 
 template <int DEPTH, bool TILED>

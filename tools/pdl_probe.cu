@@ -25,28 +25,18 @@
 #include <string>
 #include <vector>
 
+#include "../kernels/common.cuh"  // griddep_wait, griddep_launch_dependents
 #include "bench_common.cuh"
 
 namespace {
 
 using bench::mix;
+using patcher::griddep_launch_dependents;
+using patcher::griddep_wait;
 
 enum Mode : int { kPlain = 0, kWait = 1, kFlag = 2 };
 constexpr int kChain = 64;
 constexpr const char* kModeNames[] = {"plain", "wait", "flag"};
-
-// griddepcontrol is sm_90; this program is for Hopper, and its sm_80 build (CI compiles every .cu file) omits it.
-__device__ __forceinline__ void griddep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void griddep_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
@@ -104,11 +94,10 @@ __global__ void __launch_bounds__(THREADS, 2) link_kernel(Link l) {
   const Lane me = lane_of<THREADS>(l, TILED);
   const uint4* base = me.base;
   const int steps = me.steps;
+  const auto has = [](int) { return true; };
+  const auto at = [&](int s) { return base + s * me.stride; };
   uint4 w[DEPTH] = {};
-#pragma unroll
-  for (int j = 0; j < DEPTH; ++j) {
-    if (j < steps) w[j] = __ldcs(base + j * me.stride);
-  }
+  bench::preload_lane(w, steps, has, at);
   if (l.mode == kFlag) {
     griddep_launch_dependents();
     if (l.in != nullptr && threadIdx.x == 0) {
@@ -124,15 +113,7 @@ __global__ void __launch_bounds__(THREADS, 2) link_kernel(Link l) {
   }
   const uint64_t t1 = now_ns();
   unsigned acc = l.in != nullptr ? l.in[(blockIdx.x * 7) % gridDim.x] : 0u;
-  for (int s0 = 0; s0 < steps; s0 += DEPTH) {
-#pragma unroll
-    for (int j = 0; j < DEPTH; ++j) {
-      const int s = s0 + j;
-      if (s >= steps) break;
-      acc ^= mix(w[j]);
-      if (s + DEPTH < steps) w[j] = __ldcs(base + (s + DEPTH) * me.stride);
-    }
-  }
+  acc = bench::stream_lane(w, steps, has, at, acc);
   // The block's value (thread 0's, which has read the input), then its count at the counter.
   if (threadIdx.x == 0) l.out[blockIdx.x] = acc;
   __syncthreads();
