@@ -30,7 +30,6 @@
 
 namespace {
 
-using bench::mix;
 using patcher::griddep_launch_dependents;
 using patcher::griddep_wait;
 
