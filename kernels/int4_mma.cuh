@@ -72,15 +72,15 @@
 namespace patcher {
 namespace {
 
-// Two block shapes. A 128-column tile as 4 column warps x 2 runs of K (256 threads), each lane with 8 16-byte
+// Two block shapes. A 128-column tile as 4 column warps x 2 runs of K (256 threads), each lane with 6 16-byte
 // qweight chunks in flight, or "wide": 4 x 3 runs (384 threads) with 4 chunks a lane, at 80 registers a thread so
-// that two blocks still share an SM (24 warps where there were 16: more warps to issue from, as the loop's warps
-// mostly wait; mma_wide says for which ops). The norm prologue holds at most kNormElems row elements a thread
-// (NORM_ELEMS of stage_x; fewer registers at 384 threads, K <= 16 x 384).
+// that two blocks still share an SM (24 warps where there were 16). Every op takes the 256-thread shape; the wide one
+// is there to compare (PATCHER_INT4_MMA_BLOCK=384; mma_wide says why). The norm prologue holds at most kNormElems
+// row elements a thread (NORM_ELEMS of stage_x; fewer registers at 384 threads, K <= 16 x 384).
 template <bool WIDE>
 struct MmaShape {
   static constexpr int kThreads = WIDE ? 384 : 256;
-  static constexpr int kPreload = WIDE ? 4 : 8;  // 16-byte qweight chunks in flight per lane
+  static constexpr int kPreload = WIDE ? 4 : 6;  // 16-byte qweight chunks in flight per lane
   static constexpr int kNormElems = WIDE ? 16 : 32;
 };
 
@@ -351,11 +351,13 @@ __global__ void __launch_bounds__(MmaShape<WIDE>::kThreads, 2) int4_mma_kernel(c
     };
     // The steps in whole rounds of kMmaPreload without a test, then the rest, leaving the loop at the warp's last
     // step. Written as one loop whose unrolled steps each tested s < steps and skipped the step if not, the same
-    // arithmetic ran much slower: on the H100 (fp16, batch 1, tools/int4_op_bench.cu; us, that form -> leaving
-    // at the last step -> also the rounds without a test) Llama-3.1-8B gate/up 32.1 -> 27.5 -> 26.2, down 17.6 ->
-    // 16.3 -> 15.9, o_proj 9.1 -> 8.7 -> 8.7; with the norm prologue norm+gate/up 33.9 -> 28.6 -> 29.1 (the rounds
-    // spill its registers, so it only leaves at the last step), norm+QKV 12.5 -> 11.1, Pythia-2.8B's LayerNorm +
-    // QKV and MLP input 23.5 -> 16.8. int4 TPOT Llama-3.1-8B 2.93 -> 2.70 ms, Pythia-2.8B 1.32 -> 1.20-1.25.
+    // arithmetic ran much slower. On the H100 (fp16, batch 1, tools/int4_op_bench.cu, one call, us; that form ->
+    // this one, both with the block shapes of the time): Llama-3.1-8B gate/up 31.8 -> 26.0, norm + gate/up 33.6 ->
+    // 28.4, down 17.5 -> 15.8, o_proj 9.1 -> 8.7, norm + QKV 12.7 -> 11.4, Pythia-2.8B LN + QKV | MLP input 23.7 ->
+    // 16.9; int4 TPOT Llama-3.1-8B 2.93 -> 2.70 ms, Pythia-2.8B 1.32 -> 1.20-1.25. Of that, the rounds without a
+    // test gave 1-1.5 us on the large ops (an earlier build of the bench: gate/up 27.5 -> 26.2, down 16.3 -> 15.9);
+    // with the norm prologue they spilled registers and were slower (norm + gate/up 28.6 -> 29.1), so that kernel
+    // only leaves at the last step.
     int s0 = 0;
     if constexpr (!NORM) {
       for (; s0 + kMmaPreload <= steps; s0 += kMmaPreload) {
@@ -409,21 +411,22 @@ inline int64_t mma_prefetch_bytes() {
   return bytes;
 }
 
-// Fewest qweight rows a K slice must have for the wide blocks (MmaShape) to pay, without and with the norm prologue
-// (which spills 68 bytes a thread at 80 registers). Measured on the H100 (fp16, batch 1, `evals.ops --ops
-// int4,int4_neox` with PATCHER_INT4_MMA_BLOCK=256 and =384, twice interleaved; rows a slice: 256 -> 384 threads, us):
-// Llama-3.1-8B gate/up (512) 36.9 -> 32.6-32.8, with the norm (512) 37.6 -> 35.1, down (224) 19.0 -> 18.3-18.4,
-// Pythia-2.8B output pair (124) 13.4 -> 12.6-12.8, mlp_out (99) 11.4 -> 11.1-11.2; slower: Llama o_proj (64) 8.9 ->
-// 9.3, QKV with the norm (103) 12.9 -> 13.3, Qwen2-1.5B gate/up with the norm (192) 13.4 -> 13.8-13.9, Pythia
-// dense (25) 6.4 -> 6.6-6.7, mlp_in (107, GELU: the one exception) 10.9 -> 11.3.
-constexpr int64_t kMmaWideRows = 96, kMmaWideNormRows = 384;
-
+// Whether an op takes the wide blocks (MmaShape): only with PATCHER_INT4_MMA_BLOCK=384 (=256 or unset: never). They
+// paid for long K slices while the main loop's unrolled steps each tested whether the warp had them (see the main
+// loop): with that form, measured on the H100 (fp16, batch 1, `evals.ops --ops int4,int4_neox`; rows a slice: 256 ->
+// 384 threads, us) Llama-3.1-8B gate/up (512) 36.9 -> 32.6-32.8, with the norm (512) 37.6 -> 35.1, down (224) 19.0
+// -> 18.3-18.4, Pythia-2.8B output pair (124) 13.4 -> 12.6-12.8, so 128-column tiles of at least 96 rows a slice (384
+// with the norm) took them. With the loop as it is the 256-thread blocks are as fast or faster (tools/int4_op_bench.cu,
+// us, 384 -> 256 threads: Llama gate/up 26.0 -> 25.1, with the norm 28.4 -> 26.6, down 15.8 -> 15.4, Pythia MLP
+// output 10.4 -> 10.6), and with 6 chunks a lane instead of 8 more so (Llama o_proj 8.7 -> 8.5, norm + QKV 11.4 ->
+// 11.2). int4 TPOT (`python -m evals.tpot --random-config MODEL --int4-random 128 --modes patched --new-tokens 64
+// --repeats 3 --no-profile`, one call, two rounds interleaved; ms): the rule with 8 chunks -> every op at 256 threads
+// with 6 chunks: Llama-3.1-8B 2.698 / 2.705 -> 2.631 / 2.616, Pythia-2.8B 1.248 / 1.261 -> 1.196 / 1.193, Qwen2-1.5B
+// 1.321 -> 1.222.
 template <typename T>
 bool mma_wide(const Int4Params& p, int tile_width) {
-  static const int forced = env_int("PATCHER_INT4_MMA_BLOCK");
-  if (tile_width != 128 || !norm_fits<T>(p, MmaShape<true>::kThreads, MmaShape<true>::kNormElems)) return false;
-  if (forced == 256 || forced == 384) return forced == 384;
-  return mma_rows_per_split(p.k / 8, p.splits) >= (p.norm.weight ? kMmaWideNormRows : kMmaWideRows);
+  static const bool forced = env_int("PATCHER_INT4_MMA_BLOCK") == 384;
+  return forced && tile_width == 128 && norm_fits<T>(p, MmaShape<true>::kThreads, MmaShape<true>::kNormElems);
 }
 
 template <typename T, bool WIDE>

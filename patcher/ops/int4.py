@@ -140,8 +140,8 @@ def block_threads(tile_width: int) -> int:
     """Threads of one int4 decode block, as the CUDA-core kernel (kernels/int4_gemv.cuh) picks them: 4 columns
     per thread across the tile in whole eighths of a warp, runs of qweight rows in fours, within 256 threads.
     The tensor-core kernel's column warps times runs (kernels/int4_mma.cuh) come to the same count for every
-    tile it takes, or for 128-column tiles with long K slices 384 (MmaShape), whose launch bounds still keep two
-    blocks an SM, so the count of resident blocks is the same. 0 for a tile wider than 256 columns (heads over 256
+    tile it takes, or with PATCHER_INT4_MMA_BLOCK=384 (MmaShape) 384 for 128-column tiles, whose launch bounds
+    still keep two blocks an SM, so the count of resident blocks is the same. 0 for a tile wider than 256 columns (heads over 256
     wide: the kernels reject them)."""
     cols = math.ceil(math.ceil(tile_width / 4) / 8) * 8
     return cols * (256 // cols // 4 * 4)
