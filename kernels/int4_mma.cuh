@@ -416,13 +416,13 @@ inline int64_t mma_prefetch_bytes() {
 // loop): with that form, measured on the H100 (fp16, batch 1, `evals.ops --ops int4,int4_neox`; rows a slice: 256 ->
 // 384 threads, us) Llama-3.1-8B gate/up (512) 36.9 -> 32.6-32.8, with the norm (512) 37.6 -> 35.1, down (224) 19.0
 // -> 18.3-18.4, Pythia-2.8B output pair (124) 13.4 -> 12.6-12.8, so 128-column tiles of at least 96 rows a slice (384
-// with the norm) took them. With the loop as it is the 256-thread blocks are as fast or faster (tools/int4_op_bench.cu,
-// us, 384 -> 256 threads: Llama gate/up 26.0 -> 25.1, with the norm 28.4 -> 26.6, down 15.8 -> 15.4, Pythia MLP
-// output 10.4 -> 10.6), and with 6 chunks a lane instead of 8 more so (Llama o_proj 8.7 -> 8.5, norm + QKV 11.4 ->
-// 11.2). int4 TPOT (`python -m evals.tpot --random-config MODEL --int4-random 128 --modes patched --new-tokens 64
-// --repeats 3 --no-profile`, one call, two rounds interleaved; ms): the rule with 8 chunks -> every op at 256 threads
-// with 6 chunks: Llama-3.1-8B 2.698 / 2.705 -> 2.631 / 2.616, Pythia-2.8B 1.248 / 1.261 -> 1.196 / 1.193, Qwen2-1.5B
-// 1.321 -> 1.222.
+// with the norm) took them. With the loop as it is the 256-thread blocks are faster but for one op
+// (tools/int4_op_bench.cu, us, 384 -> 256 threads: Llama gate/up 26.0 -> 25.1, with the norm 28.4 -> 26.6, down
+// 15.8 -> 15.4; Pythia MLP output 10.4 -> 10.6), and with 6 chunks a lane instead of 8 more so (Llama o_proj 8.7 ->
+// 8.5, norm + QKV 11.4 -> 11.2). int4 TPOT (evals.tpot with --int4-random 128 --modes patched --new-tokens 64
+// --repeats 3, one call, two rounds interleaved; ms), the rule with 8 chunks -> every op at 256 threads with 6
+// chunks: Llama-3.1-8B 2.698 / 2.705 -> 2.631 / 2.616, Pythia-2.8B 1.248 / 1.261 -> 1.196 / 1.193, Qwen2-1.5B 1.321
+// -> 1.222.
 template <typename T>
 bool mma_wide(const Int4Params& p, int tile_width) {
   static const bool forced = env_int("PATCHER_INT4_MMA_BLOCK") == 384;

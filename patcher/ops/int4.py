@@ -141,8 +141,8 @@ def block_threads(tile_width: int) -> int:
     per thread across the tile in whole eighths of a warp, runs of qweight rows in fours, within 256 threads.
     The tensor-core kernel's column warps times runs (kernels/int4_mma.cuh) come to the same count for every
     tile it takes, or with PATCHER_INT4_MMA_BLOCK=384 (MmaShape) 384 for 128-column tiles, whose launch bounds
-    still keep two blocks an SM, so the count of resident blocks is the same. 0 for a tile wider than 256 columns (heads over 256
-    wide: the kernels reject them)."""
+    still keep two blocks an SM, so the count of resident blocks is the same. 0 for a tile wider than 256
+    columns (heads over 256 wide: the kernels reject them)."""
     cols = math.ceil(math.ceil(tile_width / 4) / 8) * 8
     return cols * (256 // cols // 4 * 4)
 
