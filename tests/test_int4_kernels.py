@@ -509,6 +509,6 @@ def test_hopper_kernel_switch():
 @pytest.mark.parametrize("threads", ["256", "384"])
 def test_mma_block_switch(threads):
     """PATCHER_INT4_MMA_BLOCK=256 / =384 run every op that can take both block shapes of the tensor-core kernel
-    (kernels/int4_mma.cuh: MmaShape, mma_wide) as that one, so each shape passes every test shape whichever the
-    default rule picks for it."""
+    (kernels/int4_mma.cuh: MmaShape, mma_wide) as that one, so each shape passes every test shape (the default is
+    256 for every op; the 384-thread shape runs only under the switch)."""
     _run_with_switch("PATCHER_INT4_MMA_BLOCK", threads)
