@@ -355,9 +355,10 @@ __global__ void __launch_bounds__(MmaShape<WIDE>::kThreads, 2) int4_mma_kernel(c
     // this one, both with the block shapes of the time): Llama-3.1-8B gate/up 31.8 -> 26.0, norm + gate/up 33.6 ->
     // 28.4, down 17.5 -> 15.8, o_proj 9.1 -> 8.7, norm + QKV 12.7 -> 11.4, Pythia-2.8B LN + QKV | MLP input 23.7 ->
     // 16.9; int4 TPOT Llama-3.1-8B 2.93 -> 2.70 ms, Pythia-2.8B 1.32 -> 1.20-1.25. Of that, the rounds without a
-    // test gave 1-1.5 us on the large ops (an earlier build of the bench: gate/up 27.5 -> 26.2, down 16.3 -> 15.9);
-    // with the norm prologue they spilled registers and were slower (norm + gate/up 28.6 -> 29.1), so that kernel
-    // only leaves at the last step.
+    // test gave 0.6-1.5 us on the large ops (an earlier build of the bench: gate/up 27.5 -> 26.0, down 16.3 -> 15.7);
+    // with the norm prologue they spilled registers and were slower (norm + gate/up 28.6 -> 29.1, on the 384-thread
+    // blocks of the time), so that kernel only leaves at the last step. (On the 256-thread blocks with 6 chunks ptxas
+    // shows no spill with the rounds: not yet measured.)
     int s0 = 0;
     if constexpr (!NORM) {
       for (; s0 + kMmaPreload <= steps; s0 += kMmaPreload) {
