@@ -46,8 +46,9 @@
 // beside SMs that run two. That bound was probably faulty: built the same way at f9bd3c5, a loop that only loads
 // and folds its chunks makes the compiler load one step's chunk in every 4-8 into spare registers and move it home
 // right after the load (this kernel's loop has no such move). With the load unpredicated, the loads alone stream at
-// HBM rate (gate/up 19.4 us, 3.1 TB/s), and the arithmetic is about 10 of gate/up's 34 us with the norm prologue
-// (README, "What the int4 ops cost beyond their reads"; evals/results/int4_phase_bounds_f9bd3c5.txt).
+// HBM rate (gate/up 19.4 us, 3.1 TB/s). The ~10 us of gate/up's 34 that was then put down to the arithmetic was
+// mostly the main loop's form: the same arithmetic in a clean loop costs ~2 us over the loads, and written so, the
+// kernel's gate/up takes 26 us (the main loop; README, "The int4 loop's form, not its arithmetic").
 //
 // Layout. A warp owns 32 columns of the tile. In each step lane 4g + q loads the 16-byte chunk at qweight row
 // r0 + q, columns 4g .. 4g + 3 of the warp's 32, so a warp step is 4 rows x 32 columns (four 128-byte row
