@@ -354,9 +354,8 @@ std::tuple<Tensor, Tensor, Tensor> int4_qkv_mlp_in(
   TORCH_CHECK(act != patcher::kActSiluMul, "patcher: int4_qkv_mlp_in takes none, gelu or gelu_tanh");
   p.second = static_cast<int32_t>(qkv_segments);
   p.act2 = act;
-  int64_t n2 = 0;
-  for (int s = p.second; s < p.num_segments; ++s) n2 += p.seg[s].n;
-  Tensor hidden = at::empty({p.batch, n2}, x.options());
+  Tensor hidden =
+      at::empty({p.batch, patcher::int4_total_width(p) - patcher::segment_offset(p, p.second)}, x.options());
   p.out2 = hidden.data_ptr();
   launch_split(p, splits, workspace, "int4_qkv_mlp_in");
   return {q, hidden, pro.sum};

@@ -129,13 +129,6 @@ __device__ __forceinline__ bool in_second(const Int4Params& p, const TileInfo& t
   return p.second > 0 && t.seg >= p.second;
 }
 
-// Column offset of segment s in the logical output (q | k | v).
-__device__ __forceinline__ int64_t segment_offset(const Int4Params& p, int s) {
-  int64_t offset = 0;
-  for (int i = 0; i < s; ++i) offset += p.seg[i].n;
-  return offset;
-}
-
 __device__ __forceinline__ int zero_point(const Int4Segment& s, int64_t g, int64_t col, int offset) {
   const uint32_t word = static_cast<uint32_t>(s.qzeros[g * (s.n / 8) + col / 8]);
   return static_cast<int>((word >> (4 * (col % 8))) & 0xFu) + offset;
@@ -330,11 +323,8 @@ __device__ void epilogue(const Int4Params& p, const TileInfo& t, const float* fi
   const int tid = team.tid, nthreads = team.size;
   T* out = static_cast<T*>(p.out);
   if (in_second(p, t)) {  // the second linear's output: its segments side by side in out2
-    int64_t n2 = 0, base = t.col0;
-    for (int s = p.second; s < p.num_segments; ++s) {
-      n2 += p.seg[s].n;
-      if (s < t.seg) base += p.seg[s].n;
-    }
+    const int64_t first = segment_offset(p, p.second), n2 = int4_total_width(p) - first;
+    const int64_t base = segment_offset(p, t.seg) - first + t.col0;
     for (int i = tid; i < p.batch * tile_width; i += nthreads) {
       const int b = i / tile_width, c = i % tile_width;
       if (c >= t.width) continue;

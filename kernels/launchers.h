@@ -281,6 +281,12 @@ PATCHER_HOST_DEVICE inline int64_t int4_total_width(const Int4Params& p) {
   for (int s = 0; s < p.num_segments; ++s) n += p.seg[s].n;
   return n;
 }
+// Column offset of segment s in the logical output (q | k | v), or with Int4Params::second, of out2's first segment.
+PATCHER_HOST_DEVICE inline int64_t segment_offset(const Int4Params& p, int s) {
+  int64_t offset = 0;
+  for (int i = 0; i < s; ++i) offset += p.seg[i].n;
+  return offset;
+}
 // Tile counters at the front of an int4 workspace, the same number for every op: the decode step runs all its int4
 // ops on one workspace, each leaving its counters zero and its partial sums behind, so an op with more tiles than
 // another must not find that op's partial sums where its counters are (as when the region was sized per op).

@@ -53,8 +53,7 @@ struct Link {
   uint64_t* times;        // [gridDim.x][3]: start, past the wait, end
   int mode;
   int64_t rows, n;  // the tiled geometry's qweight [rows, n] int32
-  int runs;
-  bool pairs;  // tiled as SwiGLU pairs (below)
+  bool pairs;       // tiled as SwiGLU pairs (below)
 };
 
 // Where a thread's chunks are: step s at base + s * stride, `steps` of them.
@@ -65,8 +64,8 @@ struct Lane {
 };
 
 // Contiguous: block b streams its own run of chunks, thread t every THREADS-th. Tiled: the int4 kernels' geometry
-// over a qweight [rows, n] (int32): block b the 128-column tile b, as 4 column warps x `runs` runs of rows; in a
-// step lane 4g + q reads the 16-byte chunk of row r0 + q, columns 4g .. 4g + 3 of its warp's 32.
+// over a qweight [rows, n] (int32): block b the 128-column tile b, as 4 column warps x THREADS / 128 runs of rows;
+// in a step lane 4g + q reads the 16-byte chunk of row r0 + q, columns 4g .. 4g + 3 of its warp's 32.
 template <int THREADS>
 __device__ Lane lane_of(const Link& l, bool tiled) {
   if (!tiled) {
@@ -75,7 +74,8 @@ __device__ Lane lane_of(const Link& l, bool tiled) {
   }
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int run = warp / 4, g = lane / 4, q = lane % 4;
-  const int64_t per_run = (l.rows + 4 * l.runs - 1) / (4 * l.runs) * 4;
+  constexpr int kRuns = THREADS / 128;
+  const int64_t per_run = (l.rows + 4 * kRuns - 1) / (4 * kRuns) * 4;
   const int64_t r0 = run * per_run, r1 = min(l.rows, r0 + per_run);
   const int steps = r1 - r0 - q > 0 ? static_cast<int>((r1 - r0 - q + 3) / 4) : 0;
   if (l.pairs) {  // two matrices [rows, n / 2] (gate, up): warps 0-1 the tile's 64 columns of one, 2-3 of the other
@@ -196,7 +196,6 @@ int run_chain(int mode, size_t bytes, const Geometry& geo, int sms, int32_t* poo
     l.mode = mode;
     l.rows = geo.rows;
     l.n = geo.n;
-    l.runs = threads / 128;
     l.pairs = geo.pairs;
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(blocks);
