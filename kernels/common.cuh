@@ -71,6 +71,22 @@ __device__ __forceinline__ Vec<T, N> vec_or_zero(const T* src, int64_t i) {
   return v;
 }
 
+// The fixed-point accumulators of int4_gemv_acc (Int4Params::acc; read by the int4 norm prologue and by decode
+// attention): value * 2^28 in int64. Each block's fp32 sum is clamped to +-2^24 first, so up to 2^11 - 1 blocks add up
+// without overflow (int4_gemv_acc checks the K slices); every fp32 value of magnitude 2^-5 or more converts exactly
+// (its last mantissa bit is 2^-28 or coarser), so the sum is exact but for smaller terms' last bits and is rounded
+// once, when read (from_fixed). The clamp only matters past +-2^24: fp16 outputs overflow at 65504 before it; a bf16
+// output beyond it saturates there. A NaN sum comes out as -2^24. The reference mirrors both (patcher/ops/reference.py:
+// to_fixed, from_fixed).
+constexpr float kFixedScale = 268435456.f;  // 2^28
+constexpr float kFixedClamp = 16777216.f;   // 2^24
+
+__device__ __forceinline__ long long to_fixed(float v) {
+  return __float2ll_rn(fminf(fmaxf(v, -kFixedClamp), kFixedClamp) * kFixedScale);
+}
+
+__device__ __forceinline__ float from_fixed(long long a) { return __ll2float_rn(a) * (1.f / kFixedScale); }
+
 // The residual sum of one vector of the stream, in place: s = x + delta, or (delta2 + delta) + x (GPT-NeoX's
 // parallel residual), each add rounded to T as HF's adds round; from vectors already loaded (d2 read only where
 // has_d2). Shared by launch_norm and the GEMV and int4 norm prologues.

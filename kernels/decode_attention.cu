@@ -10,7 +10,15 @@
 // Inside a block, the online softmax of attention.cuh (shared with the int4 step kernel): lane groups hold a key
 // each, the scores are fp32 scaled by HF's head_dim^-0.5, one share writes the output, several merge in the last
 // block to finish.
+//
+// Where the QKV projection hands its sums on unmet (int4_norm_gemv_acc into a fixed-point accumulator, so its K
+// slices never meet; FROM_ACC), this kernel finishes it for the heads it takes: it rounds q and the current token's
+// K/V as the projection's epilogue would, applies RoPE and writes K/V into the cache, so the QKV op ends when its
+// blocks have added their sums. Measured on the H100 as a bound first (fp16, batch 1, int4 g128 random weights, the
+// QKV ops' meeting simply left out, wrong values; `evals.tpot ... --int4-random 128`, one call, two rounds, ms):
+// Llama-3.1-8B 2.605 / 2.596 -> 2.517 / 2.531, Qwen2-1.5B 1.247 / 1.276 -> 1.164 / 1.167.
 #include "attention.cuh"
+#include "rope.cuh"
 
 namespace patcher {
 namespace {
@@ -18,7 +26,63 @@ namespace {
 constexpr int kThreads = kAttnWarps * 32;
 constexpr int kMaxSplits = kAttnMaxSplits;
 
-template <typename T, int D, int GMAX>
+// Dims d0 .. d0 + 7 of head `head` of part 0 (q), 1 (k) or 2 (v) of row b, from the QKV accumulator
+// (DecodeAttentionParams::qkv_acc): each value round(round(sum) + bias), as finish_values forms the projection's
+// output, then for q and k RoPE over the rotary dims (rope.cuh: rope_value) with the partner dims d +- R/2 read the
+// same way. The loads are 16-byte vectors where they can be (the partners too where R/2 is whole vectors), all
+// issued before any is used.
+template <typename T>
+__device__ __forceinline__ void qkv_from_acc(const DecodeAttentionParams& p, int64_t b, const RopeRow<T>& row, int part,
+                                             int head, int d0, float (&out)[8]) {
+  const RopeCacheParams& r = p.rope;
+  const int D = static_cast<int>(p.head_dim), R = static_cast<int>(r.rotary_dim), half = R / 2;
+  const int64_t hq = p.num_q_heads, hkv = p.num_kv_heads, width = (hq + 2 * hkv) * D;
+  // The head's first element in the projection's layout (rope.cuh: locate, inverted).
+  const int64_t slot = r.interleaved ? head * 3 + part : (part == 0 ? head : (part == 1 ? hq : hq + hkv) + head);
+  const int64_t* acc = p.qkv_acc + b * width + slot * D;
+  const T* bias = p.qkv_bias ? static_cast<const T*>(p.qkv_bias) + b * width + slot * D : nullptr;
+  const bool rotary = part < 2 && d0 < R, whole = half % 8 == 0;  // whole: d0's 8 partners are one vector
+  long long v[8], w[8] = {};
+  float bv[8] = {}, bw[8] = {};
+#pragma unroll
+  for (int j = 0; j < 8; j += 2) {
+    const longlong2 pair = *reinterpret_cast<const longlong2*>(acc + d0 + j);
+    v[j] = pair.x;
+    v[j + 1] = pair.y;
+  }
+  if (bias) load_vec<T, 8>(bv, bias + d0);
+  const int pd = d0 < half ? d0 + half : d0 - half;
+  if (rotary && whole) {
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      const longlong2 pair = *reinterpret_cast<const longlong2*>(acc + pd + j);
+      w[j] = pair.x;
+      w[j + 1] = pair.y;
+    }
+    if (bias) load_vec<T, 8>(bw, bias + pd);
+  } else if (rotary) {  // partial rotary with R/2 not whole vectors (Pythia: 10): the partners one by one
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int d = d0 + j, e = d < half ? d + half : d - half;
+      if (d < R) {
+        w[j] = acc[e];
+        if (bias) bw[j] = to_float(bias[e]);
+      }
+    }
+  }
+  const auto value = [&](long long a, float bias_value) {
+    const float x = round_to<T>(from_fixed(a));
+    return bias ? round_to<T>(x + bias_value) : x;
+  };
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int d = d0 + j;
+    out[j] = value(v[j], bv[j]);
+    if (rotary && d < R) out[j] = rope_value<T>(out[j], value(w[j], bw[j]), d, R, row.cos, row.sin);
+  }
+}
+
+template <typename T, int D, int GMAX, bool FROM_ACC>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const DecodeAttentionParams p) {
   using Shape = AttnShape<D, GMAX>;
   constexpr int kActive = Shape::kActive, kLanes = Shape::kLanes, kGroups = Shape::kGroups;
@@ -51,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   const T* v_base = static_cast<const T*>(p.v_cache) + head_offset + d0;
 
   // One block step of keys from `base`: kUnroll keys per lane group, K and V in fp32, zeros past hi; key `skip`
-  // is left unloaded.
+  // is left unloaded, and from the accumulator the current token's key always (this kernel makes it: put_current).
   float kv[kUnroll][8], vv[kUnroll][8];
   bool valid[kUnroll];
   const auto load_step = [&](int64_t base, int64_t skip) {
@@ -59,7 +123,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t t = base + u * kGroups + group;
       valid[u] = t < hi;
-      if (valid[u] && active && t != skip) {
+      if (valid[u] && active && t != skip && !(FROM_ACC && t == last_key)) {
         load_vec<T, 8>(kv[u], k_base + t * D);
         load_vec<T, 8>(vv[u], v_base + t * D);
       } else {
@@ -75,23 +139,62 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   load_step(lo, last_key);
   griddep_wait();
   griddep_launch_dependents();
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    if (lo + u * kGroups + group == last_key && valid[u] && active) {
-      load_vec<T, 8>(kv[u], k_base + last_key * D);
-      load_vec<T, 8>(vv[u], v_base + last_key * D);
-    }
-  }
-
+  // q: from the cache's q, or from the QKV accumulator (FROM_ACC; its loads first, then the current token's K/V's
+  // below, with no store between them and so all in flight together).
+  const RopeRow<T> row = FROM_ACC ? rope_row<T>(p.rope, last_key, b) : RopeRow<T>{};
   float q[GMAX][8];
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) q[g][j] = 0.f;
     if (g < G && active) {
-      load_vec<T, 8>(q[g], static_cast<const T*>(p.q) + ((b * p.num_q_heads + head0 + g) * D + d0));
+      if constexpr (FROM_ACC) {
+        qkv_from_acc<T>(p, b, row, 0, head0 + g, d0, q[g]);
+      } else {
+        load_vec<T, 8>(q[g], static_cast<const T*>(p.q) + ((b * p.num_q_heads + head0 + g) * D + d0));
+      }
 #pragma unroll
       for (int j = 0; j < 8; ++j) q[g][j] *= p.scale * kLog2e;  // scores in log2 units: exp2 below
+    }
+  }
+
+  // The current token's key and value. From the cache, or (FROM_ACC) made here at this lane's dims, in the block
+  // that attends over it (the share holding slot), put into whichever step of keys holds it (put_current, after
+  // each load_step); of those blocks, the kv head's first head group's writes them into the cache (lane group 0).
+  float cur_k[8] = {}, cur_v[8] = {};
+  const bool holds_current = lo <= last_key && last_key < hi;
+  if constexpr (FROM_ACC) {
+    if (active && holds_current) {
+      qkv_from_acc<T>(p, b, row, 1, kvh, d0, cur_k);
+      qkv_from_acc<T>(p, b, row, 2, kvh, d0, cur_v);
+      if (first == 0 && group == 0) {
+        const int64_t at = head_offset + last_key * D + d0;  // p.rope's caches: p.k_cache/v_cache, writable
+        store_vec<T, 8>(static_cast<T*>(p.rope.k_cache) + at, cur_k);
+        store_vec<T, 8>(static_cast<T*>(p.rope.v_cache) + at, cur_v);
+      }
+    }
+  }
+  const auto put_current = [&](int64_t base) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * kGroups + group == last_key && valid[u] && active) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          kv[u][j] = cur_k[j];
+          vv[u][j] = cur_v[j];
+        }
+      }
+    }
+  };
+  if constexpr (FROM_ACC) {
+    put_current(lo);
+  } else {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (lo + u * kGroups + group == last_key && valid[u] && active) {
+        load_vec<T, 8>(kv[u], k_base + last_key * D);
+        load_vec<T, 8>(vv[u], v_base + last_key * D);
+      }
     }
   }
   float m[GMAX], l[GMAX], acc[GMAX][8];
@@ -99,7 +202,10 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
 
   // Every lane runs the same number of steps (the shuffles need the whole warp).
   for (int64_t base = lo; base < hi; base += kStep) {
-    if (base != lo) load_step(base, -1);
+    if (base != lo) {
+      load_step(base, -1);
+      if constexpr (FROM_ACC) put_current(base);
+    }
     attend_step<D, GMAX>(q, kv, vv, valid, G, m, l, acc);
   }
   T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + head0) * D;
@@ -118,8 +224,12 @@ cudaError_t launch_head_dim(const DecodeAttentionParams& p, cudaStream_t stream)
   const dim3 grid(static_cast<unsigned>(p.splits),
                   static_cast<unsigned>(p.num_kv_heads * ((group + per_block - 1) / per_block)),
                   static_cast<unsigned>(p.batch));
-  if (per_block == 1) return launch_pdl(decode_attention_kernel<T, D, 1>, grid, kThreads, 0, stream, p);
-  return launch_pdl(decode_attention_kernel<T, D, 2>, grid, kThreads, 0, stream, p);
+  if (p.qkv_acc) {
+    if (per_block == 1) return launch_pdl(decode_attention_kernel<T, D, 1, true>, grid, kThreads, 0, stream, p);
+    return launch_pdl(decode_attention_kernel<T, D, 2, true>, grid, kThreads, 0, stream, p);
+  }
+  if (per_block == 1) return launch_pdl(decode_attention_kernel<T, D, 1, false>, grid, kThreads, 0, stream, p);
+  return launch_pdl(decode_attention_kernel<T, D, 2, false>, grid, kThreads, 0, stream, p);
 }
 
 }  // namespace

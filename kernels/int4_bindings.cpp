@@ -248,17 +248,15 @@ Tensor int4_gemv_cat(const Tensor& x, const Tensor& x2, TensorList qweight, Tens
 // acc += [x | x2] @ W in fixed point (cat_params; x2 optional), with the meeting of the K slices left to the op that
 // reads acc as its norm prologue's delta (Int4Params::acc). No bias: the caller hands it to that prologue as delta2.
 // `clear`, when given, is zeroed once this op's inputs are ready (Int4Params::clear).
-void int4_gemv_acc(const Tensor& x, const OptTensor& x2, TensorList qweight, TensorList qzeros, TensorList scales,
-                   TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order, int64_t zero_offset,
-                   int64_t splits, Tensor& workspace, Tensor& acc, const OptTensor& clear, bool x2_early) {
-  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
-  const c10::cuda::CUDAGuard guard(x.device());
+// The accumulator side of int4_gemv_acc and int4_norm_gemv_acc: no bias (the reader of acc adds it, as its
+// prologue's delta2 or decode_attention_qkv_acc's bias_rows), acc [batch, width] int64, `clear` zeroed, and at most
+// 2047 terms into an accumulator; then the launch.
+void launch_acc(patcher::Int4Params& p, const Tensor& x, OptTensorList bias, int64_t splits, Tensor& workspace,
+                Tensor& acc, const OptTensor& clear, const char* op) {
   for (size_t s = 0; s < bias.size(); ++s) {
-    TORCH_CHECK(!bias.get(s).has_value(), "patcher: int4_gemv_acc adds no bias (the reader of acc adds it, as its ",
+    TORCH_CHECK(!bias.get(s).has_value(), "patcher: ", op, " adds no bias (the reader of acc adds it, as its ",
                 "prologue's delta2); pass None for every segment");
   }
-  patcher::Int4Params p = cat_params(x, x2, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset,
-                                     x2_early, "int4_gemv_acc");
   p.epilogue = patcher::kInt4Store;
   p.act = patcher::kActNone;
   const int64_t n = patcher::int4_total_width(p);
@@ -275,13 +273,42 @@ void int4_gemv_acc(const Tensor& x, const OptTensor& x2, TensorList qweight, Ten
     p.clear = clear->data_ptr<int64_t>();
     p.clear_count = clear->numel();
   }
-  // Each block sharing a tile adds one term of at most 2^52 (kernels/int4_tile.cuh: to_fixed): a K slice, or for
+  // Each block sharing a tile adds one term of at most 2^52 (kernels/common.cuh: to_fixed): a K slice, or for
   // the Hopper kernel at most one per 256 k; int4_partial_rows bounds both.
   p.splits = static_cast<int32_t>(splits);
-  TORCH_CHECK(patcher::int4_partial_rows(p) < 2048, "patcher: int4_gemv_acc adds at most 2047 terms into an ",
+  TORCH_CHECK(patcher::int4_partial_rows(p) < 2048, "patcher: ", op, " adds at most 2047 terms into an ",
               "accumulator (K slices, or 256-k stages of the Hopper kernel); got splits ", std::to_string(splits),
               " and in_features ", std::to_string(p.k));
-  launch_split(p, splits, workspace, "int4_gemv_acc");
+  launch_split(p, splits, workspace, op);
+}
+
+void int4_gemv_acc(const Tensor& x, const OptTensor& x2, TensorList qweight, TensorList qzeros, TensorList scales,
+                   TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order, int64_t zero_offset,
+                   int64_t splits, Tensor& workspace, Tensor& acc, const OptTensor& clear, bool x2_early) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::Int4Params p = cat_params(x, x2, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset,
+                                     x2_early, "int4_gemv_acc");
+  launch_acc(p, x, bias, splits, workspace, acc, clear, "int4_gemv_acc");
+}
+
+// int4_gemv_acc behind the add + norm prologue of int4_gemv (one input, no second one): the decode step's QKV
+// projection whose sums decode_attention_qkv_acc finishes. Returns (sum, h2) as int4_gemv does.
+std::tuple<Tensor, Tensor> int4_norm_gemv_acc(const Tensor& x, const OptTensor& delta, const OptTensor& delta2,
+                                              const OptTensor& norm_weight, const OptTensor& norm_bias,
+                                              const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps,
+                                              bool rms, TensorList qweight, TensorList qzeros, TensorList scales,
+                                              TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order,
+                                              int64_t zero_offset, int64_t splits, Tensor& workspace, Tensor& acc,
+                                              const OptTensor& clear) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
+  matrix_vector_input(p, x);
+  const Prologue pro =
+      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, true);
+  launch_acc(p, x, bias, splits, workspace, acc, clear, "int4_norm_gemv_acc");
+  return {pro.sum, pro.h2};
 }
 
 // The attention prologue of int4_qkv_rope_cache and int4_qkv_mlp_in: p's segments [0, qkv_segments) are q | k | v
@@ -420,6 +447,7 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int4_gemv_cat", &int4_gemv_cat);
   m.impl("int4_gemv_acc", &int4_gemv_acc);
+  m.impl("int4_norm_gemv_acc", &int4_norm_gemv_acc);
   m.impl("int4_qkv_rope_cache", &int4_qkv_rope_cache);
   m.impl("int4_qkv_mlp_in", &int4_qkv_mlp_in);
 }

@@ -168,6 +168,14 @@ struct DecodeAttentionParams {
   float* partials;    // [batch, Hq, splits, D + 2] workspace
   int32_t* counters;  // [batch, Hq] workspace (one per head group, at its first head), zero on entry and left zero
   void* out;          // [batch, Hq * D] contiguous
+  // Or, with qkv_acc set (q not read): q and the current token's K/V come from the QKV projection's fixed-point
+  // accumulator (int4_norm_gemv_acc), [batch, (Hq + 2 Hkv) * D] int64 in rope's layout, rounded as that op's
+  // epilogue rounds (then + qkv_bias [batch, same width] in the dtype, where not nullptr); RoPE applied with
+  // rope's tables; the kernel writes K/V into the caches at slot. Of rope, the tables, rotary_dim, table_len, pad and
+  // interleaved are read.
+  const int64_t* qkv_acc;
+  const void* qkv_bias;
+  RopeCacheParams rope;
 };
 cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream);
 

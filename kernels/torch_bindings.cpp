@@ -314,39 +314,35 @@ std::tuple<Tensor, Tensor, Tensor> norm_gemv_rope_cache(const Tensor& x, const O
   return {q, pro.sum, pro.h2};
 }
 
-Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slot,
-                        const Tensor& pad, double scale, int64_t splits, Tensor& workspace) {
-  TORCH_CHECK(q.is_cuda(), "patcher: q must be a CUDA tensor, got ", q.device());
-  const c10::cuda::CUDAGuard guard(q.device());
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "patcher: q must be contiguous [batch, heads, head_dim], got ",
-              dims(q.sizes()));
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  TORCH_CHECK(D == 64 || D == 80 || D == 128, "patcher: decode_attention supports head_dim 64, 80 and 128, got ",
+// The checks and parameters decode_attention and decode_attention_qkv_acc share: B rows of Hq query heads of D over
+// the caches; `like` gives the dtype and device. Returns the output [B, Hq * D] (p.out set).
+Tensor attention_params(patcher::DecodeAttentionParams& p, const Tensor& like, int64_t B, int64_t Hq, int64_t D,
+                        const Tensor& k_cache, const Tensor& v_cache, const Tensor& slot, const Tensor& pad,
+                        double scale, int64_t splits, Tensor& workspace, const char* op) {
+  TORCH_CHECK(D == 64 || D == 80 || D == 128, "patcher: ", op, " supports head_dim 64, 80 and 128, got ",
               std::to_string(D));
   TORCH_CHECK(k_cache.dim() == 4, "patcher: k_cache must be [batch, kv_heads, capacity, head_dim]");
   const int64_t Hkv = k_cache.size(1);
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 8, "patcher: ", std::to_string(Hq), " query heads over ",
               std::to_string(Hkv), " kv heads: need a multiple, at most 8 per kv head");
-  check_cache(k_cache, q, B, Hkv, D, "k_cache");
-  check_cache(v_cache, q, B, Hkv, D, "v_cache");
+  check_cache(k_cache, like, B, Hkv, D, "k_cache");
+  check_cache(v_cache, like, B, Hkv, D, "v_cache");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "patcher: k_cache and v_cache differ in shape");
-  check_index(slot, 1, q, "slot");
-  check_index(pad, B, q, "pad");
+  check_index(slot, 1, like, "slot");
+  check_index(pad, B, like, "pad");
   TORCH_CHECK(splits >= 1 && splits <= 16, "patcher: splits must be in 1..16, got ", std::to_string(splits));
   const int64_t counters = (B * Hq + 63) / 64 * 64;
   const int64_t needed = counters + B * Hq * splits * (D + 2);
-  TORCH_CHECK(workspace.is_cuda() && workspace.device() == q.device() && workspace.scalar_type() == at::kInt &&
+  TORCH_CHECK(workspace.is_cuda() && workspace.device() == like.device() && workspace.scalar_type() == at::kInt &&
                   workspace.is_contiguous() && workspace.numel() >= needed,
               "patcher: workspace must be a zeroed contiguous int32 CUDA tensor of at least ", std::to_string(needed),
               " elements (patcher.ops.decode_attention_workspace)");
-  patcher::DecodeAttentionParams p{};
-  p.dtype = dtype_of(q);
+  p.dtype = dtype_of(like);
   p.batch = B;
   p.num_q_heads = Hq;
   p.num_kv_heads = Hkv;
   p.head_dim = D;
   p.capacity = k_cache.size(2);
-  p.q = q.data_ptr();
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
   p.slot = slot.data_ptr<int64_t>();
@@ -355,9 +351,55 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   p.splits = static_cast<int32_t>(splits);
   p.counters = workspace.data_ptr<int32_t>();
   p.partials = reinterpret_cast<float*>(workspace.data_ptr<int32_t>() + counters);
-  Tensor out = at::empty({B, Hq * D}, q.options());
+  Tensor out = at::empty({B, Hq * D}, like.options());
   p.out = out.data_ptr();
+  return out;
+}
+
+Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slot,
+                        const Tensor& pad, double scale, int64_t splits, Tensor& workspace) {
+  TORCH_CHECK(q.is_cuda(), "patcher: q must be a CUDA tensor, got ", q.device());
+  const c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "patcher: q must be contiguous [batch, heads, head_dim], got ",
+              dims(q.sizes()));
+  patcher::DecodeAttentionParams p{};
+  Tensor out = attention_params(p, q, q.size(0), q.size(1), q.size(2), k_cache, v_cache, slot, pad, scale, splits,
+                                workspace, "decode_attention");
+  p.q = q.data_ptr();
   check_launch(patcher::launch_decode_attention(p, c10::cuda::getCurrentCUDAStream()), "decode_attention");
+  return out;
+}
+
+// decode_attention with q and the current token's K/V taken from the QKV projection's accumulator (int4_norm_gemv_acc:
+// acc [B, (Hq + 2 Hkv) * D] int64), rounded, + bias_rows ([B, that width] in the caches' dtype, or None), RoPE'd;
+// K/V are written into the caches at slot, as rope_qkv_cache writes them.
+Tensor decode_attention_qkv_acc(const Tensor& acc, const OptTensor& bias_rows, const Tensor& cos, const Tensor& sin,
+                                const Tensor& slot, const Tensor& pad, Tensor& k_cache, Tensor& v_cache,
+                                int64_t num_q_heads, bool interleaved, double scale, int64_t splits,
+                                Tensor& workspace) {
+  TORCH_CHECK(k_cache.is_cuda(), "patcher: k_cache must be a CUDA tensor, got ", k_cache.device());
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  TORCH_CHECK(k_cache.dim() == 4, "patcher: k_cache must be [batch, kv_heads, capacity, head_dim]");
+  const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), D = k_cache.size(3);
+  const int64_t width = (num_q_heads + 2 * Hkv) * D;
+  TORCH_CHECK(acc.is_cuda() && acc.device() == k_cache.device() && acc.scalar_type() == at::kLong &&
+                  acc.is_contiguous() && acc.dim() == 2 && acc.size(0) == B && acc.size(1) == width,
+              "patcher: acc must be a contiguous int64 [", std::to_string(B), ", ", std::to_string(width),
+              "] tensor on ", k_cache.device(), ", got ", acc.scalar_type(), " ", dims(acc.sizes()));
+  patcher::DecodeAttentionParams p{};
+  Tensor out = attention_params(p, k_cache, B, num_q_heads, D, k_cache, v_cache, slot, pad, scale, splits, workspace,
+                                "decode_attention_qkv_acc");
+  // The tables, heads and layout as rope_qkv_cache takes them (its q, allocated there, is not used).
+  rope_cache_target(p.rope, k_cache, B, width, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, Hkv, D, interleaved);
+  p.qkv_acc = acc.data_ptr<int64_t>();
+  if (bias_rows.has_value()) {
+    TORCH_CHECK(bias_rows->scalar_type() == k_cache.scalar_type() && bias_rows->device() == k_cache.device() &&
+                    bias_rows->is_contiguous() && bias_rows->sizes() == acc.sizes(),
+                "patcher: bias_rows must be a contiguous [", std::to_string(B), ", ", std::to_string(width),
+                "] tensor of the caches' dtype on their device");
+    p.qkv_bias = bias_rows->data_ptr();
+  }
+  check_launch(patcher::launch_decode_attention(p, c10::cuda::getCurrentCUDAStream()), "decode_attention_qkv_acc");
   return out;
 }
 
@@ -448,5 +490,6 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("norm_gemv", &norm_gemv);
   m.impl("norm_gemv_rope_cache", &norm_gemv_rope_cache);
   m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention_qkv_acc", &decode_attention_qkv_acc);
   m.impl("next_token", &next_token);
 }

@@ -297,12 +297,56 @@ def test_int4_gemv_acc_reference():
     assert max_err(from_acc[0], from_out[0]) <= 2e-3 * from_out[0].abs().max()
 
 
+def test_qkv_acc_reference():
+    """CPU: the QKV projection handed on unmet and finished by the attention (runner.py) against the op it replaces:
+    int4_norm_gemv_acc gives int4_gemv's residual sum and the product unrounded in acc; decode_attention_qkv_acc
+    over it (the bias as rows) writes the current token's K/V at slot only and attends as decode_attention does over
+    int4_gemv's rounded, biased output through rope_qkv_cache (within fp16 rounding: the fixed point may round a last
+    bit apart)."""
+    from patcher.ops import KERNELS, reference
+
+    torch.manual_seed(0)
+    hq, hkv, d, k, slot = 4, 2, 8, 64, 5
+    n = (hq + 2 * hkv) * d
+    args = _quantized(n, k, 32)
+    bias = torch.randn(n).half()
+    biased = (*args[:4], [bias], *args[5:])
+    x, delta, w = torch.randn(2, k).half(), torch.randn(2, k).half(), torch.rand(k).half() + 0.5
+    pro = (x, delta, None, w, None, None, None, 1e-6, True)
+    acc, clear = torch.zeros(2, n, dtype=torch.int64), torch.ones(7, dtype=torch.int64)
+    ops = torch.ops.patcher
+    torch.library.opcheck(ops.int4_norm_gemv_acc.default, (*pro, *args, 1, None, acc.clone(), clear.clone()))
+    total, h2 = KERNELS.int4_norm_gemv_acc(*pro, *args, 1, None, acc, clear)  # the CPU dispatch: the reference
+    qkv, total_ref, _ = reference.int4_gemv(*pro, *biased, "none", 1, None)
+    assert torch.equal(total, total_ref) and h2.numel() == 0 and int(clear.abs().sum()) == 0
+
+    angles = torch.randn(16, d // 2) * 3
+    cos, sin = torch.cat([angles, angles], -1).cos().half(), torch.cat([angles, angles], -1).sin().half()
+    caches = [torch.randn(2, hkv, 16, d).half() for _ in range(2)]
+    expected_caches = [c.clone() for c in caches]
+    slots, pad = torch.tensor([slot]), torch.tensor([0, 2])
+    rows = bias.expand(2, n).contiguous()
+    tail = (hq, False, d**-0.5, 1, None)
+    torch.library.opcheck(ops.decode_attention_qkv_acc.default,
+                          (acc, rows, cos, sin, slots, pad, *[c.clone() for c in caches], *tail))  # fmt: skip
+    out = KERNELS.decode_attention_qkv_acc(acc, rows, cos, sin, slots, pad, *caches, *tail)
+    q = reference.rope_qkv_cache(qkv, cos, sin, slots, pad, *expected_caches, hq, hkv, d, False)
+    expected = reference.decode_attention(q, *expected_caches, slots, pad, d**-0.5, 1, None)
+    assert max_err(out, expected) <= 4e-3 * expected.abs().max()
+    keep = torch.arange(16) != slot
+    for got, want in zip(caches, expected_caches):
+        assert torch.equal(got[:, :, keep], want[:, :, keep])
+        assert max_err(got[:, :, slot], want[:, :, slot]) <= 4e-3 * want[:, :, slot].abs().max()
+
+
 def deferred_expected(runner) -> set:
-    """The (kind, layer) producers that should run as int4_gemv_acc in an all-int4 model (runner.py)."""
+    """The (kind, layer) producers that should run as int4_gemv_acc (with defer_qkv also the QKV projections, as
+    int4_norm_gemv_acc) in an all-int4 model (runner.py)."""
     last = runner.num_layers - 1
     if runner.parallel:
         return {("out", i) for i in range(last)}
-    return {("attn_out", i) for i in range(last + 1)} | {("mlp_out", i) for i in range(last)}
+    kinds = ("qkv", "attn_out") if runner.defer_qkv else ("attn_out",)
+    return {(kind, i) for kind in kinds for i in range(last + 1)} | {("mlp_out", i) for i in range(last)}
 
 
 def check_accumulators(runner, batch: int) -> None:
@@ -319,14 +363,15 @@ def check_accumulators(runner, batch: int) -> None:
 def test_int4_output_projections_hand_on_unmet_sums(name, tmp_path):
     """CPU, reference backend: the decode step runs every int4 output projection whose output an int4 norm prologue
     reads as int4_gemv_acc (runner.py; the biases of GPT-NeoX's as the reader's delta2), and gives the tokens and
-    logits of the step with the K slices meeting (defer_int4=False), over steps that reuse every accumulator."""
+    logits of the step with the K slices meeting (defer_int4=False), over steps that reuse every accumulator; so
+    does the step whose QKV projections the attention finishes too (defer_qkv, opt-in; LLaMA/Qwen2)."""
     model = gptq_model(name, tmp_path)
     patch_model(model)
     ids, mask = torch.randint(3, 500, (2, 11)), torch.ones(2, 11, dtype=torch.long)
     results = {}
     with torch.no_grad():
-        for defer in (True, False):
-            runner = DecodeRunner(model, use_graphs=False, defer_int4=defer)
+        for defer in ("qkv", True, False):
+            runner = DecodeRunner(model, use_graphs=False, defer_int4=bool(defer), defer_qkv=defer == "qkv")
             assert set(runner.deferred) == (deferred_expected(runner) if defer else set())
             tokens = runner.generate(ids, mask, 8, Sampling(), eos=[], pad_token_id=0)
             results[defer] = (tokens, runner.logits(runner.states[2]))
@@ -336,8 +381,9 @@ def test_int4_output_projections_hand_on_unmet_sums(name, tmp_path):
                 for d in runner.states[2].deferred.values():
                     d.acc.random_(-(2**40), 2**40)
                 assert torch.equal(runner.generate(ids, mask, 8, Sampling(), eos=[], pad_token_id=0), tokens)
-    assert torch.equal(results[True][0], results[False][0])
-    assert max_err(results[True][1], results[False][1]) <= FP32_LOGIT_ATOL
+    for defer in ("qkv", True):
+        assert torch.equal(results[defer][0], results[False][0])
+        assert max_err(results[defer][1], results[False][1]) <= FP32_LOGIT_ATOL
 
 
 def test_gptq_layers_the_kernels_cannot_read_are_left_with_a_reason(tmp_path):
@@ -383,24 +429,28 @@ def test_int4_model_on_the_gpu(name, dtype, act_order, tmp_path):
 def test_int4_unmet_sums_on_the_gpu(name, tmp_path):
     """GPU: the graph-captured decode with the int4 output projections as int4_gemv_acc leaves the accumulators
     zeroed in turn across replays, and one step on the same cache and tokens gives the logits of the step with the
-    K slices meeting (defer_int4=False) within fp16 rounding (a missing bias, a stale or doubled sum: O(1) off)."""
+    K slices meeting (defer_int4=False) within fp16 rounding (a missing bias, a stale or doubled sum: O(1) off); so
+    does the step whose QKV projections the attention finishes too (defer_qkv, opt-in)."""
     model = gptq_model(name, tmp_path, False, dtype=torch.float16, device="cuda")
     patch_model(model)
     ids = torch.randint(3, 500, (3, 13), device="cuda")
     mask = torch.ones_like(ids)
     runners = {defer: DecodeRunner(model, defer_int4=defer) for defer in (True, False)}
+    runners["qkv"] = DecodeRunner(model, defer_qkv=True)
     with torch.no_grad():
         for runner in runners.values():
             runner.generate(ids, mask, 16, Sampling(), eos=[], pad_token_id=0)
             assert runner.states[3].graph is not None
-        deferred = runners[True]
-        assert set(deferred.deferred) == deferred_expected(deferred)
-        check_accumulators(deferred, 3)
+        for defer in (True, "qkv"):
+            assert set(runners[defer].deferred) == deferred_expected(runners[defer])
+            check_accumulators(runners[defer], 3)
         states = {defer: runner.states[3] for defer, runner in runners.items()}
-        for field in ("k", "v", "tokens", "slot", "pad"):
-            getattr(states[False], field).copy_(getattr(states[True], field))
-        logits = {defer: runners[defer].logits(states[defer]) for defer in (True, False)}
-    assert max_err(logits[True], logits[False]) <= 1e-2 * max(1.0, logits[False].abs().max().item())
+        for other in (False, "qkv"):
+            for field in ("k", "v", "tokens", "slot", "pad"):
+                getattr(states[other], field).copy_(getattr(states[True], field))
+        logits = {defer: runners[defer].logits(states[defer]) for defer in runners}
+    for defer in (True, "qkv"):
+        assert max_err(logits[defer], logits[False]) <= 1e-2 * max(1.0, logits[False].abs().max().item())
 
 
 @requires_cuda

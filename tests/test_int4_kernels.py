@@ -239,6 +239,96 @@ def test_int4_prologue_reads_an_accumulator(rms, with_bias, batch, dtype):
     assert torch.equal(total, total_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("prologue", ["rms", "add_rms", "layer"])
+def test_int4_norm_gemv_acc(prologue, batch, dtype):
+    """The QKV op of the decode step whose sums the attention finishes: int4_gemv's add + norm prologue (the residual
+    sum bit for bit), then acc += h @ W in fixed point as int4_gemv_acc adds it (the 2x rule against float64),
+    `clear` zeroed, the tile counters untouched."""
+    from patcher.ops import KERNELS, reference
+
+    k = 4096
+    lin = gptq_linear(k, [4096, 1024, 1024], 128)  # Llama-3.1-8B's q | k | v
+    splits = int4_ops.splits_for(batch, lin, torch.cuda.get_device_properties(0).multi_processor_count)
+    workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits), dtype=torch.int32, device="cuda")
+    x, pro = prologue_args(prologue, batch, k, dtype)
+    start = torch.randint(-(2**40), 2**40, (batch, 6144), device="cuda")
+    clear = torch.randint(1, 9, (2, 300), device="cuda")
+    got, low = start.clone(), start.clone()
+    total, _ = KERNELS.int4_norm_gemv_acc(x, *pro, *lin.args(), splits, workspace, got, clear)
+    total_ref, _ = reference.int4_norm_gemv_acc(x, *pro, *lin.args(), splits, None, low)
+    as64 = [t.double() if isinstance(t, torch.Tensor) else t for t in (x, *pro)]
+    ref64 = reference.int4_gemv(*as64, *lin.args(), "none", splits, None)[0]
+    added = [((a - start).double() / reference.FIXED_SCALE).float() for a in (got, low)]
+    assert_within_torch_error(added[0], added[1], ref64, "int4_norm_gemv_acc")
+    assert torch.equal(total, total_ref)
+    assert int(clear.abs().sum()) == 0, "clear must be zeroed"
+    assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0, "the tile counters must be left at zero"
+
+
+QKV_ACC_ARCHS = {  # q heads, kv heads, head_dim, rotary dims, interleaved
+    "pythia-2.8b": (32, 32, 80, 20, True),  # partial rotary: partner dims 10 apart, across a lane's 8
+    "llama-3.1-8b": (32, 8, 128, 128, False),
+    "qwen2-1.5b": (12, 2, 128, 128, False),
+    "smollm2": (9, 3, 64, 64, False),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("arch", list(QKV_ACC_ARCHS))
+@pytest.mark.parametrize("length", [1, 7, 129, 1000])
+@pytest.mark.parametrize("batch,splits", [(1, 1), (1, 16), (3, 7)])
+def test_decode_attention_qkv_acc(batch, splits, length, arch, bias, dtype):
+    """decode_attention_qkv_acc against the kernels it stands for: the QKV accumulator rounded (+ bias) as the
+    projection's epilogue rounds it, then rope_qkv_cache and decode_attention. The caches bit for bit (the current
+    token's K/V written at slot, nothing else touched); the output is the same attention over the same values, equal
+    but for the compiler's FMA contraction in a different instantiation (within 2 ulps of the dtype at 1)."""
+    from patcher.ops import KERNELS, decode_attention_workspace, reference
+
+    hq, hkv, d, rot, interleaved = QKV_ACC_ARCHS[arch]
+    capacity, width = length + 9, (hq + 2 * hkv) * d
+    acc = reference.to_fixed(torch.randn(batch, width, device="cuda") * 2)
+    rows = (torch.randn(width, device="cuda") * 0.5).to(dtype).expand(batch, width).contiguous() if bias else None
+    cos, sin = rope_tables((capacity, rot // 2), dtype)
+    slot = torch.tensor([length - 1], device="cuda")
+    pad = torch.tensor([min(r * 3, length - 1) for r in range(batch)], device="cuda")
+    caches = [torch.randn(batch, hkv, capacity, d, device="cuda").to(dtype) for _ in range(2)]
+    expected_caches = [c.clone() for c in caches]
+    workspaces = [decode_attention_workspace(batch, hq, hkv, d, splits, "cuda") for _ in range(2)]
+    scale = d**-0.5
+    out = KERNELS.decode_attention_qkv_acc(acc, rows, cos, sin, slot, pad, *caches, hq, interleaved, scale, splits,
+                                           workspaces[0])  # fmt: skip
+    qkv = reference.from_fixed(acc, dtype) if rows is None else reference.from_fixed(acc, dtype) + rows
+    q = KERNELS.rope_qkv_cache(qkv, cos, sin, slot, pad, *expected_caches, hq, hkv, d, interleaved)
+    expected = KERNELS.decode_attention(q, *expected_caches, slot, pad, scale, splits, workspaces[1])
+    assert torch.equal(caches[0], expected_caches[0]) and torch.equal(caches[1], expected_caches[1])
+    assert max_err(out, expected) <= 2 * torch.finfo(dtype).eps * max(1.0, expected.abs().max().item())
+    assert int(workspaces[0][: batch * hq].abs().sum()) == 0, "split counters must be left at zero"
+
+
+def test_decode_attention_qkv_acc_bad_inputs(kernels):
+    from patcher.ops import decode_attention_workspace
+
+    kc, vc = (torch.zeros(1, 2, 16, 64, device="cuda").half() for _ in range(2))
+    acc = torch.zeros(1, 8 * 64, dtype=torch.int64, device="cuda")
+    cos, sin = rope_tables((16, 32), torch.float16)
+    slot, pad = torch.tensor([3], device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
+    workspace = decode_attention_workspace(1, 4, 2, 64, 2, "cuda")
+    args = (cos, sin, slot, pad, kc, vc, 4, False, 0.125, 2, workspace)
+    torch.library.opcheck(torch.ops.patcher.decode_attention_qkv_acc.default, (acc, None, *args))
+    with pytest.raises(RuntimeError, match="acc must be a contiguous int64"):
+        kernels.decode_attention_qkv_acc(acc[:, :64], None, *args)
+    with pytest.raises(RuntimeError, match="acc must be a contiguous int64"):
+        kernels.decode_attention_qkv_acc(acc.int(), None, *args)
+    with pytest.raises(RuntimeError, match="bias_rows must be"):
+        kernels.decode_attention_qkv_acc(acc, torch.zeros(1, 8 * 64, device="cuda"), *args)
+    with pytest.raises(RuntimeError, match="supports head_dim"):
+        small = [torch.zeros(1, 2, 16, 32, device="cuda").half() for _ in range(2)]
+        kernels.decode_attention_qkv_acc(acc[:, :256], None, cos, sin, slot, pad, *small, 4, False, 0.1, 2, workspace)
+
+
 def test_int4_gemv_acc_bad_inputs(kernels):
     lin = gptq_linear(256, [128], 64)
     biased = gptq_linear(256, [128], 64, bias=True)

@@ -33,6 +33,15 @@ accumulator is zeroed, for the next step, by the following producer of its kind 
 meeting of those ops simply left out (wrong values, a bound), int4 TPOT Pythia-2.8B 1.462 -> 1.321 ms and
 Llama-3.1-8B 3.250 -> 2.952; with the accumulators, 1.478 -> 1.414 and 3.250 -> 3.060 (README, int4 section).
 `DecodeRunner(model, defer_int4=False)` (or PATCHER_INT4_DEFER=0) keeps the meetings.
+
+Opt-in, not yet faster (`DecodeRunner(model, defer_qkv=True)` or PATCHER_INT4_DEFER_QKV=1): LLaMA/Qwen2's int4 QKV
+projection hands its sums on the same way (int4_norm_gemv_acc, its add + norm prologue kept), and the attention
+finishes them for the heads it takes (decode_attention_qkv_acc: rounding, bias, RoPE, the current token's K/V into
+the cache), so no K slices meet in that op either. As a bound (the QKV meeting left out, wrong values) that was
+worth int4 TPOT Llama-3.1-8B 2.60 -> 2.52-2.53 ms and Qwen2-1.5B 1.25-1.28 -> 1.16-1.17 (H100, one call); as built,
+the QKV op is 3.6 us faster a launch but the attention 7.4 us slower (critical time, `--kernel-table`: 6.3 -> 13.7
+us), so the step is slower (Llama 2.603 -> 2.717 ms, Qwen2 1.264 -> 1.327). Where the attention's prologue loses
+that time is not yet known (README, int4 section).
 """
 
 from __future__ import annotations
@@ -129,6 +138,12 @@ def defer_enabled() -> bool:
     return os.environ.get("PATCHER_INT4_DEFER", "1") != "0"
 
 
+def defer_qkv_enabled() -> bool:
+    """Whether LLaMA/Qwen2's int4 QKV hands its sums on to the attention (module docstring; opt-in, not yet faster):
+    PATCHER_INT4_DEFER_QKV, default 0."""
+    return os.environ.get("PATCHER_INT4_DEFER_QKV", "0") == "1"
+
+
 class StepState:
     """The static buffers one (batch size, cache capacity) pair decodes in; a captured graph reads only these."""
 
@@ -213,6 +228,7 @@ class DecodeRunner:
         merge_int4: bool = True,
         fuse_next_token: bool = True,
         defer_int4: bool | None = None,
+        defer_qkv: bool | None = None,
     ):
         config = model.config
         entry = REGISTRY[config.model_type]
@@ -284,16 +300,22 @@ class DecodeRunner:
         concurrent = self.device.type == "cuda" and self.parallel and not merged
         self.branch_stream = torch.cuda.Stream(self.device) if concurrent else None
         # int4 output projections that run as int4_gemv_acc (module docstring); None takes PATCHER_INT4_DEFER.
+        # And (opt-in) the QKV projections, finished by the attention; None takes PATCHER_INT4_DEFER_QKV.
+        self.defer_qkv = defer_qkv_enabled() if defer_qkv is None else defer_qkv
         self.deferred = self._deferred_linears() if (defer_enabled() if defer_int4 is None else defer_int4) else {}
+        for (kind, _), lin in self.deferred.items():
+            if kind == "qkv":  # a plain int4 op now (the attention applies RoPE): its K slices for plain tiles
+                self.int4[id(lin)] = (lin, None)
         self.states: dict[int, StepState] = {}  # batch size -> buffers (and graph), grown on demand
 
     # ---- setup ------------------------------------------------------------------------------------------------
     def _deferred_linears(self) -> dict:
         """(kind, layer) -> Int4Linear of every int4 output projection whose output the next op's int4 norm prologue
         reads: LLaMA/Qwen2's o_proj ("attn_out", read by the MLP's int4_gemv) and down ("mlp_out", by the next
-        layer's int4_qkv_rope_cache; not the last layer's, which the final norm reads), GPT-NeoX's out pair ("out",
-        by the next layer's int4_qkv_mlp_in). A kind with a single producer keeps its meeting: that producer would
-        zero its own accumulator."""
+        layer's QKV op; not the last layer's, which the final norm reads), GPT-NeoX's out pair ("out", by the next
+        layer's int4_qkv_mlp_in); and with defer_qkv LLaMA/Qwen2's QKV ("qkv", int4_norm_gemv_acc, read by
+        decode_attention_qkv_acc). A kind with a single producer keeps its meeting: that producer would zero its own
+        accumulator."""
         found = {}
         for i, layer in enumerate(self.layers):
             a, m = layer.attention, layer.mlp
@@ -302,6 +324,8 @@ class DecodeRunner:
                 if layer.out_pair is not None and following is not None and following.qkv_mlp is not None:
                     found[("out", i)] = layer.out_pair
                 continue
+            if self.defer_qkv and a.qkv_int4 is not None:
+                found[("qkv", i)] = a.qkv_int4
             if a.out_int4 is not None and m.in_int4 is not None:
                 found[("attn_out", i)] = a.out_int4
             if m.out_int4 is not None and following is not None and following.attention.qkv_int4 is not None:
@@ -409,6 +433,14 @@ class DecodeRunner:
                                            st.int4_workspace)  # fmt: skip
         return ops.norm_gemv_rope_cache(x, *pro, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)
 
+    def _qkv_acc(self, layer: LayerStep, index: int, x, pro, st: StepState) -> tuple:
+        """The int4 QKV projection behind its add + norm into its accumulator (module docstring), for the attention
+        to finish: (the DeferredOut to pass as _attention's q, sum)."""
+        lin, d = layer.attention.qkv_int4, st.deferred[("qkv", index)]
+        total, _ = self.ops.int4_norm_gemv_acc(x, *pro, *lin.args(bias=False), st.int4_splits[id(lin)],
+                                               st.int4_workspace, d.acc, d.clear)  # fmt: skip
+        return d, total
+
     def _qkv_rope(self, layer: LayerStep, index: int, h, st: StepState):
         """QKV -> RoPE -> K/V into the cache slot from the norm's output h (dense); returns q."""
         a, ops = layer.attention, self.ops
@@ -456,10 +488,16 @@ class DecodeRunner:
             torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def _attention(self, layer: LayerStep, q, st: StepState, index: int, project: bool = True):
-        """Attention over the cache and (with `project`) the output projection."""
+        """Attention over the cache and (with `project`) the output projection. q: the query [B, Hq, D], or the
+        QKV projection's DeferredOut (q and the current token's K/V still in its accumulator: _qkv_acc)."""
         a = layer.attention
-        out = self.ops.decode_attention(q, st.k[index], st.v[index], st.slot, st.pad, layer.scale, st.splits,
-                                        st.workspace)  # fmt: skip
+        if isinstance(q, DeferredOut):
+            out = self.ops.decode_attention_qkv_acc(q.acc, q.bias_rows, st.cos, st.sin, st.slot, st.pad, st.k[index],
+                                                    st.v[index], a.num_heads, a.interleaved, layer.scale, st.splits,
+                                                    st.workspace)  # fmt: skip
+        else:
+            out = self.ops.decode_attention(q, st.k[index], st.v[index], st.slot, st.pad, layer.scale, st.splits,
+                                            st.workspace)  # fmt: skip
         return self._linear(out, a.out_weight, a.out_bias, "none", st, a.out_int4) if project else out
 
     def _layers(self, x, st: StepState) -> tuple:
@@ -503,7 +541,11 @@ class DecodeRunner:
                         delta = self.ops.int4_gemv_cat(attn, mlp_out, *pair.args(), splits, st.int4_workspace, early)
                         delta2 = None
             else:
-                q, total, _ = self._qkv(layer, i, residual, self._prologue(delta, delta2, norm), st)
+                pro = self._prologue(delta, delta2, norm)
+                if ("qkv", i) in st.deferred:
+                    q, total = self._qkv_acc(layer, i, residual, pro, st)
+                else:
+                    q, total, _ = self._qkv(layer, i, residual, pro, st)
                 residual = residual if delta is None else total
                 if ("attn_out", i) in st.deferred:
                     out = self._attention(layer, q, st, i, project=False)

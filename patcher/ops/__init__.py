@@ -31,11 +31,13 @@ OP_NAMES = (
     "rope_qkv_cache",
     "norm_gemv_rope_cache",
     "decode_attention",
+    "decode_attention_qkv_acc",
     "next_token",
     "int4_linear",
     "int4_gemv",
     "int4_gemv_cat",
     "int4_gemv_acc",
+    "int4_norm_gemv_acc",
     "int4_qkv_rope_cache",
     "int4_qkv_mlp_in",
 )

@@ -184,6 +184,15 @@ _define(
     ref.decode_attention,
     lambda q, kc, vc, slot, pad, scale, splits, ws: q.new_empty((q.shape[0], q.shape[1] * q.shape[2])),
 )
+_define(
+    "decode_attention_qkv_acc(Tensor acc, Tensor? bias_rows, Tensor cos, Tensor sin, Tensor slot, Tensor pad,"
+    " Tensor(a!) k_cache, Tensor(b!) v_cache, int num_q_heads, bool interleaved, float scale, int splits,"
+    " Tensor(c!) workspace) -> Tensor",
+    ref.decode_attention_qkv_acc,
+    lambda acc, bias, cos, sin, slot, pad, kc, vc, hq, inter, scale, splits, ws: kc.new_empty(
+        (kc.shape[0], hq * kc.shape[3])
+    ),
+)
 
 # The decode loop's step after the lm_head (or the sampling warpers): it writes the decode state in place.
 _define(
@@ -232,6 +241,12 @@ _define(
     " Tensor(c!)? clear=None, bool x2_early=False) -> ()",
     ref.int4_gemv_acc,
     lambda *args, **kwargs: None,
+)
+_define(
+    f"int4_norm_gemv_acc({_PROLOGUE}, {_INT4}, int splits, Tensor(a!) workspace, Tensor(b!) acc,"
+    " Tensor(c!)? clear=None) -> (Tensor, Tensor)",
+    ref.int4_norm_gemv_acc,
+    lambda x, delta, d2, w, b, w2, b2, *rest, **kwargs: _prologue_fakes(x, delta, w2),
 )
 _define(
     f"int4_qkv_rope_cache({_PROLOGUE}, {_INT4}, Tensor cos, Tensor sin, Tensor slot, Tensor pad,"

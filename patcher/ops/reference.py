@@ -216,6 +216,21 @@ def decode_attention(q, k_cache, v_cache, slot, pad, scale: float, splits: int, 
     return out.to(q.dtype).reshape(B, Hq * D)
 
 
+def decode_attention_qkv_acc(
+    acc, bias_rows, cos, sin, slot, pad, k_cache, v_cache, num_q_heads: int, interleaved: bool, scale: float,
+    splits: int, workspace,
+) -> torch.Tensor:  # fmt: skip
+    """decode_attention with q and the current token's K/V from the QKV projection's fixed-point accumulator
+    (int4_norm_gemv_acc): qkv = round(round(acc) + bias_rows) in the caches' dtype (as the projection's epilogue
+    rounds it; bias_rows may be None), then rope_qkv_cache (K/V into the caches at `slot`) and the attention."""
+    qkv = from_fixed(acc, k_cache.dtype)
+    if bias_rows is not None:
+        qkv = qkv + bias_rows
+    _, num_kv_heads, _, head_dim = k_cache.shape
+    q = rope_qkv_cache(qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, interleaved)
+    return decode_attention(q, k_cache, v_cache, slot, pad, scale, splits, workspace)
+
+
 def decode_attention_workspace(
     batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, splits: int, device
 ) -> torch.Tensor:
@@ -382,6 +397,22 @@ def int4_gemv_acc(
     outs = [h.float() @ int4_weight(*w, group_size, act_order, zero_offset).to(h.dtype).float()
             for w in zip(qweight, qzeros, scales, g_idx)]  # fmt: skip
     acc += to_fixed(torch.cat(outs, dim=-1))
+
+
+def int4_norm_gemv_acc(
+    x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool,
+    qweight, qzeros, scales, g_idx, bias, group_size: int, act_order: bool, zero_offset: int, splits: int,
+    workspace, acc, clear=None,
+):  # fmt: skip
+    """int4_gemv_acc behind int4_gemv's add + norm prologue: acc += norm(sum) @ W in fixed point, `clear` zeroed.
+    Returns (sum, h2) as int4_gemv does. The decode step's QKV projection, whose sums decode_attention_qkv_acc
+    finishes (rounding, bias, RoPE, the cache writes)."""
+    h, s, h2 = _norm_prologue(
+        x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, fixed_delta=True
+    )
+    int4_gemv_acc(h, None, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset, splits,
+                  workspace, acc, clear)  # fmt: skip
+    return s, h2
 
 
 def int4_qkv_rope_cache(
