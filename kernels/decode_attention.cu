@@ -14,9 +14,10 @@
 // Where the QKV projection hands its sums on unmet (int4_norm_gemv_acc into a fixed-point accumulator, so its K
 // slices never meet; FROM_ACC), this kernel finishes it for the heads it takes: it rounds q and the current token's
 // K/V as the projection's epilogue would, applies RoPE and writes K/V into the cache, so the QKV op ends when its
-// blocks have added their sums. Measured on the H100 as a bound first (fp16, batch 1, int4 g128 random weights, the
-// QKV ops' meeting simply left out, wrong values; `evals.tpot ... --int4-random 128`, one call, two rounds, ms):
-// Llama-3.1-8B 2.605 / 2.596 -> 2.517 / 2.531, Qwen2-1.5B 1.247 / 1.276 -> 1.164 / 1.167.
+// blocks have added their sums. Opt-in (patcher/decode/runner.py: defer_qkv), as it is slower: as a bound (the QKV
+// meeting left out, wrong values) it was worth int4 TPOT Llama-3.1-8B 2.60 -> 2.52-2.53 ms on the H100, but as built
+// the QKV op is 3.6 us faster a launch and this kernel 7.4 us slower (critical time; README, "The QKV sums finished
+// by the attention"), for reasons not yet found.
 #include "attention.cuh"
 #include "rope.cuh"
 
@@ -139,8 +140,8 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   load_step(lo, last_key);
   griddep_wait();
   griddep_launch_dependents();
-  // q: from the cache's q, or from the QKV accumulator (FROM_ACC; its loads first, then the current token's K/V's
-  // below, with no store between them and so all in flight together).
+  // q: from p.q, or from the QKV accumulator (FROM_ACC; its loads first, then the current token's K/V's below,
+  // with no store between them, so that they can all be in flight together).
   const RopeRow<T> row = FROM_ACC ? rope_row<T>(p.rope, last_key, b) : RopeRow<T>{};
   float q[GMAX][8];
 #pragma unroll
