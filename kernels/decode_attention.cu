@@ -17,7 +17,8 @@
 // blocks have added their sums. Opt-in (patcher/decode/runner.py: defer_qkv), as it is slower: as a bound (the QKV
 // meeting left out, wrong values) it was worth int4 TPOT Llama-3.1-8B 2.60 -> 2.52-2.53 ms on the H100, but as built
 // the QKV op is 3.6 us faster a launch and this kernel 7.4 us slower (critical time; README, "The QKV sums finished
-// by the attention"), for reasons not yet found.
+// by the attention"), most likely because the RoPE tables' loads below sit behind per-dim tests and so are issued
+// one pair at a time (its SASS; a rewrite is not yet measured).
 #include "attention.cuh"
 #include "rope.cuh"
 

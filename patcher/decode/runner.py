@@ -40,8 +40,8 @@ finishes them for the heads it takes (decode_attention_qkv_acc: rounding, bias, 
 the cache), so no K slices meet in that op either. As a bound (the QKV meeting left out, wrong values) that was
 worth int4 TPOT Llama-3.1-8B 2.60 -> 2.52-2.53 ms and Qwen2-1.5B 1.25-1.28 -> 1.16-1.17 (H100, one call); as built,
 the QKV op is 3.6 us faster a launch but the attention 7.4 us slower (critical time, `--kernel-table`: 6.3 -> 13.7
-us), so the step is slower (Llama 2.593 -> 2.736 ms, Qwen2 1.213 -> 1.336, one call). Where the attention's prologue
-loses that time is not yet known (README, int4 section).
+us), so the step is slower (Llama 2.593 -> 2.736 ms, Qwen2 1.213 -> 1.336, one call); most likely its RoPE table
+loads, issued one pair at a time behind per-dim tests (README, int4 section).
 """
 
 from __future__ import annotations
