@@ -172,7 +172,7 @@ struct DecodeAttentionParams {
   // accumulator (int4_norm_gemv_acc), [batch, (Hq + 2 Hkv) * D] int64 in rope's layout, rounded as that op's
   // epilogue rounds (then + qkv_bias [batch, same width] in the dtype, where not nullptr); RoPE applied with
   // rope's tables; the kernel writes K/V into the caches at slot. Of rope, the tables, rotary_dim, table_len, pad and
-  // interleaved are read.
+  // interleaved are read, and the caches written through its k_cache/v_cache (k_cache/v_cache above are read-only).
   const int64_t* qkv_acc;
   const void* qkv_bias;
   RopeCacheParams rope;
