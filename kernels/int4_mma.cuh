@@ -358,8 +358,9 @@ __global__ void __launch_bounds__(MmaShape<WIDE>::kThreads, 2) int4_mma_kernel(c
     // 16.9; int4 TPOT Llama-3.1-8B 2.93 -> 2.70 ms, Pythia-2.8B 1.32 -> 1.20-1.25. Of that, the rounds without a
     // test gave 0.6-1.5 us on the large ops (an earlier build of the bench: gate/up 27.5 -> 26.0, down 16.3 -> 15.7);
     // with the norm prologue they spilled registers and were slower (norm + gate/up 28.6 -> 29.1, on the 384-thread
-    // blocks of the time), so that kernel only leaves at the last step. (On the 256-thread blocks with 6 chunks ptxas
-    // shows no spill with the rounds: not yet measured.)
+    // blocks of the time), so that kernel only leaves at the last step. (On the 256-thread blocks with 6 chunks the
+    // rounds do not spill, but measured no faster: norm + gate/up 26.8 -> 26.5 us, norm + QKV 11.2 -> 11.3, int4 TPOT
+    // Llama-3.1-8B 2.602 / 2.596 -> 2.607 / 2.603 ms; evals/results/qkv_acc_04fa667.txt, call 1.)
     int s0 = 0;
     if constexpr (!NORM) {
       for (; s0 + kMmaPreload <= steps; s0 += kMmaPreload) {
