@@ -181,12 +181,12 @@ inline Prologue fill_prologue(patcher::NormPrologue& p, const Tensor& x, int64_t
 }
 
 // The RoPE + KV-cache target of the decode-step attention prologues (rope_qkv_cache, norm_gemv_rope_cache,
-// int4_qkv_rope_cache), checked; `like` is the tensor whose dtype and
-// device the rest must share, `width` the projection width it produces. Returns q [B, Hq, D] (allocated).
-inline Tensor rope_cache_target(patcher::RopeCacheParams& p, const Tensor& like, int64_t B, int64_t width,
-                                const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
-                                Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads, int64_t num_kv_heads,
-                                int64_t head_dim, bool interleaved) {
+// int4_qkv_rope_cache, decode_attention_qkv_acc), checked: everything but q. `like` is the tensor whose dtype and
+// device the rest must share, `width` the projection width it produces.
+inline void fill_rope_cache(patcher::RopeCacheParams& p, const Tensor& like, int64_t B, int64_t width,
+                            const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
+                            Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads, int64_t num_kv_heads,
+                            int64_t head_dim, bool interleaved) {
   TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && head_dim > 0,
               "patcher: bad head counts q ", std::to_string(num_q_heads), ", kv ", std::to_string(num_kv_heads));
   TORCH_CHECK(!interleaved || num_q_heads == num_kv_heads,
@@ -209,6 +209,15 @@ inline Tensor rope_cache_target(patcher::RopeCacheParams& p, const Tensor& like,
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
   p.capacity = k_cache.size(2);
+}
+
+// fill_rope_cache, and q [B, Hq, D] allocated for the prologue to write.
+inline Tensor rope_cache_target(patcher::RopeCacheParams& p, const Tensor& like, int64_t B, int64_t width,
+                                const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
+                                Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads, int64_t num_kv_heads,
+                                int64_t head_dim, bool interleaved) {
+  fill_rope_cache(p, like, B, width, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim,
+                  interleaved);
   Tensor q = at::empty({B, num_q_heads, head_dim}, like.options());
   p.q = q.data_ptr();
   return q;

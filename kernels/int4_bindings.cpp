@@ -159,6 +159,21 @@ void matrix_vector_input(patcher::Int4Params& p, const Tensor& x) {
   p.x_stride = row_stride(x, "x");
 }
 
+// The matrix-vector params of an op behind the add + norm prologue (int4_gemv and the decode step's QKV and MLP
+// ops), with that prologue's outputs.
+std::tuple<patcher::Int4Params, Prologue> norm_params(const Tensor& x, const OptTensor& delta, const OptTensor& delta2,
+                                                      const OptTensor& norm_weight, const OptTensor& norm_bias,
+                                                      const OptTensor& norm_weight2, const OptTensor& norm_bias2,
+                                                      double eps, bool rms, TensorList qweight, TensorList qzeros,
+                                                      TensorList scales, TensorList g_idx, OptTensorList bias,
+                                                      int64_t group_size, bool act_order, int64_t zero_offset) {
+  patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
+  matrix_vector_input(p, x);
+  Prologue pro =
+      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, true);
+  return {p, pro};
+}
+
 int32_t activation_code(c10::string_view activation, int num_segments) {
   if (activation == "none") return patcher::kActNone;
   if (activation == "gelu") return patcher::kActGelu;
@@ -179,10 +194,8 @@ std::tuple<Tensor, Tensor, Tensor> int4_gemv(const Tensor& x, const OptTensor& d
                                              Tensor& workspace) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
-  patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
-  matrix_vector_input(p, x);
-  const Prologue pro =
-      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, true);
+  auto [p, pro] = norm_params(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, qweight,
+                              qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
   const int32_t act = activation_code(activation, p.num_segments);
   p.epilogue = act == patcher::kActSiluMul ? patcher::kInt4SiluMul : patcher::kInt4Store;
   p.act = act == patcher::kActSiluMul ? patcher::kActNone : act;
@@ -303,10 +316,8 @@ std::tuple<Tensor, Tensor> int4_norm_gemv_acc(const Tensor& x, const OptTensor& 
                                               const OptTensor& clear) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
-  patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
-  matrix_vector_input(p, x);
-  const Prologue pro =
-      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, true);
+  auto [p, pro] = norm_params(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, qweight,
+                              qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
   launch_acc(p, x, bias, splits, workspace, acc, clear, "int4_norm_gemv_acc");
   return {pro.sum, pro.h2};
 }
@@ -343,10 +354,8 @@ std::tuple<Tensor, Tensor, Tensor> int4_qkv_rope_cache(
     int64_t splits, Tensor& workspace) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
-  patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
-  matrix_vector_input(p, x);
-  const Prologue pro =
-      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, true);
+  auto [p, pro] = norm_params(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, qweight,
+                              qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
   Tensor q = rope_cache_epilogue(p, x, p.num_segments, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, num_kv_heads,
                                  head_dim, interleaved, "int4_qkv_rope_cache");
   launch_split(p, splits, workspace, "int4_qkv_rope_cache");
@@ -365,15 +374,13 @@ std::tuple<Tensor, Tensor, Tensor> int4_qkv_mlp_in(
     int64_t qkv_segments, c10::string_view activation, int64_t splits, Tensor& workspace) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
-  patcher::Int4Params p = base_params(x, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
-  matrix_vector_input(p, x);
+  auto [p, pro] = norm_params(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, qweight,
+                              qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
   TORCH_CHECK(qkv_segments >= 1 && qkv_segments < p.num_segments, "patcher: int4_qkv_mlp_in needs 1 to ",
               std::to_string(p.num_segments - 1), " q/k/v segments followed by the MLP's, got qkv_segments ",
               std::to_string(qkv_segments), " of ", std::to_string(p.num_segments));
   TORCH_CHECK(norm_weight.has_value() && norm_weight2.has_value() && !rms,
               "patcher: int4_qkv_mlp_in takes both LayerNorms (norm_weight and norm_weight2)");
-  const Prologue pro =
-      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, true);
   p.norm.h2 = nullptr;  // the MLP's tiles normalize with the second LayerNorm themselves
   Tensor q = rope_cache_epilogue(p, x, static_cast<int>(qkv_segments), cos, sin, slot, pad, k_cache, v_cache,
                                  num_q_heads, num_kv_heads, head_dim, interleaved, "int4_qkv_mlp_in");

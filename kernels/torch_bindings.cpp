@@ -389,8 +389,8 @@ Tensor decode_attention_qkv_acc(const Tensor& acc, const OptTensor& bias_rows, c
   patcher::DecodeAttentionParams p{};
   Tensor out = attention_params(p, k_cache, B, num_q_heads, D, k_cache, v_cache, slot, pad, scale, splits, workspace,
                                 "decode_attention_qkv_acc");
-  // The tables, heads and layout as rope_qkv_cache takes them (its q, allocated there, is not used).
-  rope_cache_target(p.rope, k_cache, B, width, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, Hkv, D, interleaved);
+  // The tables, heads and layout as rope_qkv_cache takes them (no q: the kernel makes it from acc).
+  fill_rope_cache(p.rope, k_cache, B, width, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, Hkv, D, interleaved);
   p.qkv_acc = acc.data_ptr<int64_t>();
   if (bias_rows.has_value()) {
     TORCH_CHECK(bias_rows->scalar_type() == k_cache.scalar_type() && bias_rows->device() == k_cache.device() &&

@@ -124,7 +124,10 @@ void bench(const Op& op) {
   const int copies = std::max(2, static_cast<int>((360 << 20) / bytes));  // >= 360 MB: none in the 50 MB L2
   __half *x, *norm_weight, *out;
   int32_t* workspace;
-  const int64_t workspace_words = kInt4Counters + std::max<int64_t>(op.splits, op.k / 256) * width;
+  Int4Params sizing{};  // the partials' rows as launch_int4_gemv needs them (int4.cu: int4_partial_rows)
+  sizing.splits = op.splits;
+  sizing.k = op.k;
+  const int64_t workspace_words = kInt4Counters + int4_partial_rows(sizing) * width;  // batch 1
   check(cudaMalloc(&x, op.k * 2), "malloc");
   check(cudaMalloc(&norm_weight, op.k * 2), "malloc");
   check(cudaMalloc(&out, width * 2), "malloc");
