@@ -14,11 +14,10 @@
 // Where the QKV projection hands its sums on unmet (int4_norm_gemv_acc into a fixed-point accumulator, so its K
 // slices never meet; FROM_ACC), this kernel finishes it for the heads it takes: it rounds q and the current token's
 // K/V as the projection's epilogue would, applies RoPE and writes K/V into the cache, so the QKV op ends when its
-// blocks have added their sums. Opt-in (patcher/decode/runner.py: defer_qkv), as it is slower: as a bound (the QKV
-// meeting left out, wrong values) it was worth int4 TPOT Llama-3.1-8B 2.60 -> 2.52-2.53 ms on the H100, but as built
-// the QKV op is 3.6 us faster a launch and this kernel 7.4 us slower (critical time; README, "The QKV sums finished
-// by the attention"), most likely because the RoPE tables' loads below sit behind per-dim tests and so are issued
-// one pair at a time (its SASS; a rewrite is not yet measured).
+// blocks have added their sums. The decode step's default for LLaMA/Qwen2 int4 (patcher/decode/runner.py:
+// defer_qkv). On the H100 the QKV op is ~3.8 us faster a launch and this kernel ~3.9 us slower than with q read
+// from memory (critical time, Llama-3.1-8B: 6.3 -> 10.2 us), where one L2 round trip was expected; int4 TPOT
+// Qwen2-1.5B 1.25-1.30 -> 1.18-1.20 ms, Llama-3.1-8B unchanged (README, "The QKV sums finished by the attention").
 #include "attention.cuh"
 #include "rope.cuh"
 
@@ -28,60 +27,56 @@ namespace {
 constexpr int kThreads = kAttnWarps * 32;
 constexpr int kMaxSplits = kAttnMaxSplits;
 
-// Dims d0 .. d0 + 7 of head `head` of part 0 (q), 1 (k) or 2 (v) of row b, from the QKV accumulator
-// (DecodeAttentionParams::qkv_acc): each value round(round(sum) + bias), as finish_values forms the projection's
-// output, then for q and k RoPE over the rotary dims (rope.cuh: rope_value) with the partner dims d +- R/2 read the
-// same way. The loads are 16-byte vectors where they can be (the partners too where R/2 is whole vectors), all
-// issued before any is used.
+// One element of q or of the current token's K/V, made from the QKV accumulator (DecodeAttentionParams::qkv_acc):
+// round(round(sum) + bias), as finish_values forms the projection's output, then for q and k within the rotary dims
+// RoPE (rope.cuh: rope_value) with the partner dim d +- R/2 made the same way. Split in two so that everything but
+// the sums (bias, cos/sin: constants; pad: set before the first step) is read before the wait for the QKV kernel,
+// and the sums themselves in one batch after it: one round trip. (Each lane making its own 8 dims of every head,
+// with the table loads behind per-dim tests, took ~8 dependent round trips a head: attention 6.3 -> 13.7 us a
+// launch, Llama-3.1-8B; one element a thread with the loads after the wait, 9.4 us.)
+struct AccElement {
+  const int64_t* sum;  // the element's sum; its partner's is at sum + partner
+  int partner, d, R;
+  bool rotated;                            // q or k within the rotary dims
+  float bias, partner_bias, cos_d, sin_d;  // 0 without a bias; unused unless rotated
+};
+
+// Dim d of head `head` of part 0 (q), 1 (k) or 2 (v) of row b.
 template <typename T>
-__device__ __forceinline__ void qkv_from_acc(const DecodeAttentionParams& p, int64_t b, const RopeRow<T>& row, int part,
-                                             int head, int d0, float (&out)[8]) {
+__device__ __forceinline__ AccElement acc_element(const DecodeAttentionParams& p, int64_t b, const RopeRow<T>& row,
+                                                  int part, int head, int d) {
   const RopeCacheParams& r = p.rope;
   const int D = static_cast<int>(p.head_dim), R = static_cast<int>(r.rotary_dim), half = R / 2;
   const int64_t hq = p.num_q_heads, hkv = p.num_kv_heads, width = (hq + 2 * hkv) * D;
   // The head's first element in the projection's layout (rope.cuh: locate, inverted).
   const int64_t slot = r.interleaved ? head * 3 + part : (part == 0 ? head : (part == 1 ? hq : hq + hkv) + head);
-  const int64_t* acc = p.qkv_acc + b * width + slot * D;
-  const T* bias = p.qkv_bias ? static_cast<const T*>(p.qkv_bias) + b * width + slot * D : nullptr;
-  const bool rotary = part < 2 && d0 < R, whole = half % 8 == 0;  // whole: d0's 8 partners are one vector
-  long long v[8], w[8] = {};
-  float bv[8] = {}, bw[8] = {};
-#pragma unroll
-  for (int j = 0; j < 8; j += 2) {
-    const longlong2 pair = *reinterpret_cast<const longlong2*>(acc + d0 + j);
-    v[j] = pair.x;
-    v[j + 1] = pair.y;
-  }
-  if (bias) load_vec<T, 8>(bv, bias + d0);
-  const int pd = d0 < half ? d0 + half : d0 - half;
-  if (rotary && whole) {
-#pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      const longlong2 pair = *reinterpret_cast<const longlong2*>(acc + pd + j);
-      w[j] = pair.x;
-      w[j + 1] = pair.y;
-    }
-    if (bias) load_vec<T, 8>(bw, bias + pd);
-  } else if (rotary) {  // partial rotary with R/2 not whole vectors (Pythia: 10): the partners one by one
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int d = d0 + j, e = d < half ? d + half : d - half;
-      if (d < R) {
-        w[j] = acc[e];
-        if (bias) bw[j] = to_float(bias[e]);
-      }
-    }
-  }
-  const auto value = [&](long long a, float bias_value) {
-    const float x = round_to<T>(from_fixed(a));
-    return bias ? round_to<T>(x + bias_value) : x;
+  const int64_t at = b * width + slot * D;
+  // Every load is unconditional (indices clamped into range, unused values dropped), so they are all in flight at
+  // once.
+  const int dr = min(d, max(R, 1) - 1), pd = dr < half ? dr + half : dr - half;  // in the rotary dims; its partner
+  const T* bias = static_cast<const T*>(p.qkv_bias);
+  AccElement e;
+  e.sum = p.qkv_acc + at + d;
+  e.partner = pd - d;
+  e.d = d;
+  e.R = R;
+  e.rotated = part < 2 && d < R;
+  e.bias = bias ? to_float(bias[at + d]) : 0.f;
+  e.partner_bias = bias ? to_float(bias[at + pd]) : 0.f;
+  e.cos_d = R > 0 ? to_float(row.cos[dr]) : 0.f;
+  e.sin_d = R > 0 ? to_float(row.sin[dr]) : 0.f;
+  return e;
+}
+
+// The element's value from its sum and its partner's, as loaded.
+template <typename T>
+__device__ __forceinline__ float acc_value(const AccElement& e, bool has_bias, long long sum, long long partner_sum) {
+  const auto value = [&](long long v, float bias_value) {
+    const float x = round_to<T>(from_fixed(v));
+    return has_bias ? round_to<T>(x + bias_value) : x;
   };
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int d = d0 + j;
-    out[j] = value(v[j], bv[j]);
-    if (rotary && d < R) out[j] = rope_value<T>(out[j], value(w[j], bw[j]), d, R, row.cos, row.sin);
-  }
+  const float x = value(sum, e.bias);
+  return e.rotated ? rope_value<T>(x, value(partner_sum, e.partner_bias), e.d, e.R, e.cos_d, e.sin_d) : x;
 }
 
 template <typename T, int D, int GMAX, bool FROM_ACC>
@@ -134,6 +129,23 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
       }
     }
   };
+  // q, and the current token's key and value: from p.q and the cache, or (FROM_ACC) made by the block from the QKV
+  // accumulator into shared memory, one element a thread (acc_element: all but the sums read before the wait), then
+  // read as the lanes hold them. Only the block that attends over the current token (the share holding slot) makes
+  // its K/V; of those, the kv head's first head group's block writes them into the cache.
+  constexpr int kMade = ((GMAX + 2) * D + kThreads - 1) / kThreads;  // elements a thread makes, at most
+  const bool holds_current = lo <= last_key && last_key < hi;
+  const int tid = static_cast<int>(threadIdx.x), count = (holds_current ? G + 2 : G) * D;
+  AccElement made_from[FROM_ACC ? kMade : 1];
+  if constexpr (FROM_ACC) {
+    const RopeRow<T> row = rope_row<T>(p.rope, last_key, b);
+#pragma unroll
+    for (int k = 0; k < kMade; ++k) {
+      const int i = min(tid + k * kThreads, count - 1);  // clamped: past count, loaded and dropped
+      const int m = i / D, d = i % D;                    // m < G: q head head0 + m; G: k; G + 1: v
+      made_from[k] = acc_element<T>(p, b, row, m < G ? 0 : m - G + 1, m < G ? head0 + m : kvh, d);
+    }
+  }
   // The first block step is loaded before the wait, except the current token's key and value: the QKV kernel just
   // before this one writes them into the cache at slot, while every earlier key was written by kernels that have
   // finished (a kernel starts early only beside the one just before it, which waited for all earlier ones). At
@@ -141,9 +153,35 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
   load_step(lo, last_key);
   griddep_wait();
   griddep_launch_dependents();
-  // q: from p.q, or from the QKV accumulator (FROM_ACC; its loads first, then the current token's K/V's below,
-  // with no store between them, so that they can all be in flight together).
-  const RopeRow<T> row = FROM_ACC ? rope_row<T>(p.rope, last_key, b) : RopeRow<T>{};
+  float cur_k[8] = {}, cur_v[8] = {};
+  __shared__ float made[GMAX + 2][D];  // FROM_ACC: q of the block's heads, then K and V
+  if constexpr (FROM_ACC) {
+    long long sum[kMade], partner_sum[kMade];
+#pragma unroll
+    for (int k = 0; k < kMade; ++k) {
+      sum[k] = made_from[k].sum[0];
+      partner_sum[k] = made_from[k].sum[made_from[k].partner];
+    }
+#pragma unroll
+    for (int k = 0; k < kMade; ++k) {
+      const int i = tid + k * kThreads, m = i / D, d = i % D;
+      if (i >= count) break;
+      const float y = acc_value<T>(made_from[k], p.qkv_bias != nullptr, sum[k], partner_sum[k]);
+      made[m < G ? m : GMAX + m - G][d] = y;
+      if (m >= G && first == 0) {
+        T* cache = static_cast<T*>(m == G ? p.rope.k_cache : p.rope.v_cache);  // p.k_cache/v_cache, writable
+        cache[head_offset + last_key * D + d] = from_float<T>(y);
+      }
+    }
+    __syncthreads();
+    if (active && holds_current) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        cur_k[j] = made[GMAX][d0 + j];
+        cur_v[j] = made[GMAX + 1][d0 + j];
+      }
+    }
+  }
   float q[GMAX][8];
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
@@ -151,7 +189,8 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
     for (int j = 0; j < 8; ++j) q[g][j] = 0.f;
     if (g < G && active) {
       if constexpr (FROM_ACC) {
-        qkv_from_acc<T>(p, b, row, 0, head0 + g, d0, q[g]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) q[g][j] = made[g][d0 + j];
       } else {
         load_vec<T, 8>(q[g], static_cast<const T*>(p.q) + ((b * p.num_q_heads + head0 + g) * D + d0));
       }
@@ -160,22 +199,6 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
     }
   }
 
-  // The current token's key and value. From the cache, or (FROM_ACC) made here at this lane's dims, in the block
-  // that attends over it (the share holding slot), put into whichever step of keys holds it (put_current, after
-  // each load_step); of those blocks, the kv head's first head group's writes them into the cache (lane group 0).
-  float cur_k[8] = {}, cur_v[8] = {};
-  const bool holds_current = lo <= last_key && last_key < hi;
-  if constexpr (FROM_ACC) {
-    if (active && holds_current) {
-      qkv_from_acc<T>(p, b, row, 1, kvh, d0, cur_k);
-      qkv_from_acc<T>(p, b, row, 2, kvh, d0, cur_v);
-      if (first == 0 && group == 0) {
-        const int64_t at = head_offset + last_key * D + d0;  // p.rope's caches: p.k_cache/v_cache, writable
-        store_vec<T, 8>(static_cast<T*>(p.rope.k_cache) + at, cur_k);
-        store_vec<T, 8>(static_cast<T*>(p.rope.v_cache) + at, cur_v);
-      }
-    }
-  }
   const auto put_current = [&](int64_t base) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {

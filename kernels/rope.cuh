@@ -26,13 +26,13 @@ __device__ __forceinline__ Slot locate(int e, int D, int hq, int hkv, bool inter
 }
 
 // RoPE of dim d < R of a q or k head: x * cos + rotate_half(x) * sin, each product and the sum rounded to T as
-// torch rounds them; `partner` is the head's value at d + R/2 (for d < R/2) or d - R/2, both already rounded to T.
+// torch rounds them; `partner` is the head's value at d + R/2 (for d < R/2) or d - R/2, both already rounded to T,
+// and cos_d / sin_d the tables' entries at d.
 template <typename T>
-__device__ __forceinline__ float rope_value(float x, float partner, int d, int R, const T* cos, const T* sin) {
+__device__ __forceinline__ float rope_value(float x, float partner, int d, int R, float cos_d, float sin_d) {
   const float rotated = d < R / 2 ? -partner : partner;
   // __fmul_rn/__fadd_rn keep fp32 from contracting into an FMA: torch rounds each product separately.
-  return round_to<T>(
-      __fadd_rn(round_to<T>(__fmul_rn(x, to_float(cos[d]))), round_to<T>(__fmul_rn(rotated, to_float(sin[d])))));
+  return round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(x, cos_d)), round_to<T>(__fmul_rn(rotated, sin_d))));
 }
 
 // The rotated value of element e, or the element itself outside the rotary dims and for v.
@@ -41,7 +41,8 @@ template <typename T, typename S>
 __device__ __forceinline__ float rotate(const S* src, int e, const Slot& s, int R, const T* cos, const T* sin) {
   const float x = to_float(src[e]);
   if (s.part == 2 || s.d >= R) return x;
-  return rope_value<T>(x, to_float(src[s.d < R / 2 ? e + R / 2 : e - R / 2]), s.d, R, cos, sin);
+  return rope_value<T>(x, to_float(src[s.d < R / 2 ? e + R / 2 : e - R / 2]), s.d, R, to_float(cos[s.d]),
+                       to_float(sin[s.d]));
 }
 
 // The dense QKV GEMV computes two output rows per warp, paired so that its epilogue can rotate them: within each
@@ -95,7 +96,8 @@ __device__ __forceinline__ void rope_store_pair(const RopeCacheParams& p, int64_
     const Slot s = locate(static_cast<int>(rows[i]), D, hq, hkv, p.interleaved);
     float out = y[i];
     // the pair is (d, d + R/2): the partner of row 0 is y[1], and the other way
-    if (s.part != 2 && s.d < R) out = rope_value<T>(y[i], y[1 - i], s.d, R, row.cos, row.sin);
+    if (s.part != 2 && s.d < R)
+      out = rope_value<T>(y[i], y[1 - i], s.d, R, to_float(row.cos[s.d]), to_float(row.sin[s.d]));
     store_qkv<T>(p, q, b, slot, s, from_float<T>(out));
   }
 }
