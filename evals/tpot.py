@@ -21,8 +21,8 @@ Modes:
                            lookup) instead of the next_token kernel (DecodeRunner(fuse_next_token=False))
   patched-int4-meetings    `patched` with the int4 output projections' K slices meeting in the op, as before
                            their sums went on unmet into the next op's prologue (DecodeRunner(defer_int4=False))
-  patched-int4-defer-qkv   `patched` with LLaMA/Qwen2's int4 QKV sums finished by the attention (opt-in, not yet
-                           faster: DecodeRunner(defer_qkv=True))
+  patched-int4-qkv-meeting `patched` with LLaMA/Qwen2's int4 QKV K slices meeting in the op, as before the attention
+                           finished its sums (DecodeRunner(defer_qkv=False))
   patched-static-compiled  patch_model(model) + HF's static cache and auto-compile (torch.compile compatibility)
 
 With no model argument it runs Pythia-2.8B-shaped random weights on a GPU, a tiny model on a CPU.
@@ -46,7 +46,7 @@ RUNNER_MODES = {  # patched with a runner of other settings, for comparisons
     "patched-int4-unmerged": {"merge_int4": False},
     "patched-torch-next-token": {"fuse_next_token": False},
     "patched-int4-meetings": {"defer_int4": False},
-    "patched-int4-defer-qkv": {"defer_qkv": True},
+    "patched-int4-qkv-meeting": {"defer_qkv": False},
 }
 ALL_MODES = [*GPU_MODES, *RUNNER_MODES]
 CPU_MODES = ["hf-eager", "patched-eager", "patched"]

@@ -364,7 +364,7 @@ def test_int4_output_projections_hand_on_unmet_sums(name, tmp_path):
     """CPU, reference backend: the decode step runs every int4 output projection whose output an int4 norm prologue
     reads as int4_gemv_acc (runner.py; the biases of GPT-NeoX's as the reader's delta2), and gives the tokens and
     logits of the step with the K slices meeting (defer_int4=False), over steps that reuse every accumulator; so
-    does the step whose QKV projections the attention finishes too (defer_qkv, opt-in; LLaMA/Qwen2)."""
+    does the step whose QKV projections the attention finishes too (defer_qkv, the default; LLaMA/Qwen2)."""
     model = gptq_model(name, tmp_path)
     patch_model(model)
     ids, mask = torch.randint(3, 500, (2, 11)), torch.ones(2, 11, dtype=torch.long)
@@ -430,13 +430,13 @@ def test_int4_unmet_sums_on_the_gpu(name, tmp_path):
     """GPU: the graph-captured decode with the int4 output projections as int4_gemv_acc leaves the accumulators
     zeroed in turn across replays, and one step on the same cache and tokens gives the logits of the step with the
     K slices meeting (defer_int4=False) within fp16 rounding (a missing bias, a stale or doubled sum: O(1) off); so
-    does the step whose QKV projections the attention finishes too (defer_qkv, opt-in)."""
+    does the step whose QKV projections the attention finishes too (defer_qkv, the default)."""
     model = gptq_model(name, tmp_path, False, dtype=torch.float16, device="cuda")
     patch_model(model)
     ids = torch.randint(3, 500, (3, 13), device="cuda")
     mask = torch.ones_like(ids)
-    runners = {defer: DecodeRunner(model, defer_int4=defer) for defer in (True, False)}
-    runners["qkv"] = DecodeRunner(model, defer_qkv=True)
+    runners = {defer: DecodeRunner(model, defer_int4=defer, defer_qkv=False) for defer in (True, False)}
+    runners["qkv"] = DecodeRunner(model, defer_int4=True, defer_qkv=True)
     with torch.no_grad():
         for runner in runners.values():
             runner.generate(ids, mask, 16, Sampling(), eos=[], pad_token_id=0)

@@ -34,14 +34,12 @@ meeting of those ops simply left out (wrong values, a bound), int4 TPOT Pythia-2
 Llama-3.1-8B 3.250 -> 2.952; with the accumulators, 1.478 -> 1.414 and 3.250 -> 3.060 (README, int4 section).
 `DecodeRunner(model, defer_int4=False)` (or PATCHER_INT4_DEFER=0) keeps the meetings.
 
-Opt-in, not yet faster (`DecodeRunner(model, defer_qkv=True)` or PATCHER_INT4_DEFER_QKV=1): LLaMA/Qwen2's int4 QKV
-projection hands its sums on the same way (int4_norm_gemv_acc, its add + norm prologue kept), and the attention
-finishes them for the heads it takes (decode_attention_qkv_acc: rounding, bias, RoPE, the current token's K/V into
-the cache), so no K slices meet in that op either. As a bound (the QKV meeting left out, wrong values) that was
-worth int4 TPOT Llama-3.1-8B 2.60 -> 2.52-2.53 ms and Qwen2-1.5B 1.25-1.28 -> 1.16-1.17 (H100, one call); as built,
-the QKV op is 3.6 us faster a launch but the attention 7.4 us slower (critical time, `--kernel-table`: 6.3 -> 13.7
-us), so the step is slower (Llama 2.593 -> 2.736 ms, Qwen2 1.213 -> 1.336, one call); most likely its RoPE table
-loads, issued one pair at a time behind per-dim tests (README, int4 section).
+LLaMA/Qwen2's int4 QKV projection hands its sums on the same way (int4_norm_gemv_acc, its add + norm prologue kept),
+and the attention finishes them for the heads it takes (decode_attention_qkv_acc: rounding, bias, RoPE, the current
+token's K/V into the cache), so no K slices meet in that op either. `DecodeRunner(model, defer_qkv=False)` (or
+PATCHER_INT4_DEFER_QKV=0) keeps its meeting. Measured on the H100 (int4 TPOT, fp16, batch 1, g128, two rounds in one
+call): Qwen2-1.5B 1.300 / 1.256 -> 1.182 / 1.196 ms, Llama-3.1-8B 2.572 / 2.578 -> 2.574 / 2.577 (no change: the
+QKV op is ~3.8 us faster a launch, the attention ~3.9 us slower; README, int4 section).
 """
 
 from __future__ import annotations
@@ -139,9 +137,9 @@ def defer_enabled() -> bool:
 
 
 def defer_qkv_enabled() -> bool:
-    """Whether LLaMA/Qwen2's int4 QKV hands its sums on to the attention (module docstring; opt-in, not yet faster):
-    PATCHER_INT4_DEFER_QKV, default 0."""
-    return os.environ.get("PATCHER_INT4_DEFER_QKV", "0") == "1"
+    """Whether LLaMA/Qwen2's int4 QKV hands its sums on to the attention (module docstring): PATCHER_INT4_DEFER_QKV,
+    default 1."""
+    return os.environ.get("PATCHER_INT4_DEFER_QKV", "1") != "0"
 
 
 class StepState:
@@ -300,7 +298,7 @@ class DecodeRunner:
         concurrent = self.device.type == "cuda" and self.parallel and not merged
         self.branch_stream = torch.cuda.Stream(self.device) if concurrent else None
         # int4 output projections that run as int4_gemv_acc (module docstring); None takes PATCHER_INT4_DEFER.
-        # And (opt-in) the QKV projections, finished by the attention; None takes PATCHER_INT4_DEFER_QKV.
+        # And the QKV projections, finished by the attention; None takes PATCHER_INT4_DEFER_QKV.
         self.defer_qkv = defer_qkv_enabled() if defer_qkv is None else defer_qkv
         self.deferred = self._deferred_linears() if (defer_enabled() if defer_int4 is None else defer_int4) else {}
         for (kind, _), lin in self.deferred.items():
