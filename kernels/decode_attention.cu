@@ -37,8 +37,9 @@ constexpr int kMaxSplits = kAttnMaxSplits;
 struct AccElement {
   const int64_t* sum;  // the element's sum; its partner's is at sum + partner
   int partner, d, R;
-  bool rotated;                            // q or k within the rotary dims
-  float bias, partner_bias, cos_d, sin_d;  // 0 without a bias; unused unless rotated
+  bool rotated;                      // q or k within the rotary dims
+  float bias;                        // the element's bias (0 without one)
+  float partner_bias, cos_d, sin_d;  // used only where rotated
 };
 
 // Dim d of head `head` of part 0 (q), 1 (k) or 2 (v) of row b.

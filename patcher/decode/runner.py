@@ -37,9 +37,10 @@ Llama-3.1-8B 3.250 -> 2.952; with the accumulators, 1.478 -> 1.414 and 3.250 -> 
 LLaMA/Qwen2's int4 QKV projection hands its sums on the same way (int4_norm_gemv_acc, its add + norm prologue kept),
 and the attention finishes them for the heads it takes (decode_attention_qkv_acc: rounding, bias, RoPE, the current
 token's K/V into the cache), so no K slices meet in that op either. `DecodeRunner(model, defer_qkv=False)` (or
-PATCHER_INT4_DEFER_QKV=0) keeps its meeting. Measured on the H100 (int4 TPOT, fp16, batch 1, g128, two rounds in one
-call): Qwen2-1.5B 1.300 / 1.256 -> 1.182 / 1.196 ms, Llama-3.1-8B 2.572 / 2.578 -> 2.574 / 2.577 (no change: the
-QKV op is ~3.8 us faster a launch, the attention ~3.9 us slower; README, int4 section).
+PATCHER_INT4_DEFER_QKV=0) keeps its meeting. Measured on the H100 (int4 TPOT, fp16, batch 1, g128, the meeting
+against this, two rounds in one call, twice): Qwen2-1.5B 1.300 / 1.256 -> 1.182 / 1.196 ms and 1.246 / 1.247 ->
+1.185 / 1.177; Llama-3.1-8B 2.572 / 2.578 -> 2.574 / 2.577 and 2.622 / 2.618 -> 2.601 / 2.604 (within 1%: the QKV op
+is ~3.8 us faster a launch, the attention ~3.9 us slower, not for reading the sums; README, int4 section).
 """
 
 from __future__ import annotations
