@@ -300,7 +300,9 @@ def test_decode_attention_qkv_acc(batch, splits, length, arch, bias, dtype):
     scale = d**-0.5
     out = KERNELS.decode_attention_qkv_acc(acc, rows, cos, sin, slot, pad, *caches, hq, interleaved, scale, splits,
                                            workspaces[0])  # fmt: skip
-    qkv = reference.from_fixed(acc, dtype) if rows is None else reference.from_fixed(acc, dtype) + rows
+    qkv = reference.from_fixed(acc, dtype)
+    if rows is not None:
+        qkv = qkv + rows
     q = KERNELS.rope_qkv_cache(qkv, cos, sin, slot, pad, *expected_caches, hq, hkv, d, interleaved)
     expected = KERNELS.decode_attention(q, *expected_caches, slot, pad, scale, splits, workspaces[1])
     assert torch.equal(caches[0], expected_caches[0]) and torch.equal(caches[1], expected_caches[1])
