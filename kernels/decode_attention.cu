@@ -17,7 +17,8 @@
 // blocks have added their sums. The decode step's default for LLaMA/Qwen2 int4 (patcher/decode/runner.py:
 // defer_qkv). On the H100 the QKV op is ~3.8 us faster a launch and this kernel ~3.9 us slower than with q read
 // from memory (critical time, Llama-3.1-8B: 6.3 -> 10.2 us), where one L2 round trip was expected; int4 TPOT
-// Qwen2-1.5B 1.25-1.30 -> 1.18-1.20 ms, Llama-3.1-8B unchanged (README, "The QKV sums finished by the attention").
+// Qwen2-1.5B 1.25-1.30 -> 1.18-1.20 ms, Llama-3.1-8B unchanged (docs/int4_decode.md, "The QKV sums finished by the
+// attention").
 #include "attention.cuh"
 #include "rope.cuh"
 

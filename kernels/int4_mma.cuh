@@ -39,16 +39,16 @@
 // bound) Llama gate/up took 33.0 us and Pythia's int4_qkv_mlp_in 16.6 (against 35.9 and 20.0, the kernels of that
 // day); Nsight Compute (evals/results/ncu_int4_stalls.txt) has a warp issuing every 7.3 cycles, 2.5 of them
 // waiting on global loads (the fault below) and 1.7 on fixed-latency dependencies, with 3.4 warps a scheduler.
-// After that fault's fix (README, "What bounds the int4 kernels now"; bounds and a per-block timeline): with no
-// dequantization and no mma.sync Llama gate/up still took 35.2 us of 36.9, and with its weights in L2 97% of the
-// cold time; what is left is each block's fixed start (preload, prefetch issue, staging: 2.3-6.5 us to the wait; the
-// prefetch is off since, mma_prefetch_bytes) and end (meeting, epilogue: 1.2-5.8 us) and SMs that run one block
+// After that fault's fix (docs/int4_decode.md, "What bounds the int4 kernels now"; bounds and a per-block timeline):
+// with no dequantization and no mma.sync Llama gate/up still took 35.2 us of 36.9, and with its weights in L2 97% of
+// the cold time; what is left is each block's fixed start (preload, prefetch issue, staging: 2.3-6.5 us to the wait;
+// the prefetch is off since, mma_prefetch_bytes) and end (meeting, epilogue: 1.2-5.8 us) and SMs that run one block
 // beside SMs that run two. That bound was probably faulty: built the same way at f9bd3c5, a loop that only loads
 // and folds its chunks makes the compiler load one step's chunk in every 4-8 into spare registers and move it home
 // right after the load (this kernel's loop has no such move). With the load unpredicated, the loads alone stream at
 // HBM rate (gate/up 19.4 us, 3.1 TB/s). The ~10 us of gate/up's 34 that was then put down to the arithmetic was
 // mostly the main loop's form: the same arithmetic in a clean loop costs ~2 us over the loads, and written so, the
-// kernel's gate/up takes 26 us (the main loop; README, "The int4 loop's form, not its arithmetic").
+// kernel's gate/up takes 26 us (the main loop; docs/int4_decode.md, "The int4 loop's form, not its arithmetic").
 //
 // Layout. A warp owns 32 columns of the tile. In each step lane 4g + q loads the 16-byte chunk at qweight row
 // r0 + q, columns 4g .. 4g + 3 of the warp's 32, so a warp step is 4 rows x 32 columns (four 128-byte row

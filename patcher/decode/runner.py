@@ -31,7 +31,7 @@ bias as delta2, as the op's own epilogue would have), so the K slices never meet
 accumulator is zeroed, for the next step, by the following producer of its kind once that one's inputs are ready
 (two kernels after the accumulator's reader at least). Measured on the H100 (fp16, batch 1, int4 g128): with the
 meeting of those ops simply left out (wrong values, a bound), int4 TPOT Pythia-2.8B 1.462 -> 1.321 ms and
-Llama-3.1-8B 3.250 -> 2.952; with the accumulators, 1.478 -> 1.414 and 3.250 -> 3.060 (README, int4 section).
+Llama-3.1-8B 3.250 -> 2.952; with the accumulators, 1.478 -> 1.414 and 3.250 -> 3.060 (docs/int4_decode.md).
 `DecodeRunner(model, defer_int4=False)` (or PATCHER_INT4_DEFER=0) keeps the meetings.
 
 LLaMA/Qwen2's int4 QKV projection hands its sums on the same way (int4_norm_gemv_acc, its add + norm prologue kept),
@@ -40,7 +40,7 @@ token's K/V into the cache), so no K slices meet in that op either. `DecodeRunne
 PATCHER_INT4_DEFER_QKV=0) keeps its meeting. Measured on the H100 (int4 TPOT, fp16, batch 1, g128, the meeting
 against this, two rounds in one call, twice): Qwen2-1.5B 1.300 / 1.256 -> 1.182 / 1.196 ms and 1.246 / 1.247 ->
 1.185 / 1.177; Llama-3.1-8B 2.572 / 2.578 -> 2.574 / 2.577 and 2.622 / 2.618 -> 2.601 / 2.604 (within 1%: the QKV op
-is ~3.8 us faster a launch, the attention ~3.9 us slower, not for reading the sums; README, int4 section).
+is ~3.8 us faster a launch, the attention ~3.9 us slower, not for reading the sums; docs/int4_decode.md).
 """
 
 from __future__ import annotations

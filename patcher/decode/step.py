@@ -7,7 +7,7 @@ final norm, the lm_head and the token choice stay as they are (runner.py).
 
 Status: opt-in (`PATCHER_STEP_KERNEL=1`, or `DecodeRunner(model, use_step_kernel=True)`), because measured on the
 H100 it is not yet faster than the per-op step: int4 TPOT Pythia-2.8B 1.80 against 1.64 ms, Llama-3.1-8B 3.80
-against 3.42 ms (the README's int4 section; `python -m evals.step_profile` shows where each stage's time goes).
+against 3.42 ms (docs/int4_decode.md; `python -m evals.step_profile` shows where each stage's time goes).
 
 `StepKernel(runner, state)` builds the plan for one StepState (its caches, tables and batch size) and raises
 `StepKernelUnavailable` with the reason where the kernel cannot take the model; the runner then keeps the per-op
