@@ -15,11 +15,12 @@ PATH = re.compile(
 )
 PLACEHOLDER = re.compile(r"[A-Z]{3,}")  # tpot_NAME.json, tpot_MODEL...: a pattern, not a file
 CITATION = re.compile(r'(docs/\w+\.md), "([^"]+)"')
+CODE_SUFFIXES = {".cu", ".cuh", ".h", ".cpp", ".py"}
 
 
 def code_files() -> list[Path]:
-    return sorted(p for d in ("kernels", "patcher", "evals", "tools") for p in (ROOT / d).rglob("*") if p.suffix in {
-        ".cu", ".cuh", ".h", ".cpp", ".py"})  # fmt: skip
+    folders = ("kernels", "patcher", "evals", "tools")
+    return sorted(p for d in folders for p in (ROOT / d).rglob("*") if p.suffix in CODE_SUFFIXES)
 
 
 def as_prose(source: str) -> str:
