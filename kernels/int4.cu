@@ -26,7 +26,42 @@ __global__ void __launch_bounds__(256) int4_dequantize_kernel(const Int4DequantP
   }
 }
 
+// The int4 ops' add + norm prologue as a kernel of its own (int4_norm_prologue), one block a row: h = norm(x [+
+// deltas]) [batch, k], and sum and h2 where p.norm asks for them, staged exactly as the ops' prologue stages x. In
+// an op every block computes its rows' statistics over all of K from L2, so that prologue's reads grow with blocks x
+// rows; from a few rows on the decode step runs this kernel in front and the op reads h (patcher/decode/runner.py:
+// INT4_SEPARATE_NORM_MIN_BATCH says what it measured).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) int4_norm_prologue_kernel(Int4Params p, T* h) {
+  const int64_t b = blockIdx.x;  // this block's row, as a batch of one
+  p.batch = 1;
+  p.x = static_cast<const T*>(p.x) + b * p.x_stride;
+  if (p.norm.delta && p.norm.delta_fixed) {
+    p.norm.delta = static_cast<const int64_t*>(p.norm.delta) + b * p.norm.delta_stride;
+  } else if (p.norm.delta) {
+    p.norm.delta = static_cast<const T*>(p.norm.delta) + b * p.norm.delta_stride;
+  }
+  if (p.norm.delta2) p.norm.delta2 = static_cast<const T*>(p.norm.delta2) + b * p.norm.delta2_stride;
+  if (p.norm.sum) p.norm.sum = static_cast<T*>(p.norm.sum) + b * p.k;
+  if (p.norm.h2) p.norm.h2 = static_cast<T*>(p.norm.h2) + b * p.k;
+  T* out = h + b * p.k;
+  griddep_wait();
+  griddep_launch_dependents();  // the op after it starts loading its weights
+  stage_x<T, true>(p, 0, p.k, true, false, [=](int, int64_t i, float v) { out[i] = from_float<T>(v); });
+}
+
 }  // namespace
+
+cudaError_t launch_int4_norm_prologue(const Int4Params& p, void* h, cudaStream_t stream) {
+  if (p.batch == 0) return cudaSuccess;
+  if (!p.norm.weight || p.batch > 8) return cudaErrorInvalidValue;
+  PATCHER_DISPATCH_DTYPE(p.dtype, T, {
+    if (!norm_fits<T>(p, kThreads)) return cudaErrorNotSupported;
+    return launch_pdl(int4_norm_prologue_kernel<T>, dim3(static_cast<unsigned>(p.batch)), dim3(kThreads), 0, stream, p,
+                      static_cast<T*>(h));
+  });
+  return cudaErrorInvalidValue;
+}
 
 int64_t int4_tile_width(const Int4Params& p) {
   if (p.epilogue != kInt4RopeCache) return 128;

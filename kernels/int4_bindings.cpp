@@ -174,6 +174,30 @@ std::tuple<patcher::Int4Params, Prologue> norm_params(const Tensor& x, const Opt
   return {p, pro};
 }
 
+// The int4 ops' add + norm prologue as its own kernel (the decode step runs it in front of a norm op from a few rows
+// on): (h, sum, h2), as those ops' prologue computes them.
+std::tuple<Tensor, Tensor, Tensor> int4_norm_prologue(const Tensor& x, const OptTensor& delta, const OptTensor& delta2,
+                                                      const OptTensor& norm_weight, const OptTensor& norm_bias,
+                                                      const OptTensor& norm_weight2, const OptTensor& norm_bias2,
+                                                      double eps, bool rms) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  TORCH_CHECK(x.dim() == 2, "patcher: x must be [batch, hidden] (one token per row), got ", dims(x.sizes()));
+  TORCH_CHECK(norm_weight.has_value(), "patcher: int4_norm_prologue needs norm_weight");
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::Int4Params p{};
+  p.k = x.size(1);
+  check_x(x, p.k, "x");
+  p.dtype = dtype_of(x);
+  p.batch = x.size(0);
+  matrix_vector_input(p, x);
+  Prologue pro =
+      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, true);
+  Tensor h = at::empty(x.sizes(), x.options());
+  check_int4_launch(patcher::launch_int4_norm_prologue(p, h.data_ptr(), c10::cuda::getCurrentCUDAStream()),
+                    "int4_norm_prologue");
+  return {h, pro.sum, pro.h2};
+}
+
 int32_t activation_code(c10::string_view activation, int num_segments) {
   if (activation == "none") return patcher::kActNone;
   if (activation == "gelu") return patcher::kActGelu;
@@ -365,13 +389,15 @@ std::tuple<Tensor, Tensor, Tensor> int4_qkv_rope_cache(
 // GPT-NeoX's parallel residual in one launch: the residual add and both LayerNorms, then the QKV projection of the
 // first (RoPE, K/V into the caches) and the MLP's input projection of the second (with its GELU): segments
 // [0, qkv_segments) are q | k | v, the rest the MLP's. Returns (q [batch, Hq, D], hidden [batch, MLP width], sum).
+// Or, without the norm prologue, x and x2 are the two LayerNorms' outputs (int4_norm_prologue's h and h2), and sum
+// is empty.
 std::tuple<Tensor, Tensor, Tensor> int4_qkv_mlp_in(
     const Tensor& x, const OptTensor& delta, const OptTensor& delta2, const OptTensor& norm_weight,
     const OptTensor& norm_bias, const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps, bool rms,
     TensorList qweight, TensorList qzeros, TensorList scales, TensorList g_idx, OptTensorList bias, int64_t group_size,
     bool act_order, int64_t zero_offset, const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
     Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, bool interleaved,
-    int64_t qkv_segments, c10::string_view activation, int64_t splits, Tensor& workspace) {
+    int64_t qkv_segments, c10::string_view activation, int64_t splits, Tensor& workspace, const OptTensor& x2) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   auto [p, pro] = norm_params(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, qweight,
@@ -379,8 +405,17 @@ std::tuple<Tensor, Tensor, Tensor> int4_qkv_mlp_in(
   TORCH_CHECK(qkv_segments >= 1 && qkv_segments < p.num_segments, "patcher: int4_qkv_mlp_in needs 1 to ",
               std::to_string(p.num_segments - 1), " q/k/v segments followed by the MLP's, got qkv_segments ",
               std::to_string(qkv_segments), " of ", std::to_string(p.num_segments));
-  TORCH_CHECK(norm_weight.has_value() && norm_weight2.has_value() && !rms,
-              "patcher: int4_qkv_mlp_in takes both LayerNorms (norm_weight and norm_weight2)");
+  if (x2.has_value()) {
+    TORCH_CHECK(!norm_weight.has_value(), "patcher: int4_qkv_mlp_in takes x2 only without the norm prologue");
+    check_like(*x2, x, "x2");
+    TORCH_CHECK(x2->sizes() == x.sizes(), "patcher: x2 ", dims(x2->sizes()), " must match x ", dims(x.sizes()));
+    p.x2 = x2->data_ptr();  // read whole by the MLP's tiles (Int4Params::second)
+    p.x2_stride = row_stride(*x2, "x2");
+  } else {
+    TORCH_CHECK(norm_weight.has_value() && norm_weight2.has_value() && !rms,
+                "patcher: int4_qkv_mlp_in takes both LayerNorms (norm_weight and norm_weight2), or their outputs as x "
+                "and x2");
+  }
   p.norm.h2 = nullptr;  // the MLP's tiles normalize with the second LayerNorm themselves
   Tensor q = rope_cache_epilogue(p, x, static_cast<int>(qkv_segments), cos, sin, slot, pad, k_cache, v_cache,
                                  num_q_heads, num_kv_heads, head_dim, interleaved, "int4_qkv_mlp_in");
@@ -455,6 +490,7 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("int4_gemv_cat", &int4_gemv_cat);
   m.impl("int4_gemv_acc", &int4_gemv_acc);
   m.impl("int4_norm_gemv_acc", &int4_norm_gemv_acc);
+  m.impl("int4_norm_prologue", &int4_norm_prologue);
   m.impl("int4_qkv_rope_cache", &int4_qkv_rope_cache);
   m.impl("int4_qkv_mlp_in", &int4_qkv_mlp_in);
 }

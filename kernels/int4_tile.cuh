@@ -198,12 +198,13 @@ __device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool write
   const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
   if constexpr (!NORM) {
     // 16-byte loads where x allows them (slices start and end on multiples of 8), each thread's issued together.
-    // With a second input, k from x2_k on (a multiple of 8, so no vector straddles the two) reads x2.
+    // With a second input, k from x2_k on (a multiple of 8, so no vector straddles the two) reads x2; with a second
+    // linear (Int4Params::second), its tiles (second_norm) read x2 whole and the first linear's tiles x.
     constexpr int V = 16 / sizeof(T);
     const bool vec = (reinterpret_cast<uintptr_t>(p.x) & 15u) == 0 && p.x_stride % V == 0 &&
                      (!p.x2 || ((reinterpret_cast<uintptr_t>(p.x2) & 15u) == 0 && p.x2_stride % V == 0));
     const int step = vec ? V : 1;
-    const int64_t split = p.x2 ? p.x2_k : p.k;
+    const int64_t split = p.second > 0 ? (second_norm ? 0 : p.k) : (p.x2 ? p.x2_k : p.k);
     for (int b = 0; b < p.batch; ++b) {
       const T* row = static_cast<const T*>(p.x) + b * p.x_stride;
       const T* row2 = p.x2 ? static_cast<const T*>(p.x2) + b * p.x2_stride - split : row;  // indexed by k

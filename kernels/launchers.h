@@ -316,6 +316,9 @@ constexpr int64_t kInt4GroupStageBytes = 40 * 1024;
 // until they fit kInt4GroupStageBytes); 0 with act-order. The Python side (patcher/ops/int4.py) mirrors it.
 int64_t int4_group_stage_bytes(const Int4Params& p);
 cudaError_t launch_int4_gemv(const Int4Params& p, cudaStream_t stream);
+// The add + norm prologue of the int4 ops (p.norm, p.x, p.batch, p.k, p.dtype) as its own kernel: h [batch, k]
+// contiguous, and p.norm.sum / h2 where set. cudaErrorNotSupported where the prologue cannot take this x (norm_fits).
+cudaError_t launch_int4_norm_prologue(const Int4Params& p, void* h, cudaStream_t stream);
 
 // Dequantization for prefill (more than 8 rows): W [k, n] in the dtype of `out`, exactly the reference's values
 // (fp16 multiply as the checkpoint's torch kernels do, then a cast), for a cuBLAS matmul.

@@ -386,6 +386,56 @@ def test_int4_output_projections_hand_on_unmet_sums(name, tmp_path):
         assert max_err(results[defer][1], results[False][1]) <= FP32_LOGIT_ATOL
 
 
+def randomize_norms(model, seed=0):
+    """Random weights and biases for every norm (HF initializes them to ones and zeros, which makes GPT-NeoX's two
+    LayerNorms of a layer equal, so that a step reading one for the other would pass)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("Norm"):
+                module.weight.copy_(1 + 0.3 * torch.randn(module.weight.shape, generator=g))
+                if getattr(module, "bias", None) is not None:
+                    module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=g))
+
+
+# (model, DecodeRunner keywords, int4_norm_prologue calls a layer): every path of the step through an int4 norm op.
+NORM_IN_FRONT = [
+    ("tiny-llama", {}, 2),  # QKV as int4_gemv_acc (the attention finishes it), gate/up
+    ("tiny-llama", {"defer_qkv": False}, 2),  # QKV as int4_qkv_rope_cache
+    ("tiny-qwen2", {}, 2),
+    ("tiny-pythia", {}, 1),  # both LayerNorms in front of int4_qkv_mlp_in
+    ("tiny-pythia", {"merge_int4": False}, 1),  # ... of int4_qkv_rope_cache and the MLP's int4_gemv on h2
+    ("tiny-neox-sequential", {}, 2),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,per_layer", NORM_IN_FRONT)
+def test_int4_norm_in_front_from_two_rows(name, kwargs, per_layer, tmp_path, monkeypatch):
+    """CPU, reference backend: from INT4_SEPARATE_NORM_MIN_BATCH rows on, the decode step runs each int4 op's add +
+    norm as int4_norm_prologue in front of it, the op reading h (and h2), and gives the tokens and logits of the step
+    with the norms inside the ops."""
+    model = gptq_model(name, tmp_path)
+    randomize_norms(model)
+    patch_model(model)
+    ids, mask = torch.randint(3, 500, (2, 11)), torch.ones(2, 11, dtype=torch.long)
+    results = {}
+    with torch.no_grad():
+        for in_front in (True, False):
+            runner = DecodeRunner(model, use_graphs=False, int4_separate_norm_batch=2 if in_front else 9, **kwargs)
+            tokens = runner.generate(ids, mask, 8, Sampling(), eos=[], pad_token_id=0)
+            calls = []
+            ops = runner.ops
+            monkeypatch.setattr(
+                ops, "int4_norm_prologue", lambda *a, f=ops.int4_norm_prologue, c=calls: c.append(1) or f(*a)
+            )
+            results[in_front] = (tokens, runner.logits(runner.states[2]))
+            monkeypatch.undo()
+            assert runner.states[2].int4_separate_norm == in_front
+            assert len(calls) == (per_layer * model.config.num_hidden_layers if in_front else 0)
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+
+
 def test_gptq_layers_the_kernels_cannot_read_are_left_with_a_reason(tmp_path):
     model = gptq_model("tiny-qwen2", tmp_path)
     model.model.layers[1].self_attn.k_proj.scales.data = model.model.layers[1].self_attn.k_proj.scales.float()
@@ -451,6 +501,30 @@ def test_int4_unmet_sums_on_the_gpu(name, tmp_path):
         logits = {defer: runners[defer].logits(states[defer]) for defer in runners}
     for defer in (True, "qkv"):
         assert max_err(logits[defer], logits[False]) <= 1e-2 * max(1.0, logits[False].abs().max().item())
+
+
+@requires_cuda
+@pytest.mark.parametrize("name,kwargs", [(name, kwargs) for name, kwargs, _ in NORM_IN_FRONT])
+def test_int4_norm_in_front_on_the_gpu(name, kwargs, tmp_path):
+    """GPU: the graph-captured decode (batch 3) with each int4 op's add + norm as int4_norm_prologue in front gives,
+    one step on the same cache and tokens, the logits of the step with the norms inside the ops, within fp16
+    rounding (the two compute each row's statistics in blocks of different sizes, so h may differ in its last bit)."""
+    model = gptq_model(name, tmp_path, False, dtype=torch.float16, device="cuda")
+    randomize_norms(model)
+    patch_model(model)
+    ids = torch.randint(3, 500, (3, 13), device="cuda")
+    mask = torch.ones_like(ids)
+    runners = {front: DecodeRunner(model, int4_separate_norm_batch=2 if front else 9, **kwargs) for front in (1, 0)}
+    with torch.no_grad():
+        for runner in runners.values():
+            runner.generate(ids, mask, 16, Sampling(), eos=[], pad_token_id=0)
+            assert runner.states[3].graph is not None
+        states = {front: runner.states[3] for front, runner in runners.items()}
+        for field in ("k", "v", "tokens", "slot", "pad"):
+            getattr(states[0], field).copy_(getattr(states[1], field))
+        logits = {front: runners[front].logits(states[front]) for front in runners}
+    assert states[1].int4_separate_norm and not states[0].int4_separate_norm
+    assert max_err(logits[1], logits[0]) <= 1e-2 * max(1.0, logits[0].abs().max().item())
 
 
 @requires_cuda

@@ -240,6 +240,29 @@ def test_int4_prologue_reads_an_accumulator(rms, with_bias, batch, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("k", [2560, 4096, 1032])
+@pytest.mark.parametrize("prologue", ["rms", "add_rms", "layer", "add2_dual_layer", "acc_rms", "acc_layer"])
+def test_int4_norm_prologue(prologue, k, batch, dtype):
+    """The int4 ops' add + norm prologue as its own kernel (the decode step's, from 2 rows on): h and h2 with the 2x
+    rule, the residual sum bit for bit; "acc_*": delta an int4_gemv_acc accumulator and delta2 the producer's bias
+    rows, as the decode step hands them on."""
+    from patcher.ops import reference
+
+    if prologue.startswith("acc"):
+        x, pro = prologue_args("add2_dual_layer" if prologue == "acc_layer" else "add_rms", batch, k, dtype)
+        acc = reference.to_fixed(torch.randn(batch, k, device="cuda") * 3)
+        rows = (torch.randn(k, device="cuda") * 0.1).to(dtype).expand(batch, k).contiguous()
+        pro = (acc, rows, *pro[2:])
+    else:
+        x, pro = prologue_args(prologue, batch, k, dtype)
+    x = torch.cat([x, x], dim=1)[:, :k]  # strided rows
+    _, total, h2 = check_op("int4_norm_prologue", (x, *pro), exact_outputs=(1,))[0]
+    assert total.numel() == (0 if pro[0] is None else batch * k)
+    assert h2.numel() == (0 if pro[4] is None else batch * k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 5])
 @pytest.mark.parametrize("prologue", ["rms", "add_rms", "layer"])
 def test_int4_norm_gemv_acc(prologue, batch, dtype):
@@ -449,10 +472,12 @@ QKV_MLP = {  # heads q, kv, head_dim, rotary dim, interleaved, q/k/v segments, M
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", list(QKV_MLP))
 @pytest.mark.parametrize("batch", [1, 3, 8])
-@pytest.mark.parametrize("prologue", ["layer", "add2_dual_layer"])
+@pytest.mark.parametrize("prologue", ["layer", "add2_dual_layer", "in_front"])
 def test_int4_qkv_mlp_in(prologue, batch, arch, dtype):
     """GPT-NeoX's parallel residual in one launch: QKV with RoPE and the cache writes from the first LayerNorm, the
-    MLP's input projection with its GELU from the second; tiles of both in one grid (K slices, shared counters)."""
+    MLP's input projection with its GELU from the second; tiles of both in one grid (K slices, shared counters).
+    "in_front": both LayerNorms by int4_norm_prologue, the op's QKV tiles reading its h and its MLP tiles h2 (the
+    decode step from 2 rows on), against the same reference."""
     from patcher.ops import KERNELS, reference
 
     hq, hkv, d, rot, interleaved, qkv_segments, mlp, group, bias = QKV_MLP[arch]
@@ -473,7 +498,13 @@ def test_int4_qkv_mlp_in(prologue, batch, arch, dtype):
     poison_cuda_cache()
     tail = (hq, hkv, d, interleaved, qkv_segments, "gelu", splits, workspace)
     rope = (cos, sin, slot, pad)
-    q, hidden, total = KERNELS.int4_qkv_mlp_in(x, *pro, *lin.args(), *rope, *caches, *tail)
+    if prologue == "in_front":
+        h, total, h2 = KERNELS.int4_norm_prologue(x, *pro)
+        no_prologue = (None,) * 6 + (0.0, False)
+        q, hidden, empty = KERNELS.int4_qkv_mlp_in(h, *no_prologue, *lin.args(), *rope, *caches, *tail, h2)
+        assert empty.numel() == 0
+    else:
+        q, hidden, total = KERNELS.int4_qkv_mlp_in(x, *pro, *lin.args(), *rope, *caches, *tail)
     q_ref, hidden_ref, total_ref = reference.int4_qkv_mlp_in(x, *pro, *lin.args(), *rope, *ref_caches, *tail)
     pro64 = tuple(t.double() if isinstance(t, torch.Tensor) else t for t in pro)
     caches64 = [c.double() for c in caches]
@@ -502,6 +533,24 @@ def test_int4_qkv_mlp_in_bad_inputs(kernels):
     with pytest.raises(RuntimeError, match="both LayerNorms"):
         kernels.int4_qkv_mlp_in(x, *pro[:4], None, None, *pro[6:], *lin.args(), *rope, 4, 4, 64, True, 1, "gelu", 2,
                                 workspace)  # fmt: skip
+    with pytest.raises(RuntimeError, match="x2 only without the norm prologue"):
+        kernels.int4_qkv_mlp_in(*args, 1, "gelu", 2, workspace, x)
+    no_prologue = (None,) * 6 + (0.0, False)
+    with pytest.raises(RuntimeError, match="x2 .* must match x"):
+        kernels.int4_qkv_mlp_in(x, *no_prologue, *lin.args(), *rope, 4, 4, 64, True, 1, "gelu", 2, workspace, x[:1])
+
+
+def test_int4_norm_prologue_bad_inputs(kernels):
+    x, pro = prologue_args("add2_dual_layer", 2, 256, torch.float16)
+    torch.library.opcheck(torch.ops.patcher.int4_norm_prologue.default, (x, *pro))
+    with pytest.raises(RuntimeError, match="needs norm_weight"):
+        kernels.int4_norm_prologue(x, None, None, None, None, None, None, 1e-5, False)
+    with pytest.raises(RuntimeError, match="one token per row"):
+        kernels.int4_norm_prologue(x[None], *pro)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        kernels.int4_norm_prologue(x.repeat(5, 1), None, None, *pro[2:])
+    with pytest.raises(RuntimeError, match="delta"):
+        kernels.int4_norm_prologue(x, pro[0][:1], *pro[1:])
 
 
 def test_int4_opcheck_and_bad_inputs(kernels):

@@ -69,6 +69,14 @@ CUBLAS_MIN_BATCH = 4
 # mattering most there, but Qwen2-1.5B (1536) 1.85 -> 2.06 ms and Llama-3.1-8B (4096) 5.95 -> 6.21 ms, where the
 # separate norm kernel is cheaper than the prologue's extra latency in each block.
 FUSED_NORM_MAX_HIDDEN = 1024
+# From this batch size on, an int4 op's add + norm prologue runs as its own kernel in front of it
+# (int4_norm_prologue) and the op reads the normalized rows. In the op every block computes its rows' statistics over
+# all of K from L2, and the op has more blocks the more rows it takes (a block's x stage holds batch x K / splits), so
+# those reads grow with the square of the rows: measured on the H100 (fp16, g128, prompt 128), the prologue in the op
+# made Llama-3.1-8B's norm + gate/up and norm + QKV take 75 us a launch at batch 8 against 21 at batch 1, and int4
+# decode slower than fp16 (6.70 against 6.33 ms a token). PATCHER_INT4_SEPARATE_NORM_BATCH overrides it.
+INT4_SEPARATE_NORM_MIN_BATCH = 2
+NO_PROLOGUE = (None,) * 6 + (0.0, False)  # the prologue arguments of an op that takes no add + norm
 MIN_CAPACITY = 256
 MAX_EOS_IDS = 8
 MAX_SPLITS = 16  # decode_attention merges at most this many partial softmaxes per (row, kv head)
@@ -143,6 +151,17 @@ def defer_qkv_enabled() -> bool:
     return os.environ.get("PATCHER_INT4_DEFER_QKV", "1") != "0"
 
 
+def int4_separate_norm_min_batch() -> int:
+    """The batch size from which int4 ops take their add + norm as a kernel in front (INT4_SEPARATE_NORM_MIN_BATCH):
+    PATCHER_INT4_SEPARATE_NORM_BATCH, else that constant."""
+    value = os.environ.get("PATCHER_INT4_SEPARATE_NORM_BATCH")
+    if value is None:
+        return INT4_SEPARATE_NORM_MIN_BATCH
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"PATCHER_INT4_SEPARATE_NORM_BATCH must be a batch size >= 1, got {value!r}")
+    return int(value)
+
+
 class StepState:
     """The static buffers one (batch size, cache capacity) pair decodes in; a captured graph reads only these."""
 
@@ -163,6 +182,8 @@ class StepState:
         self.cublas = runner.device.type == "cuda" and batch >= CUBLAS_MIN_BATCH
         # Norms inside the GEMVs' prologues (on the CPU always: the reference path is the same either way).
         self.fused_norms = not self.cublas and (runner.device.type != "cuda" or runner.hidden <= FUSED_NORM_MAX_HIDDEN)
+        # int4 ops: their add + norm as int4_norm_prologue in front of them (INT4_SEPARATE_NORM_MIN_BATCH).
+        self.int4_separate_norm = batch >= runner.int4_separate_norm_batch
         self.splits = runner.attention_splits(batch)
         self.workspace = decode_attention_workspace(
             batch, runner.num_heads, runner.num_kv_heads, runner.head_dim, self.splits, dev
@@ -228,6 +249,7 @@ class DecodeRunner:
         fuse_next_token: bool = True,
         defer_int4: bool | None = None,
         defer_qkv: bool | None = None,
+        int4_separate_norm_batch: int | None = None,
     ):
         config = model.config
         entry = REGISTRY[config.model_type]
@@ -286,6 +308,10 @@ class DecodeRunner:
         self.use_step_kernel = use_step_kernel and self.device.type == "cuda"
         self.step_timeline = step_timeline  # the step kernel records its timeline (step.timeline_summary)
         self.rms = spec.norm == "rms"
+        # From this batch size on, int4 ops take their add + norm as a kernel in front (INT4_SEPARATE_NORM_MIN_BATCH).
+        if int4_separate_norm_batch is None:
+            int4_separate_norm_batch = int4_separate_norm_min_batch()
+        self.int4_separate_norm_batch = int4_separate_norm_batch
         # Every GPTQ int4 linear of the step: id -> (Int4Linear, head_dim when its epilogue is RoPE, else None).
         self.int4 = {}
         for layer in self.layers:
@@ -389,8 +415,11 @@ class DecodeRunner:
         """act(norm(x [+ deltas]) @ W^T + b) with its prologue fused where the kernels allow (and `fuse`), else the
         norm as `separate` (a LayerStep.separate_norms entry): (out, sum, h2)."""
         if int4_linear is not None:
-            return self.ops.int4_gemv(x, *pro, *int4_linear.args(), act, st.int4_splits[id(int4_linear)],
-                                      st.int4_workspace)  # fmt: skip
+            args = (*int4_linear.args(), act, st.int4_splits[id(int4_linear)], st.int4_workspace)
+            if st.int4_separate_norm:
+                h, total, h2 = self.ops.int4_norm_prologue(x, *pro)
+                return self.ops.int4_gemv(h, *NO_PROLOGUE, *args)[0], total, h2
+            return self.ops.int4_gemv(x, *pro, *args)
         if st.fused_norms and fuse:
             return self.ops.norm_gemv(x, *pro, weight, bias, act)
         h, total, h2 = separate(x, pro[0], pro[1])
@@ -400,9 +429,8 @@ class DecodeRunner:
         """x @ W^T (+ b) with the MLP activation: our GEMV (epilogue fused), or cuBLAS then the activation.
         `workspace`: the int4 workspace of the stream it runs on (default: the main stream's)."""
         if int4_linear is not None:
-            none = (None,) * 6 + (0.0, False)
             workspace = st.int4_workspace if workspace is None else workspace
-            return self.ops.int4_gemv(h, *none, *int4_linear.args(), act, st.int4_splits[id(int4_linear)],
+            return self.ops.int4_gemv(h, *NO_PROLOGUE, *int4_linear.args(), act, st.int4_splits[id(int4_linear)],
                                       workspace)[0]  # fmt: skip
         if not st.cublas:
             return self.ops.gemv(h, weight, bias, act)
@@ -428,16 +456,23 @@ class DecodeRunner:
         rope = self._rope_args(layer, index, st)
         if a.qkv_int4 is not None:
             lin = a.qkv_int4
-            return ops.int4_qkv_rope_cache(x, *pro, *lin.args(), *rope, a.interleaved, st.int4_splits[id(lin)],
-                                           st.int4_workspace)  # fmt: skip
+            args = (*lin.args(), *rope, a.interleaved, st.int4_splits[id(lin)], st.int4_workspace)
+            if st.int4_separate_norm:
+                h, total, h2 = ops.int4_norm_prologue(x, *pro)
+                return ops.int4_qkv_rope_cache(h, *NO_PROLOGUE, *args)[0], total, h2
+            return ops.int4_qkv_rope_cache(x, *pro, *args)
         return ops.norm_gemv_rope_cache(x, *pro, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)
 
     def _qkv_acc(self, layer: LayerStep, index: int, x, pro, st: StepState) -> tuple:
         """The int4 QKV projection behind its add + norm into its accumulator (module docstring), for the attention
         to finish: (the DeferredOut to pass as _attention's q, sum)."""
         lin, d = layer.attention.qkv_int4, st.deferred[("qkv", index)]
-        total, _ = self.ops.int4_norm_gemv_acc(x, *pro, *lin.args(bias=False), st.int4_splits[id(lin)],
-                                               st.int4_workspace, d.acc, d.clear)  # fmt: skip
+        args = (*lin.args(bias=False), st.int4_splits[id(lin)], st.int4_workspace, d.acc, d.clear)
+        if st.int4_separate_norm:
+            h, total, _ = self.ops.int4_norm_prologue(x, *pro)
+            self.ops.int4_gemv_acc(h, None, *args)
+            return d, total
+        total, _ = self.ops.int4_norm_gemv_acc(x, *pro, *args)
         return d, total
 
     def _qkv_rope(self, layer: LayerStep, index: int, h, st: StepState):
@@ -445,8 +480,7 @@ class DecodeRunner:
         a, ops = layer.attention, self.ops
         rope = self._rope_args(layer, index, st)
         if not st.cublas:  # the GEMV with RoPE and the cache writes in its epilogue, no prologue
-            no_norm = (None,) * 6 + (0.0, False)
-            return ops.norm_gemv_rope_cache(h, *no_norm, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)[0]
+            return ops.norm_gemv_rope_cache(h, *NO_PROLOGUE, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)[0]
         qkv = self._linear(h, a.qkv_weight, a.qkv_bias, "none", st)
         return ops.rope_qkv_cache(qkv, *rope, a.interleaved)
 
@@ -458,8 +492,13 @@ class DecodeRunner:
         pro = self._prologue(delta, delta2, norm, post_norm)
         rope = self._rope_args(layer, index, st)
         qkv_segments = len(a.qkv_int4.widths)
-        return self.ops.int4_qkv_mlp_in(x, *pro, *lin.args(), *rope, a.interleaved, qkv_segments, layer.mlp_act,
-                                        st.int4_splits[id(lin)], st.int4_workspace)  # fmt: skip
+        args = (*lin.args(), *rope, a.interleaved, qkv_segments, layer.mlp_act, st.int4_splits[id(lin)],
+                st.int4_workspace)  # fmt: skip
+        if st.int4_separate_norm:  # both LayerNorms in front; the op's QKV tiles read h, its MLP tiles h2
+            h, total, h2 = self.ops.int4_norm_prologue(x, *pro)
+            q, hidden, _ = self.ops.int4_qkv_mlp_in(h, *NO_PROLOGUE, *args, h2)
+            return q, hidden, total
+        return self.ops.int4_qkv_mlp_in(x, *pro, *args)
 
     @staticmethod
     def _rope_args(layer: LayerStep, index: int, st: StepState) -> tuple:

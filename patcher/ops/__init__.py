@@ -38,6 +38,7 @@ OP_NAMES = (
     "int4_gemv_cat",
     "int4_gemv_acc",
     "int4_norm_gemv_acc",
+    "int4_norm_prologue",
     "int4_qkv_rope_cache",
     "int4_qkv_mlp_in",
 )

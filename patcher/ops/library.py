@@ -249,6 +249,11 @@ _define(
     lambda x, delta, d2, w, b, w2, b2, *rest, **kwargs: _prologue_fakes(x, delta, w2),
 )
 _define(
+    f"int4_norm_prologue({_PROLOGUE}) -> (Tensor, Tensor, Tensor)",
+    ref.int4_norm_prologue,
+    lambda x, delta, d2, w, b, w2, b2, eps, rms: (_like(x), *_prologue_fakes(x, delta, w2)),
+)
+_define(
     f"int4_qkv_rope_cache({_PROLOGUE}, {_INT4}, Tensor cos, Tensor sin, Tensor slot, Tensor pad,"
     " Tensor(b!) k_cache, Tensor(c!) v_cache, int num_q_heads, int num_kv_heads, int head_dim, bool interleaved,"
     " int splits, Tensor(a!) workspace) -> (Tensor, Tensor, Tensor)",
@@ -267,7 +272,8 @@ def _int4_qkv_mlp_fake(x, delta, d2, w, b, w2, b2, eps, rms, qw, qz, sc, gi, bia
 _define(
     f"int4_qkv_mlp_in({_PROLOGUE}, {_INT4}, Tensor cos, Tensor sin, Tensor slot, Tensor pad,"
     " Tensor(b!) k_cache, Tensor(c!) v_cache, int num_q_heads, int num_kv_heads, int head_dim, bool interleaved,"
-    " int qkv_segments, str activation, int splits, Tensor(a!) workspace) -> (Tensor, Tensor, Tensor)",
+    " int qkv_segments, str activation, int splits, Tensor(a!) workspace, Tensor? x2=None)"
+    " -> (Tensor, Tensor, Tensor)",
     ref.int4_qkv_mlp_in,
     _int4_qkv_mlp_fake,
 )

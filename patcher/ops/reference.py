@@ -309,21 +309,30 @@ def int4_qkv_mlp_in(
     x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool,
     qweight, qzeros, scales, g_idx, bias, group_size: int, act_order: bool, zero_offset: int,
     cos, sin, slot, pad, k_cache, v_cache, num_q_heads: int, num_kv_heads: int, head_dim: int, interleaved: bool,
-    qkv_segments: int, activation: str, splits: int, workspace,
+    qkv_segments: int, activation: str, splits: int, workspace, x2=None,
 ):  # fmt: skip
     """GPT-NeoX's parallel residual in one decode-step op: [add +] both LayerNorms, then the int4 QKV projection of
     the first (segments [0, qkv_segments)) with rope_qkv_cache, and the MLP's int4 input projection of the second
-    (the other segments) with its activation. Returns (q [B, Hq, D], hidden [B, MLP width], sum)."""
-    if norm_weight is None or norm_weight2 is None or rms:
-        raise ValueError("int4_qkv_mlp_in takes both LayerNorms (norm_weight and norm_weight2)")
+    (the other segments) with its activation. Returns (q [B, Hq, D], hidden [B, MLP width], sum). Or, with x2 and
+    no norm prologue, x and x2 are the two LayerNorms' outputs (int4_norm_prologue's h and h2); sum is empty."""
+    if x2 is not None:
+        if norm_weight is not None or delta is not None:
+            raise ValueError("int4_qkv_mlp_in takes x2 only without the norm prologue")
+    elif norm_weight is None or norm_weight2 is None or rms:
+        raise ValueError(
+            "int4_qkv_mlp_in takes both LayerNorms (norm_weight and norm_weight2), or their outputs as x and x2"
+        )
     if not 1 <= qkv_segments < len(qweight):
         raise ValueError(f"int4_qkv_mlp_in needs q/k/v segments followed by the MLP's, got {qkv_segments} of "
                          f"{len(qweight)}")  # fmt: skip
     if activation not in ("none", "gelu", "gelu_tanh"):
         raise ValueError(f"int4_qkv_mlp_in takes none, gelu or gelu_tanh, got {activation!r}")
-    h, s, h2 = _norm_prologue(
-        x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, fixed_delta=True
-    )
+    if x2 is None:
+        h, s, h2 = _norm_prologue(
+            x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, fixed_delta=True
+        )
+    else:
+        h, s, h2 = x, x.new_empty(0), x2
     parts = [(t[:qkv_segments], t[qkv_segments:]) for t in (qweight, qzeros, scales, g_idx, bias)]
     first, second = ([p[i] for p in parts] for i in (0, 1))
     qkv = int4_linear(h, *first, group_size, act_order, zero_offset)
@@ -397,6 +406,17 @@ def int4_gemv_acc(
     outs = [h.float() @ int4_weight(*w, group_size, act_order, zero_offset).to(h.dtype).float()
             for w in zip(qweight, qzeros, scales, g_idx)]  # fmt: skip
     acc += to_fixed(torch.cat(outs, dim=-1))
+
+
+def int4_norm_prologue(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool):
+    """The int4 ops' add + norm prologue as an op of its own: (h, sum, h2) as int4_gemv's prologue computes them
+    (delta may be an int4_gemv_acc accumulator). The decode step runs it in front of an int4 op from a few rows on,
+    and the op then reads h (and GPT-NeoX's h2) with no prologue of its own."""
+    if norm_weight is None:
+        raise ValueError("int4_norm_prologue needs norm_weight")
+    return _norm_prologue(
+        x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, fixed_delta=True
+    )
 
 
 def int4_norm_gemv_acc(
