@@ -360,7 +360,7 @@ def case_int4(batch, arch, dtype, ops, which):
     weight_bytes = k * n_total // 2 + (k // 128) * n_total * 2 + (k // 128) * n_total // 8 * 4
     linears = [_random_int4(k, widths) for _ in range(_copies(weight_bytes))]
     head = D if which == "norm_qkv" else None
-    splits = int4_ops.splits_for(batch, linears[0], sms, head)
+    splits = int4_ops.splits_for(batch, linears[0], sms, head, dtype)  # as the decode step picks them
     workspace = torch.zeros(int4_ops.workspace_numel(batch, linears[0], splits, head), dtype=torch.int32, device="cuda")
     x = _rand(batch, k, dtype=dtype)
     nbytes = weight_bytes + (batch * k + batch * (widths[0] if act == "silu_mul" else n_total)) * dtype.itemsize
@@ -404,7 +404,7 @@ def case_int4_neox(batch, arch, dtype, ops, which):
     none = (None,) * 6 + (0.0, False)
 
     def setup(linear, head):
-        splits = int4_ops.splits_for(batch, linear, sms, head)
+        splits = int4_ops.splits_for(batch, linear, sms, head, dtype)
         workspace = torch.zeros(int4_ops.workspace_numel(batch, linear, splits, head), dtype=torch.int32, device="cuda")
         return splits, workspace
 

@@ -104,10 +104,9 @@ void attach_workspace(patcher::Int4Params& p, Tensor& workspace) {
 }
 
 // Whether p.splits K slices fit the kernels' shared memory: the x stage and the tensor-core kernel's scales and zero
-// points of a slice (launchers.h: kInt4StageElems, kInt4GroupStageBytes).
+// points of a slice (launchers.h: kInt4StageBytes, kInt4GroupStageBytes).
 bool splits_fit(const patcher::Int4Params& p) {
-  const int64_t rows = p.k / 8, per_split = (rows + p.splits - 1) / p.splits;
-  return p.batch * per_split * 8 <= patcher::kInt4StageElems &&
+  return patcher::int4_stage_bytes(p) <= patcher::kInt4StageBytes &&
          patcher::int4_group_stage_bytes(p) <= patcher::kInt4GroupStageBytes;
 }
 
@@ -116,7 +115,7 @@ void check_splits(const patcher::Int4Params& p) {
   TORCH_CHECK(p.splits >= 1 && p.splits <= rows, "patcher: splits must be in 1..", std::to_string(rows), ", got ",
               std::to_string(p.splits));
   TORCH_CHECK(splits_fit(p), "patcher: ", std::to_string(p.splits), " K slices do not fit the int4 kernel's shared ",
-              "memory (batch x K / splits at most 8192, a slice's group parameters at most 40 KB); raise splits ",
+              "memory (x for batch x K / splits at most 32 KB, a slice's group parameters at most 40 KB); raise splits ",
               "(patcher.ops.int4.splits_for)");
 }
 

@@ -510,7 +510,7 @@ cudaError_t launch_smem(const Int4Params& p, int64_t stage_bytes, int64_t group_
   const int64_t members = p.epilogue == kInt4SiluMul ? 2 : 1;
   const int64_t staged = stage_bytes + group_bytes;
   const int64_t bytes = (staged > reduce ? staged : reduce) + members * p.batch * tile_width * 4;
-  if (stage_bytes > kInt4StageElems * 4 || group_bytes > kInt4GroupStageBytes || bytes - group_bytes > 48 * 1024)
+  if (stage_bytes > kInt4StageBytes || group_bytes > kInt4GroupStageBytes || bytes - group_bytes > 48 * 1024)
     return cudaErrorInvalidConfiguration;
   if (!norm_fits<T>(p, threads, norm_elems)) return cudaErrorNotSupported;
   smem = static_cast<size_t>(bytes);

@@ -307,11 +307,16 @@ int64_t int4_tiles(const Int4Params& p);
 // one per block that shares a tile, at most one per 256 k.
 int64_t int4_partial_rows(const Int4Params& p);
 // The split rule's shared-memory limits, which the bindings check and patcher/ops/int4.py mirrors: x staged for a K
-// slice (batch x K / splits elements), and the tensor-core kernel's scales and zero points of one K slice (bytes;
-// int4_mma.cuh: SliceGroups). With the x stage and the tile values a block then stays within 72 KB, so three of
-// Pythia's 160-thread blocks still fit an SM.
-constexpr int64_t kInt4StageElems = 8192;
+// slice (int4_stage_bytes), and the tensor-core kernel's scales and zero points of one K slice (bytes; int4_mma.cuh:
+// SliceGroups). With the x stage and the tile values a block then stays within 72 KB, so three of Pythia's
+// 160-thread blocks still fit an SM.
+constexpr int64_t kInt4StageBytes = 32 * 1024;
 constexpr int64_t kInt4GroupStageBytes = 40 * 1024;
+// Bytes of a block's x stage at p.splits K slices: the tensor-core kernel holds x in the activations' 2-byte dtype,
+// in whole 4-row steps of its slice (int4_mma.cuh: mma_x_stage_bytes), the CUDA-core kernel in fp32. (The limit was
+// 8192 elements for both, which at 4-8 rows cut Llama-3.1-8B's gate/up and down into more K slices than the SMs hold
+// at once: patcher/ops/int4.py, splits_for, has what the 2-byte stage measured.)
+int64_t int4_stage_bytes(const Int4Params& p);
 // Shared memory the tensor-core kernel's scales and zero points of one K slice take (the split rule raises splits
 // until they fit kInt4GroupStageBytes); 0 with act-order. The Python side (patcher/ops/int4.py) mirrors it.
 int64_t int4_group_stage_bytes(const Int4Params& p);

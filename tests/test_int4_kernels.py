@@ -600,6 +600,22 @@ def test_int4_gemv_hopper_work_split(k, widths, group_size, activation, batch, d
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:2])
+@pytest.mark.parametrize("prologue,activation", [("none", "silu_mul"), ("add_rms", "silu_mul"), ("none", "none")])
+def test_int4_gemv_largest_x_stage(prologue, activation, dtype):
+    """8 rows of a gate/up-sized op in the K slices the decode step picks for fp16/bf16 (int4_ops.splits_for with
+    the dtype): the tensor-core kernel's x stage then holds its whole 32 KB (twice what the fp32 rule allows)."""
+    lin = gptq_linear(4096, [8192, 8192] if activation == "silu_mul" else [16384], 128)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = int4_ops.splits_for(8, lin, sms, dtype=dtype)
+    assert splits < int4_ops.splits_for(8, lin, sms)
+    assert int4_ops.stage_bytes(8, lin, splits, dtype) > int4_ops.STAGE_BYTES // 2
+    workspace = torch.zeros(int4_ops.workspace_numel(8, lin, splits), dtype=torch.int32, device="cuda")
+    x, pro = prologue_args(prologue, 8, 4096, dtype)
+    check_op("int4_gemv", (x, *pro, *lin.args(), activation, splits, workspace))
+    assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0, "the tile counters must be left at zero"
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:2])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_int4_gemv_largest_group_stage(batch, dtype, kernels):
     """K slices whose scales and zero points fill the tensor-core kernel's 40 KB of shared memory (8192 k at group

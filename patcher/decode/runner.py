@@ -375,7 +375,7 @@ class DecodeRunner:
 
     def int4_splits(self, batch: int, linear, head_dim) -> int:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
-        return int4.splits_for(batch, linear, sms, head_dim)
+        return int4.splits_for(batch, linear, sms, head_dim, self.dtype)
 
     def rope_tables(self, capacity: int):
         """cos/sin [capacity, rotary_dim] for positions 0..capacity-1, from the model's own rotary embedding."""

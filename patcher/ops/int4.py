@@ -9,13 +9,14 @@ untouched.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
 MAX_SEGMENTS = 3
 TILE = 128  # output columns per block of the int4 kernels (whole heads when RoPE follows: tile_width)
-STAGE_FLOATS = 8192  # batch x K/splits limit of the kernel's shared x stage
+STAGE_BYTES = 32 * 1024  # limit of a block's shared x stage (kernels/launchers.h: kInt4StageBytes; stage_bytes)
 GROUP_STAGE_BYTES = 40 * 1024  # limit of the tensor-core kernel's shared scales and zero points of one K slice
 TMA_STAGE_K = 256  # k per stage of the Hopper kernel (kernels/int4_tma.cuh): at most one row of partial sums each
 # Tile counters at the front of every workspace, the same number for every op (kernels/launchers.h: kInt4Counters):
@@ -147,21 +148,59 @@ def block_threads(tile_width: int) -> int:
     return cols * (256 // cols // 4 * 4)
 
 
-def splits_for(batch: int, linear: Int4Linear, multiprocessors: int, head_dim: int | None = None) -> int:
+def splits_for(
+    batch: int,
+    linear: Int4Linear,
+    multiprocessors: int,
+    head_dim: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> int:
     """K slices for the decode-step kernels: no more blocks than the SMs hold at once, so that every block runs
     in the first wave (a block left for a second wave pays its whole chain of load, reduce and epilogue again);
-    at least 16 qweight rows per block; within the kernel's shared x stage. The launch bounds guarantee 2 blocks
-    of 256 threads per SM (128 registers a thread), so a narrower block (Pythia's tiles of two 80-wide heads:
-    160 threads) fits 512 // threads of them: 3, measured 18.3 -> 14.9 us for Pythia's fused QKV on the H100."""
+    at least 16 qweight rows per block; within the kernel's shared x stage (stage_bytes: the activations' `dtype`
+    decides how many rows of x it holds; the fp32 default is the rule for any dtype, with more slices than fp16/bf16
+    need). The launch bounds guarantee 2 blocks of 256 threads per SM (128 registers a thread), so a narrower block
+    (Pythia's tiles of two 80-wide heads: 160 threads) fits 512 // threads of them: 3, measured 18.3 -> 14.9 us for
+    Pythia's fused QKV on the H100.
+
+    The x stage held 8192 elements for every kernel before the tensor-core kernel's took 2-byte elements; at 8 rows
+    that cut Llama-3.1-8B's gate/up into 4 K slices (896 blocks) and down into 14. Measured on the H100 (int4 TPOT,
+    fp16, g128, one call, with int4_norm_prologue in front of the norm ops): Llama-3.1-8B 4.734 -> 3.881 ms at batch
+    8, 3.332 -> 2.967 at batch 4; Pythia-2.8B 2.099 -> 2.092 and 1.554 -> 1.398. Batch 1 takes the same slices."""
     rows = linear.in_features // 8
     resident = 512 // max(1, block_threads(tile_width(head_dim)))
     splits = max(1, min(max(1, rows // 16), resident * multiprocessors // tiles(linear, head_dim)))
     while (
-        batch * math.ceil(rows / splits) * 8 > STAGE_FLOATS
+        stage_bytes(batch, linear, splits, dtype, head_dim) > STAGE_BYTES
         or group_stage_bytes(linear, splits, head_dim) > GROUP_STAGE_BYTES
     ):
         splits += 1
     return min(splits, rows)
+
+
+def tensor_cores(linear: Int4Linear, dtype: torch.dtype, head_dim: int | None = None) -> bool:
+    """Whether the tensor-core kernel takes the linear, as kernels/int4_gemv.cuh picks it (int4_mma.cuh:
+    mma_applies): fp16/bf16 activations, no act-order, groups of whole 32s, tiles of whole warps within 256 columns;
+    not under PATCHER_INT4_CUDA_CORES=1."""
+    width = tile_width(head_dim)
+    return (
+        dtype in (torch.float16, torch.bfloat16)
+        and os.environ.get("PATCHER_INT4_CUDA_CORES") != "1"
+        and not linear.act_order
+        and linear.group_size % 32 == 0
+        and width % 32 == 0
+        and width <= 256
+    )
+
+
+def stage_bytes(batch: int, linear: Int4Linear, splits: int, dtype: torch.dtype, head_dim: int | None = None) -> int:
+    """Bytes of a block's shared x stage at `splits` K slices, as kernels/int4.cu's int4_stage_bytes: the
+    tensor-core kernel holds x in the 2-byte dtype, in whole 4-row steps of its slice; the CUDA-core kernel in
+    fp32."""
+    per_split = math.ceil(linear.in_features // 8 / splits)
+    if tensor_cores(linear, dtype, head_dim):
+        return batch * ((per_split + 3) // 4 * 4) * 8 * 2
+    return batch * per_split * 8 * 4
 
 
 def group_stage_bytes(linear: Int4Linear, splits: int, head_dim: int | None = None) -> int:
