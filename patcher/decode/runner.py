@@ -74,7 +74,10 @@ FUSED_NORM_MAX_HIDDEN = 1024
 # all of K from L2, and the op has more blocks the more rows it takes (a block's x stage holds batch x K / splits), so
 # those reads grow with the square of the rows: measured on the H100 (fp16, g128, prompt 128), the prologue in the op
 # made Llama-3.1-8B's norm + gate/up and norm + QKV take 75 us a launch at batch 8 against 21 at batch 1, and int4
-# decode slower than fp16 (6.70 against 6.33 ms a token). PATCHER_INT4_SEPARATE_NORM_BATCH overrides it.
+# decode slower than fp16 (6.70 against 6.33 ms a token). In front, one call (int4 TPOT, in front against inside):
+# Llama-3.1-8B 2.679 / 2.796 ms at batch 2, 3.282 / 3.796 at 4, 4.666 / 6.650 at 8; Pythia-2.8B 1.342 / 1.359,
+# 1.587 / 1.734, 2.104 / 2.518 (evals/results/int4_batch_4f6b97f.txt). At batch 1 the extra launch costs more than
+# the prologue's reads. PATCHER_INT4_SEPARATE_NORM_BATCH overrides it.
 INT4_SEPARATE_NORM_MIN_BATCH = 2
 NO_PROLOGUE = (None,) * 6 + (0.0, False)  # the prologue arguments of an op that takes no add + norm
 MIN_CAPACITY = 256
