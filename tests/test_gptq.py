@@ -461,6 +461,19 @@ def test_int4_norm_in_front_from_two_rows(name, kwargs, per_layer, tmp_path, mon
     assert torch.equal(results[True][1], results[False][1])
 
 
+def test_int4_norm_in_front_threshold_from_the_environment(monkeypatch):
+    from patcher.decode import runner as runner_module
+
+    monkeypatch.delenv("PATCHER_INT4_SEPARATE_NORM_BATCH", raising=False)
+    assert runner_module.int4_separate_norm_min_batch() == runner_module.INT4_SEPARATE_NORM_MIN_BATCH
+    monkeypatch.setenv("PATCHER_INT4_SEPARATE_NORM_BATCH", "9")
+    assert runner_module.int4_separate_norm_min_batch() == 9
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("PATCHER_INT4_SEPARATE_NORM_BATCH", bad)
+        with pytest.raises(ValueError, match="PATCHER_INT4_SEPARATE_NORM_BATCH must be a batch size"):
+            runner_module.int4_separate_norm_min_batch()
+
+
 def test_gptq_layers_the_kernels_cannot_read_are_left_with_a_reason(tmp_path):
     model = gptq_model("tiny-qwen2", tmp_path)
     model.model.layers[1].self_attn.k_proj.scales.data = model.model.layers[1].self_attn.k_proj.scales.float()
