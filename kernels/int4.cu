@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(256) int4_dequantize_kernel(const Int4DequantP
 // The int4 ops' add + norm prologue as a kernel of its own (int4_norm_prologue), one block a row: h = norm(x [+
 // deltas]) [batch, k], and sum and h2 where p.norm asks for them, staged exactly as the ops' prologue stages x. In
 // an op every block computes its rows' statistics over all of K from L2, so that prologue's reads grow with blocks x
-// rows; from a few rows on the decode step runs this kernel in front and the op reads h (patcher/decode/runner.py:
+// rows; the decode step runs this kernel in front and the op reads h (patcher/decode/runner.py:
 // INT4_SEPARATE_NORM_MIN_BATCH says what it measured). 512 threads a row, 16 elements each (K <= 8192, as in the
 // ops): against 256 threads, int4 TPOT on the H100 (fp16, g128) Llama-3.1-8B 3.332 -> 3.206 ms at batch 4 and
 // 4.734 -> 4.664 at batch 8, Pythia-2.8B 1.554 -> 1.525 and 2.099 -> 2.029.

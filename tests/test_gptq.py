@@ -435,10 +435,11 @@ NORM_IN_FRONT = [
 
 
 @pytest.mark.parametrize("name,kwargs,per_layer", NORM_IN_FRONT)
-def test_int4_norm_in_front_from_two_rows(name, kwargs, per_layer, tmp_path, monkeypatch):
-    """CPU, reference backend: from INT4_SEPARATE_NORM_MIN_BATCH rows on, the decode step runs each int4 op's add +
-    norm as int4_norm_prologue in front of it, the op reading h (and h2), and gives the tokens and logits of the step
-    with the norms inside the ops."""
+def test_int4_norm_in_front(name, kwargs, per_layer, tmp_path, monkeypatch):
+    """CPU, reference backend: from INT4_SEPARATE_NORM_MIN_BATCH rows on (every batch size by default), the decode
+    step runs each int4 op's add + norm as int4_norm_prologue in front of it, the op reading h (and h2), and gives
+    the tokens and logits of the step with the norms inside the ops (PATCHER_INT4_SEPARATE_NORM_BATCH above the
+    batch size)."""
     model = gptq_model(name, tmp_path)
     randomize_norms(model)
     patch_model(model)

@@ -244,9 +244,9 @@ def test_int4_prologue_reads_an_accumulator(rms, with_bias, batch, dtype):
 @pytest.mark.parametrize("k", [2560, 4096, 1032])
 @pytest.mark.parametrize("prologue", ["rms", "add_rms", "layer", "add2_dual_layer", "acc_rms", "acc_layer"])
 def test_int4_norm_prologue(prologue, k, batch, dtype):
-    """The int4 ops' add + norm prologue as its own kernel (the decode step's, from 2 rows on): h and h2 with the 2x
-    rule, the residual sum bit for bit; "acc_*": delta an int4_gemv_acc accumulator and delta2 the producer's bias
-    rows, as the decode step hands them on."""
+    """The int4 ops' add + norm prologue as its own kernel (the decode step's): h and h2 with the 2x rule, the
+    residual sum bit for bit; "acc_*": delta an int4_gemv_acc accumulator and delta2 the producer's bias rows, as the
+    decode step hands them on."""
     from patcher.ops import reference
 
     if prologue.startswith("acc"):
@@ -477,7 +477,7 @@ def test_int4_qkv_mlp_in(prologue, batch, arch, dtype):
     """GPT-NeoX's parallel residual in one launch: QKV with RoPE and the cache writes from the first LayerNorm, the
     MLP's input projection with its GELU from the second; tiles of both in one grid (K slices, shared counters).
     "in_front": both LayerNorms by int4_norm_prologue, the op's QKV tiles reading its h and its MLP tiles h2 (the
-    decode step from 2 rows on), against the same reference."""
+    decode step), against the same reference."""
     from patcher.ops import KERNELS, reference
 
     hq, hkv, d, rot, interleaved, qkv_segments, mlp, group, bias = QKV_MLP[arch]

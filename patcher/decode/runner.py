@@ -69,16 +69,19 @@ CUBLAS_MIN_BATCH = 4
 # mattering most there, but Qwen2-1.5B (1536) 1.85 -> 2.06 ms and Llama-3.1-8B (4096) 5.95 -> 6.21 ms, where the
 # separate norm kernel is cheaper than the prologue's extra latency in each block.
 FUSED_NORM_MAX_HIDDEN = 1024
-# From this batch size on, an int4 op's add + norm prologue runs as its own kernel in front of it
-# (int4_norm_prologue) and the op reads the normalized rows. In the op every block computes its rows' statistics over
-# all of K from L2, and the op has more blocks the more rows it takes (a block's x stage holds batch x K / splits), so
-# those reads grow with the square of the rows: measured on the H100 (fp16, g128, prompt 128), the prologue in the op
-# made Llama-3.1-8B's norm + gate/up and norm + QKV take 75 us a launch at batch 8 against 21 at batch 1, and int4
-# decode slower than fp16 (6.70 against 6.33 ms a token). In front, one call (int4 TPOT, in front against inside):
-# Llama-3.1-8B 2.679 / 2.796 ms at batch 2, 3.282 / 3.796 at 4, 4.666 / 6.650 at 8; Pythia-2.8B 1.342 / 1.359,
-# 1.587 / 1.734, 2.104 / 2.518 (evals/results/int4_batch_4f6b97f.txt). At batch 1 the extra launch costs more than
-# the prologue's reads. PATCHER_INT4_SEPARATE_NORM_BATCH overrides it.
-INT4_SEPARATE_NORM_MIN_BATCH = 2
+# From this batch size on (every batch size, as measured), an int4 op's add + norm prologue runs as its own kernel in
+# front of it (int4_norm_prologue) and the op reads the normalized rows. In the op every block computes its rows'
+# statistics over all of K from L2, and the op has more blocks the more rows it takes (a block's x stage holds batch x
+# K / splits), so those reads grow with the square of the rows: measured on the H100 (fp16, g128, prompt 128), the
+# prologue in the op made Llama-3.1-8B's norm + gate/up and norm + QKV take 75 us a launch at batch 8 against 21 at
+# batch 1, and int4 decode slower than fp16 (6.70 against 6.33 ms a token). In front, one call (int4 TPOT, in front
+# against inside): Llama-3.1-8B 2.679 / 2.796 ms at batch 2, 3.282 / 3.796 at 4, 4.666 / 6.650 at 8; Pythia-2.8B
+# 1.342 / 1.359, 1.587 / 1.734, 2.104 / 2.518. At batch 1 too, in another call, two rounds: Llama-3.1-8B 2.540 / 2.537
+# against 2.600 / 2.604, Pythia-2.8B 1.161 / 1.184 against 1.170 / 1.217, Qwen2-1.5B 1.162 / 1.160 against 1.179 /
+# 1.185 (evals/results/int4_batch_4f6b97f.txt): the op without the prologue runs its loop in whole rounds, and the
+# extra launch overlaps the op's weight loads. PATCHER_INT4_SEPARATE_NORM_BATCH=2 (or more) keeps the prologue in
+# the ops below that batch size, for comparison.
+INT4_SEPARATE_NORM_MIN_BATCH = 1
 NO_PROLOGUE = (None,) * 6 + (0.0, False)  # the prologue arguments of an op that takes no add + norm
 MIN_CAPACITY = 256
 MAX_EOS_IDS = 8
@@ -409,8 +412,8 @@ class DecodeRunner:
     # norm_gemv_rope_cache, int4_gemv, int4_qkv_rope_cache): the op gets the residual stream, the delta(s) to add
     # and the norm's parameters, and returns (out, sum, h2). Dense linears at 4-8 rows are cuBLAS, and on GPUs
     # for hidden sizes above FUSED_NORM_MAX_HIDDEN the norm runs as its own kernel in front (the patch plans' norm
-    # closures, LayerStep.separate_norms), with the same results; int4 linears from INT4_SEPARATE_NORM_MIN_BATCH rows
-    # take it as int4_norm_prologue in front (the same prologue code, so the same values but for the last bit of the
+    # closures, LayerStep.separate_norms), with the same results; int4 linears (from INT4_SEPARATE_NORM_MIN_BATCH
+    # rows: every batch size by default) take it as int4_norm_prologue in front (the same prologue code, so the same values but for the last bit of the
     # row statistics, which the two sum in blocks of different sizes).
     def _prologue(self, delta, delta2, norm, norm2=None) -> tuple:
         (w, b, eps), (w2, b2) = norm, (norm2[:2] if norm2 else (None, None))
