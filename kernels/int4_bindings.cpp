@@ -115,8 +115,8 @@ void check_splits(const patcher::Int4Params& p) {
   TORCH_CHECK(p.splits >= 1 && p.splits <= rows, "patcher: splits must be in 1..", std::to_string(rows), ", got ",
               std::to_string(p.splits));
   TORCH_CHECK(splits_fit(p), "patcher: ", std::to_string(p.splits), " K slices do not fit the int4 kernel's shared ",
-              "memory (x for batch x K / splits at most 32 KB, a slice's group parameters at most 40 KB); raise splits ",
-              "(patcher.ops.int4.splits_for)");
+              "memory (x for batch x K / splits at most 32 KB, a slice's group parameters at most 40 KB); raise ",
+              "splits (patcher.ops.int4.splits_for)");
 }
 
 void check_int4_launch(cudaError_t err, const char* op) {
@@ -173,8 +173,8 @@ std::tuple<patcher::Int4Params, Prologue> norm_params(const Tensor& x, const Opt
   return {p, pro};
 }
 
-// The int4 ops' add + norm prologue as its own kernel (the decode step runs it in front of a norm op from a few rows
-// on): (h, sum, h2), as those ops' prologue computes them.
+// The int4 ops' add + norm prologue as its own kernel (the decode step runs it in front of the int4 op that reads
+// the norm): (h, sum, h2), as those ops' prologue computes them.
 std::tuple<Tensor, Tensor, Tensor> int4_norm_prologue(const Tensor& x, const OptTensor& delta, const OptTensor& delta2,
                                                       const OptTensor& norm_weight, const OptTensor& norm_bias,
                                                       const OptTensor& norm_weight2, const OptTensor& norm_bias2,

@@ -408,13 +408,13 @@ class DecodeRunner:
         return "no decode step of this batch size yet" if state is None else state.step_kernel_reason
 
     # ---- one decode step ------------------------------------------------------------------------------------
-    # Every linear that reads a norm's output takes that add + norm as its prologue (norm_gemv,
+    # Every linear that reads a norm's output can take that add + norm as its prologue (norm_gemv,
     # norm_gemv_rope_cache, int4_gemv, int4_qkv_rope_cache): the op gets the residual stream, the delta(s) to add
     # and the norm's parameters, and returns (out, sum, h2). Dense linears at 4-8 rows are cuBLAS, and on GPUs
     # for hidden sizes above FUSED_NORM_MAX_HIDDEN the norm runs as its own kernel in front (the patch plans' norm
-    # closures, LayerStep.separate_norms), with the same results; int4 linears (from INT4_SEPARATE_NORM_MIN_BATCH
-    # rows: every batch size by default) take it as int4_norm_prologue in front (the same prologue code, so the same values but for the last bit of the
-    # row statistics, which the two sum in blocks of different sizes).
+    # closures, LayerStep.separate_norms), with the same results. int4 linears (from INT4_SEPARATE_NORM_MIN_BATCH
+    # rows: every batch size by default) take it as int4_norm_prologue in front: the same prologue code, so the same
+    # values but for the last bit of the row statistics, which the two sum in blocks of different sizes.
     def _prologue(self, delta, delta2, norm, norm2=None) -> tuple:
         (w, b, eps), (w2, b2) = norm, (norm2[:2] if norm2 else (None, None))
         return (delta, delta2, w, b, w2, b2, eps, self.rms)

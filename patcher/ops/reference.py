@@ -410,7 +410,7 @@ def int4_gemv_acc(
 
 def int4_norm_prologue(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps: float, rms: bool):
     """The int4 ops' add + norm prologue as an op of its own: (h, sum, h2) as int4_gemv's prologue computes them
-    (delta may be an int4_gemv_acc accumulator). The decode step runs it in front of an int4 op from a few rows on,
+    (delta may be an int4_gemv_acc accumulator). The decode step runs it in front of the int4 op that reads the norm,
     and the op then reads h (and GPT-NeoX's h2) with no prologue of its own."""
     if norm_weight is None:
         raise ValueError("int4_norm_prologue needs norm_weight")
