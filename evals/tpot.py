@@ -23,6 +23,8 @@ Modes:
                            their sums went on unmet into the next op's prologue (DecodeRunner(defer_int4=False))
   patched-int4-qkv-meeting `patched` with LLaMA/Qwen2's int4 QKV K slices meeting in the op, as before the attention
                            finished its sums (DecodeRunner(defer_qkv=False))
+  patched-int4-norm-inside `patched` with each int4 op taking its add + norm as its prologue, as before the norm ran
+                           in front as its own kernel (DecodeRunner(int4_separate_norm_batch=9))
   patched-static-compiled  patch_model(model) + HF's static cache and auto-compile (torch.compile compatibility)
 
 With no model argument it runs Pythia-2.8B-shaped random weights on a GPU, a tiny model on a CPU.
@@ -47,6 +49,7 @@ RUNNER_MODES = {  # patched with a runner of other settings, for comparisons
     "patched-torch-next-token": {"fuse_next_token": False},
     "patched-int4-meetings": {"defer_int4": False},
     "patched-int4-qkv-meeting": {"defer_qkv": False},
+    "patched-int4-norm-inside": {"int4_separate_norm_batch": 9},  # above every batch size the step takes (1-8)
 }
 ALL_MODES = [*GPU_MODES, *RUNNER_MODES]
 CPU_MODES = ["hf-eager", "patched-eager", "patched"]
