@@ -244,21 +244,21 @@ def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True)
     return row
 
 
-def run(model, args, device, prompt_len, bandwidth, modes, on_row, progress=None) -> None:
-    """Measures each mode at one prompt length and hands its row to `on_row` at once; a mode that raises gives a
-    row with its `error` instead."""
+def run(model, args, device, prompt_len, batch, bandwidth, modes, on_row, progress=None) -> None:
+    """Measures each mode at one prompt length and batch size and hands its row to `on_row` at once; a mode that
+    raises gives a row with its `error` instead."""
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, model.config.vocab_size, (args.batch, prompt_len), generator=g).to(device)
+    prompt = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=g).to(device)
     context = prompt_len + (args.new_tokens + 1) / 2  # mean cached length over the timed steps
-    step_bytes = weight_bytes(model) + kv_bytes(model, args.batch, context)
+    step_bytes = weight_bytes(model) + kv_bytes(model, batch, context)
     for mode in modes:
         if progress:
-            progress.set_postfix_str(f"context {prompt_len}, {mode}")
+            progress.set_postfix_str(f"context {prompt_len}, batch {batch}, {mode}")
         try:
             row = measure_mode(model, mode, prompt, args.new_tokens, args.repeats, device, profile=not args.no_profile)
         except Exception as e:  # noqa: BLE001 - one mode failing (a compile error, OOM) must not lose the others
             row = {"mode": mode, "error": f"{type(e).__name__}: {e}"}
-        row.update(context=prompt_len, bytes_per_step=step_bytes)
+        row.update(context=prompt_len, batch=batch, bytes_per_step=step_bytes)
         if bandwidth:
             row["roofline_ms"] = step_bytes / (bandwidth * 1e9) * 1e3
             if "tpot_ms" in row:
@@ -269,7 +269,8 @@ def run(model, args, device, prompt_len, bandwidth, modes, on_row, progress=None
             progress.update(1)
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def plot(rows: list[dict], path: str, title: str, x: str = "context") -> None:
+    """TPOT of each mode and the roofline against `x`: "context" (--sweep-context) or "batch" (--sweep-batch)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,14 +278,14 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode in dict.fromkeys(r["mode"] for r in rows):
-        pts = sorted((r["context"], r["tpot_ms"]) for r in rows if r["mode"] == mode)
+        pts = sorted((r[x], r["tpot_ms"]) for r in rows if r["mode"] == mode)
         ax.plot(*zip(*pts), marker="o", label=mode)
-    roof = sorted({(r["context"], r["roofline_ms"]) for r in rows if "roofline_ms" in r})
+    roof = sorted({(r[x], r["roofline_ms"]) for r in rows if "roofline_ms" in r})
     if roof:
         ax.plot(*zip(*roof), linestyle="--", color="black", label="roofline (bytes / measured HBM bandwidth)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("context length (tokens)")
+    ax.set_xlabel("context length (tokens)" if x == "context" else "batch size (rows decoded at once)")
     ax.set_ylabel("TPOT (ms per token)")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
@@ -328,6 +329,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default=None, help=f"comma-separated subset of {','.join(ALL_MODES)}")
     parser.add_argument("--sweep-context", default=None, help="prompt lengths, e.g. 128,512,1024,2048,4096")
+    parser.add_argument("--sweep-batch", default=None, help="batch sizes instead of --batch, e.g. 1,2,4,8")
     parser.add_argument("--plot", default=None, help="PNG path for the sweep plot (default: beside --json)")
     parser.add_argument("--no-profile", action="store_true", help="skip the kernel profile (torch.profiler)")
     parser.add_argument(
@@ -343,7 +345,12 @@ def main(argv=None) -> int:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {ALL_MODES}")
     if device.type != "cuda" and any(m.endswith("compiled") for m in modes):
         parser.error("the compiled modes need a CUDA GPU")
+    if args.sweep_context and args.sweep_batch:
+        parser.error("--sweep-context and --sweep-batch each make their own plot: give one of them")
     contexts = [int(c) for c in args.sweep_context.split(",")] if args.sweep_context else [args.prompt_len]
+    batches = [int(b) for b in args.sweep_batch.split(",")] if args.sweep_batch else [args.batch]
+    if min(batches) < 1:
+        parser.error(f"batch sizes must be >= 1, got {batches}")
 
     model, _, name = common.load_model(args, device, dtype)
     model.generation_config.eos_token_id = None  # always generate exactly the requested number of tokens
@@ -355,7 +362,7 @@ def main(argv=None) -> int:
 
     bandwidth = common.hbm_read_bandwidth_gbs(device) if device.type == "cuda" else None
     print(
-        f"{name}, {str(dtype).replace('torch.', '')}, batch {args.batch}, {args.new_tokens} new tokens"
+        f"{name}, {str(dtype).replace('torch.', '')}, batch {','.join(map(str, batches))}, {args.new_tokens} new tokens"
         + (f", measured HBM read bandwidth {bandwidth:.0f} GB/s" if bandwidth else ""),
         file=sys.stderr,
     )
@@ -377,14 +384,17 @@ def main(argv=None) -> int:
         # (a time limit, a mode that hangs) keeps what it has.
         rows.append(row)
         figures = f"{row['tpot_ms']:.3f} ms" if "tpot_ms" in row else f"failed: {row['error']}"
-        tqdm.write(f"tpot: {row['mode']} at context {row['context']}: {figures}", file=sys.stderr)
+        where = f"context {row['context']}, batch {row['batch']}"
+        tqdm.write(f"tpot: {row['mode']} at {where}: {figures}", file=sys.stderr)
         common.write_json(args.json, payload, announce=False)
 
-    with tqdm(total=len(contexts) * len(modes), desc="tpot", file=sys.stderr) as progress:
-        for context in contexts:
-            run(model, args, device, context, bandwidth, modes, on_row, progress)
+    with tqdm(total=len(batches) * len(contexts) * len(modes), desc="tpot", file=sys.stderr) as progress:
+        for batch in batches:
+            for context in contexts:
+                run(model, args, device, context, batch, bandwidth, modes, on_row, progress)
 
-    print(common.table(rows, COLUMNS))
+    columns = [*COLUMNS[:2], ("batch", "batch", "d"), *COLUMNS[2:]] if args.sweep_batch else COLUMNS
+    print(common.table(rows, columns))
     failed = [r for r in rows if "error" in r]
     for row in failed:
         print(f"{row['mode']} at context {row['context']} failed: {row['error']}")
@@ -405,11 +415,13 @@ def main(argv=None) -> int:
         )
     payload["complete"] = True
     common.write_json(args.json, payload)
-    if args.sweep_context:
+    if args.sweep_context or args.sweep_batch:
         path = args.plot or (args.json.rsplit(".", 1)[0] + ".png" if args.json else "tpot_sweep.png")
-        plot(
-            [r for r in rows if "tpot_ms" in r], path, f"{name} {payload['dtype']}, batch {args.batch}: TPOT vs context"
-        )
+        measured = [r for r in rows if "tpot_ms" in r]
+        if args.sweep_context:
+            plot(measured, path, f"{name} {payload['dtype']}, batch {args.batch}: TPOT vs context")
+        else:
+            plot(measured, path, f"{name} {payload['dtype']}, context {args.prompt_len}: TPOT vs batch", x="batch")
     return 1 if failed else 0
 
 

@@ -99,6 +99,29 @@ def test_tpot_tiny_model_with_sweep_plot(tmp_path, capsys):
     assert result["complete"] is True
 
 
+def test_tpot_batch_sweep_with_plot(tmp_path, capsys):
+    """--sweep-batch: every mode at each batch size, rows marked with it, the plot against the batch."""
+    out = tmp_path / "tpot.json"
+    args = ["--random-config", "tiny-llama", "--new-tokens", "8", "--repeats", "1", "--prompt-len", "16"]
+    code = tpot.main([*args, "--modes", "patched", "--sweep-batch", "1,3", "--json", str(out), "--device", "cpu"])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert sorted((r["mode"], r["batch"], r["context"]) for r in result["results"]) == [
+        ("patched", 1, 16),
+        ("patched", 3, 16),
+    ]
+    one, three = sorted(result["results"], key=lambda r: r["batch"])
+    assert three["bytes_per_step"] > one["bytes_per_step"]  # three rows of KV cache read per step
+    assert three["tokens_per_s"] == pytest.approx(3 / (three["tpot_ms"] / 1e3))
+    assert (tmp_path / "tpot.png").stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert "batch" in printed.splitlines()[0]
+    with pytest.raises(SystemExit):
+        tpot.main([*args, "--sweep-batch", "1,2", "--sweep-context", "16,32", "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        tpot.main([*args, "--sweep-batch", "0,2", "--device", "cpu"])
+
+
 def test_tpot_keeps_the_other_modes_when_one_fails(tmp_path, monkeypatch, capsys):
     """A mode that raises (a compile error, out of memory) is reported with its error; the other modes are still
     measured, the JSON holds them all (it is rewritten after every mode), and the exit code says something failed."""
