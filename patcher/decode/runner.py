@@ -421,17 +421,18 @@ class DecodeRunner:
 
     def _norm_linear(self, x, pro, separate, weight, bias, act: str, st: StepState, int4_linear=None, fuse=True):
         """act(norm(x [+ deltas]) @ W^T + b) with its prologue fused where the kernels allow (and `fuse`), else the
-        norm as `separate` (a LayerStep.separate_norms entry): (out, sum, h2)."""
+        norm in front: int4_norm_prologue for an int4 linear, `separate` (a LayerStep.separate_norms entry) for a
+        dense one. Returns (out, sum, h2)."""
         if int4_linear is not None:
-            args = (*int4_linear.args(), act, st.int4_splits[id(int4_linear)], st.int4_workspace)
-            if st.int4_separate_norm:
-                h, total, h2 = self.ops.int4_norm_prologue(x, *pro)
-                return self.ops.int4_gemv(h, *NO_PROLOGUE, *args)[0], total, h2
-            return self.ops.int4_gemv(x, *pro, *args)
-        if st.fused_norms and fuse:
+            if not st.int4_separate_norm:
+                return self.ops.int4_gemv(x, *pro, *int4_linear.args(), act, st.int4_splits[id(int4_linear)],
+                                          st.int4_workspace)  # fmt: skip
+            h, total, h2 = self.ops.int4_norm_prologue(x, *pro)
+        elif st.fused_norms and fuse:
             return self.ops.norm_gemv(x, *pro, weight, bias, act)
-        h, total, h2 = separate(x, pro[0], pro[1])
-        return self._linear(h, weight, bias, act, st), total, h2
+        else:
+            h, total, h2 = separate(x, pro[0], pro[1])
+        return self._linear(h, weight, bias, act, st, int4_linear), total, h2
 
     def _linear(self, h, weight, bias, act: str, st: StepState, int4_linear=None, workspace=None):
         """x @ W^T (+ b) with the MLP activation: our GEMV (epilogue fused), or cuBLAS then the activation.
@@ -458,17 +459,17 @@ class DecodeRunner:
         """The attention prologue: [add +] norm -> QKV -> RoPE -> K/V into the cache slot; returns (q, sum, h2).
         One kernel for int4 and for dense at 1-3 rows; cuBLAS between the norm and rope_qkv_cache at 4-8."""
         a, ops = layer.attention, self.ops
+        if a.qkv_int4 is not None and st.int4_separate_norm:  # the norm in front, then the op from its output
+            h, total, h2 = ops.int4_norm_prologue(x, *pro)
+            return self._qkv_rope(layer, index, h, st), total, h2
         if not self._qkv_takes_norm(layer, st):
             h, total, h2 = layer.separate_norms[0](x, pro[0], pro[1])
             return self._qkv_rope(layer, index, h, st), total, h2
         rope = self._rope_args(layer, index, st)
         if a.qkv_int4 is not None:
             lin = a.qkv_int4
-            args = (*lin.args(), *rope, a.interleaved, st.int4_splits[id(lin)], st.int4_workspace)
-            if st.int4_separate_norm:
-                h, total, h2 = ops.int4_norm_prologue(x, *pro)
-                return ops.int4_qkv_rope_cache(h, *NO_PROLOGUE, *args)[0], total, h2
-            return ops.int4_qkv_rope_cache(x, *pro, *args)
+            return ops.int4_qkv_rope_cache(x, *pro, *lin.args(), *rope, a.interleaved, st.int4_splits[id(lin)],
+                                           st.int4_workspace)  # fmt: skip
         return ops.norm_gemv_rope_cache(x, *pro, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)
 
     def _qkv_acc(self, layer: LayerStep, index: int, x, pro, st: StepState) -> tuple:
@@ -484,9 +485,13 @@ class DecodeRunner:
         return d, total
 
     def _qkv_rope(self, layer: LayerStep, index: int, h, st: StepState):
-        """QKV -> RoPE -> K/V into the cache slot from the norm's output h (dense); returns q."""
+        """QKV -> RoPE -> K/V into the cache slot from the norm's output h; returns q."""
         a, ops = layer.attention, self.ops
         rope = self._rope_args(layer, index, st)
+        if a.qkv_int4 is not None:  # the int4 op with RoPE and the cache writes in its epilogue, no prologue
+            lin = a.qkv_int4
+            return ops.int4_qkv_rope_cache(h, *NO_PROLOGUE, *lin.args(), *rope, a.interleaved, st.int4_splits[id(lin)],
+                                           st.int4_workspace)[0]  # fmt: skip
         if not st.cublas:  # the GEMV with RoPE and the cache writes in its epilogue, no prologue
             return ops.norm_gemv_rope_cache(h, *NO_PROLOGUE, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)[0]
         qkv = self._linear(h, a.qkv_weight, a.qkv_bias, "none", st)
