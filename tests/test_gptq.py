@@ -582,19 +582,89 @@ def test_int4_mlp_branch_stream_changes_no_result(tmp_path, monkeypatch):
     assert torch.equal(tokens[True], tokens[False])
 
 
-@pytest.mark.skipif(smollm2_gguf() is None or wikitext_path() is None, reason="needs the SmolLM2 GGUF and WikiText")
-def test_smollm2_int4_g128(tmp_path):
-    """The trained SmolLM2 packed to int4 g128: loads, matches its dequantized reference, and stays a language model."""
-    assert pack_main([str(smollm2_gguf()), str(tmp_path / "q"), "--group-size", "128"]) == 0
-    model = load_gptq(tmp_path / "q", dtype=torch.float32)
+needs_smollm2 = pytest.mark.skipif(
+    smollm2_gguf() is None or wikitext_path() is None, reason="needs the SmolLM2 GGUF and WikiText"
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2_int4(tmp_path_factory):
+    """The trained SmolLM2 packed to int4 g128 by the pack tool (once for the module)."""
+    path = tmp_path_factory.mktemp("smollm2") / "q"
+    assert pack_main([str(smollm2_gguf()), str(path), "--group-size", "128"]) == 0
+    return path
+
+
+def wikitext_ids(path, rows: int, length: int) -> torch.Tensor:
+    """`rows` WikiText lines of more than 200 characters, their first `length` tokens each, stacked [rows, length]."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "q")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    lines = [line for line in wikitext_path().read_text(encoding="utf-8").split("\n") if len(line) > 200][:rows]
+    return torch.cat([tokenizer(line, return_tensors="pt").input_ids[:, :length] for line in lines])
+
+
+@needs_smollm2
+def test_smollm2_int4_g128(smollm2_int4):
+    """The trained SmolLM2 packed to int4 g128: loads, matches its dequantized reference, and stays a language model."""
+    model = load_gptq(smollm2_int4, dtype=torch.float32)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_int4)
     ids = tokenizer(wikitext_path().read_text(encoding="utf-8")[:4000], return_tensors="pt").input_ids[:, :256]
     with torch.no_grad():
         out = model(ids, labels=ids)
         assert max_err(out.logits, dense_reference(model)(ids).logits) <= 1e-4 * out.logits.abs().max().item()
     assert torch.exp(out.loss).item() < 100  # a trained model on WikiText (fp16 SmolLM2: about 18 on the full text)
+
+
+SMOLLM2_NEW_TOKENS = 16
+
+
+@needs_smollm2
+@pytest.mark.filterwarnings("ignore:patcher. generate uses transformers' loop")  # expected on the CPU
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_smollm2_int4_patched_matches_reference(device, smollm2_int4):
+    """The trained SmolLM2 int4 g128, patched, against the same checkpoint unpatched (GPTQLinear: dequantize, then
+    matmul), at batch 1 and 4: the prefill logits over prompt + generated tokens, and the logits of every decode step
+    on those tokens (the runner's step run again at each position of its cache: on the GPU the int4 decode kernels).
+    The 2x rule: the patched model's error at most twice the unpatched model's in the same dtype, both against the
+    unpatched model in the next precision up. CPU: reference backend, fp32 against fp64. GPU: the int4 kernels and
+    the graph-captured decode (which made the tokens), fp16 against fp32."""
+    dtype, precise_dtype = (torch.float16, torch.float32) if device == "cuda" else (torch.float32, torch.float64)
+    model = load_gptq(smollm2_int4, dtype=dtype, device_map=device)
+    model.generation_config.eos_token_id = None
+    precise = load_gptq(smollm2_int4, dtype=precise_dtype, device_map=device)
+    prompts = wikitext_ids(smollm2_int4, 4, 24).to(device)
+    T = prompts.shape[1]
+    patch_model(model)
+    got = {}
+    with torch.no_grad():
+        for batch in (1, 4):
+            p = prompts[:batch]
+            tokens = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=SMOLLM2_NEW_TOKENS)
+            if device == "cuda":
+                assert generate_path(model)["path"] == "graph"
+                runner = model._patcher_state.runner
+            else:  # HF's loop runs the patched model on the CPU; the decode runner (no graphs) must agree with it
+                runner = DecodeRunner(model, use_graphs=False)
+                assert torch.equal(
+                    runner.generate(p, torch.ones_like(p), SMOLLM2_NEW_TOKENS, Sampling(), [], 0), tokens
+                )
+            st = runner.states[batch]
+            assert torch.equal(st.tokens[:, : tokens.shape[1]], tokens)
+            steps = []
+            for slot in range(T, tokens.shape[1] - 1):  # the step whose input is the token at `slot`
+                st.slot.fill_(slot)
+                steps.append(runner.logits(st))
+            got[batch] = (tokens, model(tokens).logits, torch.stack(steps, 1))
+    unpatch_model(model)
+    with torch.no_grad():
+        for batch, (tokens, prefill, steps) in got.items():
+            at_steps = slice(T, tokens.shape[1] - 1)
+            low, ref = model(tokens).logits, precise(tokens).logits
+            assert_within_torch_error(prefill, low, ref, f"batch {batch} prefill logits")
+            assert_within_torch_error(steps, low[:, at_steps], ref[:, at_steps], f"batch {batch} decode-step logits")
 
 
 HAS_GPTQMODEL = all(importlib.util.find_spec(name) is not None for name in ("gptqmodel", "optimum"))
