@@ -52,14 +52,24 @@
 //
 // Layout. A warp owns 32 columns of the tile. In each step lane 4g + q loads the 16-byte chunk at qweight row
 // r0 + q, columns 4g .. 4g + 3 of the warp's 32, so a warp step is 4 rows x 32 columns (four 128-byte row
-// segments). The lane dequantizes its chunk exactly as the reference does (round_fp16(s * (q - z)); for bf16
-// activations then the reference's cast to bf16) into the pairs (k0,k4) (k1,k5) (k2,k6) (k3,k7) that
-// dequantize_word yields, and those pairs are its A fragments as they are: in MMA (h, jj), A row g is column 4g + 2h
-// and row g + 8 is column 4g + 2h + 1 (h picks 2 of the lane's 4 columns); k slots (2q, 2q+1) are pair 2jj of row r0 +
-// q and (2q+8, 2q+9) pair 2jj + 1. The order of k inside an MMA is free as long as B follows it, so x is staged in
-// shared memory with every 8 k stored in that pair order, and one 16-byte shared load gives a lane its four B fragments
-// (B column g = batch row g). The C fragments are columns x batch rows: lane (g, q) ends with column 4g + 2h (c0, c1)
-// and column 4g + 2h + 1 (c2, c3), for batch rows 2q and 2q + 1.
+// segments). The lane dequantizes its chunk to the exact integers q - z in T (dequantize_zeros: about 9 instructions a
+// word of 8 weights in fp16, 11 in bf16) into the pairs (k0,k4) (k1,k5) (k2,k6) (k3,k7), and those pairs are its A
+// fragments as they are; the group's scales multiply its fp32 sums once a group (GroupTerms::fold), as the persistent
+// step kernel does (step.cuh). So the kernel computes x . s(q - z) with the exact weights, where the reference (and
+// HF's GPTQ linears, and this project's other int4 kernels) first round each weight s(q - z) to fp16 (for bf16
+// activations then to bf16): it differs from them by that rounding, and from the exact product (the tests' float64
+// reference, patcher/ops/reference.py: int4_linear) by less. Before, each weight was formed as the reference forms it,
+// 4 more multiplies a word (13 instructions, and for bf16 a conversion of each pair on top); measured on the H100
+// (fp16, batch 1, g128; one call, HEAD's kernels against these, each process twice, tools/int4_op_bench.cu and `python
+// -m evals.tpot --random-config MODEL --int4-random 128 --modes patched --new-tokens 64 --repeats 3 --no-profile`):
+// Llama-3.1-8B gate/up 25.9 -> 24.5 us, down 15.5 -> 15.1, o_proj 8.6 -> 8.2, Pythia-2.8B LN + QKV | MLP input 17.2
+// -> 16.2; int4 TPOT Llama-3.1-8B 2.521 / 2.517 -> 2.427 / 2.429 ms, Pythia-2.8B 1.165 / 1.163 -> 1.109 / 1.101,
+// Qwen2-1.5B 1.157 / 1.158 -> 1.098 / 1.108 (docs/int4_decode.md, "Exact weights, scales on the sums"). In MMA
+// (h, jj), A row g is column 4g + 2h and row g + 8 is column 4g + 2h + 1 (h picks 2 of the lane's 4 columns); k slots
+// (2q, 2q+1) are pair 2jj of row r0 + q and (2q+8, 2q+9) pair 2jj + 1. The order of k inside an MMA is free as long as
+// B follows it, so x is staged in shared memory with every 8 k stored in that pair order, and one 16-byte shared load
+// gives a lane its four B fragments (B column g = batch row g). The C fragments are columns x batch rows: lane (g, q)
+// ends with column 4g + 2h (c0, c1) and column 4g + 2h + 1 (c2, c3), for batch rows 2q and 2q + 1.
 //
 // A block's warps are its tile's column warps times runs of the K slice (in whole steps of 4 rows: 2 runs of a
 // 128-column tile, or 3 in the wide shape for long slices, MmaShape); the runs and the slices meet as in the
@@ -170,6 +180,68 @@ inline bool mma_applies(const Int4Params& p) {
   return !p.act_order && p.group_size % 32 == 0 && width % (mma_paired(p) ? 64 : 32) == 0 && width <= kThreads;
 }
 
+// -(zero) in the form dequantize_zeros subtracts, per column of a lane's 4: fp16 -(1024 + z) and -(64 + z)
+// (as int4_tile.cuh: group_dequant), bf16 -(128 + z) (bf16 steps by 1 from 128 to 256).
+struct ZeroTerms {
+  uint32_t a[4], b[4];
+};
+
+template <typename T>
+__device__ __forceinline__ ZeroTerms zero_terms(uint32_t zeros, int zero_offset) {
+  ZeroTerms t;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const uint32_t z = ((zeros >> (4 * c)) & 0xFu) + static_cast<uint32_t>(zero_offset);
+    if constexpr (std::is_same_v<T, __half>) {
+      t.a[c] = (0xE400u + z) * 0x10001u;        // -(1024 + z) in both halves
+      t.b[c] = (0xD400u + 16u * z) * 0x10001u;  // -(64 + z)
+    } else {
+      t.a[c] = (0xC300u + z) * 0x10001u;  // -(128 + z)
+      t.b[c] = t.a[c];
+    }
+  }
+  return t;
+}
+
+__device__ __forceinline__ uint32_t lop_or(uint32_t word, uint32_t mask, uint32_t magic) {
+  uint32_t bits;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(bits) : "r"(word), "r"(mask), "r"(magic));
+  return bits;
+}
+
+// The 8 weights of one word of column c as exact q - zero in T, as the pairs (k0,k4) (k1,k5) (k2,k6) (k3,k7).
+// fp16: nibbles at bit 0 of a byte land in 1024's mantissa (1024 + q), those at bit 4 as 1024 + 16q, brought to
+// 64 + q by a fused multiply by 1/16 (int4_tile.cuh: dequantize_word); bf16: each nibble shifted to bit 0 lands in
+// 128's mantissa. Subtracting (magic + zero) leaves q - zero exactly.
+template <typename T>
+__device__ __forceinline__ void dequantize_zeros(uint32_t word, const ZeroTerms& z, int c, uint32_t (&out)[4]) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 sixteenth = __float2half2_rn(0.0625f);
+    __half2 za, zb, v;
+    memcpy(&za, &z.a[c], 4);
+    memcpy(&zb, &z.b[c], 4);
+    const uint32_t high = word >> 8;
+    const uint32_t n[4] = {lop_or(word, 0x000F000Fu, 0x64006400u), lop_or(word, 0x00F000F0u, 0x64006400u),
+                           lop_or(high, 0x000F000Fu, 0x64006400u), lop_or(high, 0x00F000F0u, 0x64006400u)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      memcpy(&v, &n[j], 4);
+      v = (j & 1) ? __hfma2(v, sixteenth, zb) : __hadd2(v, za);
+      memcpy(&out[j], &v, 4);
+    }
+  } else {
+    __nv_bfloat162 za, v;
+    memcpy(&za, &z.a[c], 4);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t n = lop_or(word >> (4 * j), 0x000F000Fu, 0x43004300u);
+      memcpy(&v, &n, 4);
+      v = __hadd2(v, za);
+      memcpy(&out[j], &v, 4);
+    }
+  }
+}
+
 // Two fp16 weights as the A operand's halves in T: as they are, or for bf16 activations the reference's cast to bf16.
 template <typename T>
 __device__ __forceinline__ uint32_t operand(__half2 w) {
@@ -197,20 +269,11 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
   }
 }
 
-// One step of a lane: its 16-byte qweight chunk (4 columns x 8 k, one group) dequantized into its A fragments and
-// multiplied with its x chunk (the B fragments of those 8 k) into acc[h], columns 4g + 2h and 4g + 2h + 1.
+// The A fragments of a lane's chunk, a_pairs [column][pair (k_j, k_j+4)], into acc[h] (columns 4g + 2h and
+// 4g + 2h + 1) against its x chunk (the B fragments of those 8 k).
 template <typename T>
-__device__ __forceinline__ void mma_chunk(float (&acc)[2][4], const uint4& chunk, const uint4& xv, const Dequant& d) {
-  const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+__device__ __forceinline__ void mma_pairs(float (&acc)[2][4], const uint32_t (&a_pairs)[4][4], const uint4& xv) {
   const uint32_t xb[4] = {xv.x, xv.y, xv.z, xv.w};
-  uint32_t a_pairs[4][4];  // [column][pair (k_j, k_j+4)]
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    __half2 w[4];
-    dequantize_word(words[c], d, c, w);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) a_pairs[c][j] = operand<T>(w[j]);
-  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
 #pragma unroll
@@ -222,6 +285,61 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[2][4], const uint4& chunk
     }
   }
 }
+
+// One step of a lane: its 16-byte qweight chunk (4 columns x 8 k, one group) dequantized as the reference does
+// (round(scale * (q - zero)), then for bf16 the reference's cast) into acc. The Hopper copy-engine kernel's form.
+template <typename T>
+__device__ __forceinline__ void mma_chunk(float (&acc)[2][4], const uint4& chunk, const uint4& xv, const Dequant& d) {
+  const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+  uint32_t a_pairs[4][4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    __half2 w[4];
+    dequantize_word(words[c], d, c, w);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a_pairs[c][j] = operand<T>(w[j]);
+  }
+  mma_pairs<T>(acc, a_pairs, xv);
+}
+
+// The same step with the weights as the exact integers q - zero (dequantize_zeros) into the group's sums `part`;
+// the scales multiply those once a group (GroupTerms::fold).
+template <typename T>
+__device__ __forceinline__ void mma_chunk_exact(float (&part)[2][4], const uint4& chunk, const uint4& xv,
+                                                const ZeroTerms& z) {
+  const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+  uint32_t a_pairs[4][4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) dequantize_zeros<T>(words[c], z, c, a_pairs[c]);
+  mma_pairs<T>(part, a_pairs, xv);
+}
+
+// A group's parameters for a lane's 4 columns as mma_chunk_exact and the fold take them: the zero terms and the
+// scales. fold adds the group's sums times each column's scale into acc and clears them for the next group; C
+// fragment element i of acc[h] is column 4g + 2h + (i >> 1) (the layout in the header).
+template <typename T>
+struct GroupTerms {
+  ZeroTerms z;
+  float scale[4];
+
+  __device__ __forceinline__ GroupTerms(const GroupParams& g, int zero_offset)
+      : z(zero_terms<T>(g.zeros, zero_offset)) {
+    const __half* sh = reinterpret_cast<const __half*>(&g.scales);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) scale[c] = __half2float(sh[c]);
+  }
+
+  __device__ __forceinline__ void fold(float (&acc)[2][4], float (&part)[2][4]) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc[h][i] = fmaf(part[h][i], scale[2 * h + (i >> 1)], acc[h][i]);
+        part[h][i] = 0.f;
+      }
+    }
+  }
+};
 
 // Pair `pair`: its gate columns (segment 0; the up columns are the same in segment 1), as TileInfo with both members.
 __device__ __forceinline__ TileInfo pair_info(const Int4Params& p, int pair, int tile_width) {
@@ -327,22 +445,23 @@ __global__ void __launch_bounds__(MmaShape<WIDE>::kThreads, 2) int4_mma_kernel(c
   float acc[2][4] = {};
   if (warp_live) {
     const int tile_col = warp_col + 4 * g;
-    // Zeros for dead lanes (their weights come out as zeros) and for a run with no rows (nothing staged).
-    Dequant d =
-        group_dequant(live && lane_rows > 0 ? groups.at(next_group - 1, tile_col) : GroupParams{}, p.zero_offset);
+    // Zero scales for dead lanes (their sums count for nothing) and for a run with no rows (nothing staged).
+    GroupTerms<T> d(live && lane_rows > 0 ? groups.at(next_group - 1, tile_col) : GroupParams{}, p.zero_offset);
+    float part[2][4] = {};  // the current group's sums, before its scales (GroupTerms::fold)
     const T* x_lane = xs + g * len + (run_begin + q - r_begin) * 8;  // B column g is batch row g
     const bool x_row = g < p.batch;
     // One lane step s on its chunk wj (w[s % kMmaPreload]).
     const auto step = [&](int s, uint4& wj) {
       if (s == change) {  // the next group (a step the warp has lies in the slice, so its group is staged)
-        d = group_dequant(live ? groups.at(next_group, tile_col) : GroupParams{}, p.zero_offset);
+        d.fold(acc, part);
+        d = GroupTerms<T>(live ? groups.at(next_group, tile_col) : GroupParams{}, p.zero_offset);
         change += group_steps;
         ++next_group;
       }
       // B is zero past the batch and past the run (whose x is not staged), so whatever A holds there adds 0.
       uint4 xv = make_uint4(0, 0, 0, 0);
       if (x_row && 4 * s < lane_rows) xv = *reinterpret_cast<const uint4*>(x_lane + 32 * s);
-      mma_chunk<T>(acc, wj, xv, d);
+      mma_chunk_exact<T>(part, wj, xv, d.z);
       // The chunk kPreload steps on, into the registers just read. Loaded before the use into a copy instead
       // (`chunk = wj`, then the load), the compiler loaded into spare registers and moved the chunk home at
       // the next step, so each step waited there for the load issued one step before: in flight were 1-2
@@ -375,6 +494,7 @@ __global__ void __launch_bounds__(MmaShape<WIDE>::kThreads, 2) int4_mma_kernel(c
         step(s0 + j, w[j]);
       }
     }
+    d.fold(acc, part);  // the last group's sums
   }
 
   // The runs' partial sums, red [runs][batch][tile_width], over x's stage (no longer read).

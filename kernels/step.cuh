@@ -414,67 +414,7 @@ __device__ __noinline__ void stage_norm(const StepPlan& P, const StepStage& st, 
 }
 
 // ---- a unit's arithmetic ----
-// -(zero) in the form dequantize_zeros subtracts, per column of a lane's 4: fp16 -(1024 + z) and -(64 + z)
-// (int4_tile.cuh: group_dequant), bf16 -(128 + z) (bf16 steps by 1 from 128 to 256).
-struct ZeroTerms {
-  uint32_t a[4], b[4];
-};
-
-template <typename T>
-__device__ __forceinline__ ZeroTerms zero_terms(uint32_t zeros, int zero_offset) {
-  ZeroTerms t;
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const uint32_t z = ((zeros >> (4 * c)) & 0xFu) + static_cast<uint32_t>(zero_offset);
-    if constexpr (std::is_same_v<T, __half>) {
-      t.a[c] = (0xE400u + z) * 0x10001u;        // -(1024 + z) in both halves
-      t.b[c] = (0xD400u + 16u * z) * 0x10001u;  // -(64 + z)
-    } else {
-      t.a[c] = (0xC300u + z) * 0x10001u;  // -(128 + z)
-      t.b[c] = t.a[c];
-    }
-  }
-  return t;
-}
-
-__device__ __forceinline__ uint32_t lop_or(uint32_t word, uint32_t mask, uint32_t magic) {
-  uint32_t bits;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(bits) : "r"(word), "r"(mask), "r"(magic));
-  return bits;
-}
-
-// The 8 weights of one word of column c as exact q - zero in T, as the pairs (k0,k4) (k1,k5) (k2,k6) (k3,k7).
-// fp16: nibbles at bit 0 of a byte land in 1024's mantissa (1024 + q), those at bit 4 as 1024 + 16q, brought to
-// 64 + q by a fused multiply by 1/16 (int4_tile.cuh: dequantize_word); bf16: each nibble shifted to bit 0 lands in
-// 128's mantissa. Subtracting (magic + zero) leaves q - zero exactly.
-template <typename T>
-__device__ __forceinline__ void dequantize_zeros(uint32_t word, const ZeroTerms& z, int c, uint32_t (&out)[4]) {
-  if constexpr (std::is_same_v<T, __half>) {
-    const __half2 sixteenth = __float2half2_rn(0.0625f);
-    __half2 za, zb, v;
-    memcpy(&za, &z.a[c], 4);
-    memcpy(&zb, &z.b[c], 4);
-    const uint32_t high = word >> 8;
-    const uint32_t n[4] = {lop_or(word, 0x000F000Fu, 0x64006400u), lop_or(word, 0x00F000F0u, 0x64006400u),
-                           lop_or(high, 0x000F000Fu, 0x64006400u), lop_or(high, 0x00F000F0u, 0x64006400u)};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      memcpy(&v, &n[j], 4);
-      v = (j & 1) ? __hfma2(v, sixteenth, zb) : __hadd2(v, za);
-      memcpy(&out[j], &v, 4);
-    }
-  } else {
-    __nv_bfloat162 za, v;
-    memcpy(&za, &z.a[c], 4);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t n = lop_or(word >> (4 * j), 0x000F000Fu, 0x43004300u);
-      memcpy(&v, &n, 4);
-      v = __hadd2(v, za);
-      memcpy(&out[j], &v, 4);
-    }
-  }
-}
+// (ZeroTerms, zero_terms and dequantize_zeros: int4_mma.cuh, whose kernel dequantizes the same way.)
 
 // One 4-row step of a lane: its chunk (4 columns x 8 k) against its x chunk, into part[jj][h] (columns 4g + 2h,
 // + 1; the two k halves of the step in separate sums, so that each chain of dependent mma is half as long).

@@ -1,7 +1,10 @@
 """GPTQ int4 kernels against their pure-torch references (GPU only), with the 2x rule of conftest.py.
 
-The weights of the reference are exactly the dequantized fp16 checkpoint weights (the kernels form each weight
-with the reference's fp16 rounding), so the float64 reference is the exact product of what the checkpoint means.
+The float64 reference takes the checkpoint's exact weights, scales * (q - zero) (patcher/ops/reference.py:
+int4_linear): the precise product of what the checkpoint means. The working-dtype reference (PyTorch's own error)
+rounds each weight to fp16 first, as HF's GPTQ linears do, and so do the CUDA-core kernel and the prefill path; the
+tensor-core kernel multiplies x by the exact q - zero and applies the scales to its fp32 sums, so its error is the
+smaller one (which matters where nothing rounds the output: int4_gemv_acc's fixed-point sums).
 Covered: group sizes 16/32/128/one group, act-order, GPTQ v1/v2 zero points, batch 1-8 (and 83 rows: the
 dequantize + cuBLAS path), odd widths and K, fp16/bf16/fp32 activations, every prologue (none, RMSNorm, add +
 RMSNorm, LayerNorm with one or two deltas and two outputs) and epilogue (none, GELU, SwiGLU, RoPE into the cache),

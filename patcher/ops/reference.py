@@ -266,19 +266,28 @@ def next_token_workspace(batch: int, device) -> torch.Tensor:
 # segment computes what GPTQLinear.forward computes: x @ dequantize().to(x.dtype), then + bias.to(x.dtype).
 
 
-def int4_weight(qweight, qzeros, scales, g_idx, group_size: int, act_order: bool, zero_offset: int) -> torch.Tensor:
-    """W [K, N] in the scales' dtype: scales[g] * (q - zero[g]), g = g_idx[k] (act-order) or k // group_size."""
+def int4_weight(
+    qweight, qzeros, scales, g_idx, group_size: int, act_order: bool, zero_offset: int, dtype=None
+) -> torch.Tensor:
+    """W [K, N]: scales[g] * (q - zero[g]), g = g_idx[k] (act-order) or k // group_size. In the scales' dtype (fp16:
+    each weight rounded once, as HF's GPTQ linears form it), or in `dtype` (float64: the exact weights)."""
     from ..gptq import format as fmt  # (patcher.gptq imports the patching module, which imports this one)
 
     K = qweight.shape[0] * fmt.PACK
     g = g_idx.long() if act_order else torch.arange(K, device=qweight.device) // group_size
+    scales = scales if dtype is None else scales.to(dtype)
     return fmt.dequantize(qweight, qzeros, scales, g, version=2 if zero_offset == 0 else 1)
 
 
 def int4_linear(x, qweight, qzeros, scales, g_idx, bias, group_size: int, act_order: bool, zero_offset: int):
+    """x @ W (+ bias) per segment, side by side. A float64 x (the tests' precise runs) takes the exact weights rather
+    than their fp16 rounding: the precise product of what the checkpoint means. The tensor-core decode kernel,
+    which multiplies x by the exact q - zero and applies the scales to the fp32 sums (kernels/int4_mma.cuh), is
+    closer to it than the fp16 weights are; the other int4 kernels round each weight as HF does."""
+    exact = torch.float64 if x.dtype == torch.float64 else None
     outs = []
     for qw, qz, sc, gi, b in zip(qweight, qzeros, scales, g_idx, bias):
-        out = x @ int4_weight(qw, qz, sc, gi, group_size, act_order, zero_offset).to(x.dtype)
+        out = x @ int4_weight(qw, qz, sc, gi, group_size, act_order, zero_offset, exact).to(x.dtype)
         outs.append(out + b.to(x.dtype) if b is not None else out)
     return torch.cat(outs, dim=-1)
 
