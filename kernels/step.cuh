@@ -26,10 +26,10 @@
 // Arithmetic. Lane 4g + q of a column warp reads a 16-byte chunk (4 columns x 8 k of one qweight row) of the
 // swizzled box and dequantizes it to the exact integers q - zero (small integers, exact in fp16 and bf16: no
 // scale, 2 instructions per pair of weights), which mma.sync m16n8k16 multiplies with x in fp32; the group's scale
-// multiplies the fp32 sums once per group and column. So a weight costs about a third of the instructions of the
-// op-per-kernel path's round(scale * (q - zero)) (int4_tile.cuh: dequantize_word), and the result differs from the
-// reference's (weights rounded to the dtype first) by that rounding only. Groups must be 64 k or more (a step of
-// the mma spans 64 k, int4_tma.cuh: stage_row) or the whole of K.
+// multiplies the fp32 sums once per group and column, as the op-per-kernel tensor-core kernel does too (int4_mma.cuh;
+// the CUDA-core and copy-engine kernels form round(scale * (q - zero)), int4_tile.cuh: dequantize_word). The result
+// differs from the reference's (weights rounded to the dtype first) by that rounding only. Groups must be 64 k or more
+// (a step of the mma spans 64 k, int4_tma.cuh: stage_row) or the whole of K.
 //
 // Attention as decode_attention.cu, per (row, kv head, query head pair, key share), with the RoPE of the current
 // token's q and k done by the block itself from the raw projection (the share that comes first writes K and V into
