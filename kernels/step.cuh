@@ -454,15 +454,14 @@ __device__ __forceinline__ void unit_compute(const StepLinearInfo& L, const Warp
   const int k0 = ku * 256, first_group = k0 >> L.group_shift;
   const T* x_lane = xs + g * L.x_stride + k0;
   float part[2][2][4] = {};
-  float scale[4] = {};
-  ZeroTerms z{};
+  GroupTerms<T> d(GroupParams{}, L.zero_offset);  // the current group's (int4_mma.cuh)
   int current = -1;
   const auto flush = [&] {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        acc[h][i] += scale[2 * h + (i >> 1)] * (part[0][h][i] + part[1][h][i]);
+        acc[h][i] += d.scale[2 * h + (i >> 1)] * (part[0][h][i] + part[1][h][i]);
         part[0][h][i] = part[1][h][i] = 0.f;
       }
     }
@@ -474,18 +473,16 @@ __device__ __forceinline__ void unit_compute(const StepLinearInfo& L, const Warp
     if (group != current) {
       if (current >= 0) flush();
       current = group;
-      const uint2 sv = *reinterpret_cast<const uint2*>(scales + group * L.box_columns + col);
-      const __half* sh = reinterpret_cast<const __half*>(&sv);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) scale[c] = __half2float(sh[c]);
-      z = zero_terms<T>(zeros[group * (L.box_columns / 8) + col / 8] >> (4 * (col % 8)), L.zero_offset);
+      const GroupParams gp{*reinterpret_cast<const uint2*>(scales + group * L.box_columns + col),
+                           zeros[group * (L.box_columns / 8) + col / 8] >> (4 * (col % 8))};
+      d = GroupTerms<T>(gp, L.zero_offset);
     }
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       const int r = stage_row(4 * half + 2 * p + t, q);
       const uint4 chunk = *reinterpret_cast<const uint4*>(box + r * 128 + ((g ^ (r & 7)) << 4));
       const uint4 xv = g < batch ? *reinterpret_cast<const uint4*>(x_lane + r * 8) : make_uint4(0, 0, 0, 0);
-      step_mma<T>(part, chunk, xv, z);
+      step_mma<T>(part, chunk, xv, d.z);
     }
   }
   flush();
