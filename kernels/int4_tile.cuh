@@ -183,6 +183,29 @@ __device__ __forceinline__ void dequantize_word(uint32_t word, const Dequant& d,
   out[3] = __hmul2(__hfma2(nibbles_in_1024(high, 0x00F000F0u), sixteenth, d.minus_z64[c]), d.scale[c]);
 }
 
+// A norm's weight and bias for one 16-byte vector of a row at k, and the second LayerNorm's where `second` (else
+// the first's again): `second_norm` takes the second LayerNorm's as the first (a tile of Int4Params::second).
+template <typename T, int V>
+struct NormVecs {
+  Vec<T, V> w, b, w2, b2;
+};
+
+template <typename T, int V>
+__device__ __forceinline__ NormVecs<T, V> norm_vecs(const Int4Params& p, bool second_norm, bool second, int64_t k) {
+  const T* w = static_cast<const T*>(second_norm ? p.norm.weight2 : p.norm.weight);
+  const T* bias = static_cast<const T*>(second_norm ? p.norm.bias2 : p.norm.bias);
+  NormVecs<T, V> v;
+  v.w = *reinterpret_cast<const Vec<T, V>*>(w + k);
+  v.b = vec_or_zero<T, V>(bias, k);
+  v.w2 = v.w;
+  v.b2 = v.b;
+  if (second) {
+    v.w2 = *reinterpret_cast<const Vec<T, V>*>(static_cast<const T*>(p.norm.weight2) + k);
+    v.b2 = vec_or_zero<T, V>(static_cast<const T*>(p.norm.bias2), k);
+  }
+  return v;
+}
+
 // Stages x[b, k0 : k0 + len] in shared memory through store(b, i, value) (the kernels keep it in their own layout);
 // with the norm prologue, the normalized residual sum (each block
 // computes the row statistics over all of K, from L2, and keeps its own slice), through the second LayerNorm's
@@ -192,9 +215,12 @@ __device__ __forceinline__ void dequantize_word(uint32_t word, const Dequant& d,
 // and dropped: the norm weights and biases copied into shared memory before griddepcontrol.wait (one L2 round trip
 // fewer after it), measured on the H100 in one call against this (fp16, batch 1): no op faster (Llama-3.1-8B
 // norm+gate/up 35.0 -> 35.7-35.8 us, Pythia-2.8B fused LN+QKV 13.0 -> 13.2), int4 TPOT Pythia-2.8B 1.438 / 1.451 ->
-// 1.478 / 1.463 ms, Llama-3.1-8B 3.136 / 3.147 -> 3.196 / 3.198 (evals/results/norm_stage_2c784be.txt).
+// 1.478 / 1.463 ms, Llama-3.1-8B 3.136 / 3.147 -> 3.196 / 3.198 (evals/results/norm_stage_2c784be.txt). `early`:
+// the norm parameters of this thread's vectors (norm_vecs for vector tid + j x threads), which the add + norm kernel
+// of its own loads into registers before its wait (int4_norm_prologue_kernel); the ops load them here.
 template <typename T, bool NORM, int NORM_ELEMS = kNormElems, typename Store>
-__device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool writer, bool second_norm, Store store) {
+__device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool writer, bool second_norm, Store store,
+                        const NormVecs<T, 16 / sizeof(T)>* early = nullptr) {
   const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
   if constexpr (!NORM) {
     // 16-byte loads where x allows them (slices start and end on multiples of 8), each thread's issued together.
@@ -233,10 +259,6 @@ __device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool write
     };
     const float inv_n = 1.f / static_cast<float>(p.k);
     const int64_t nvec = p.k / V;
-    const T* w = static_cast<const T*>(second_norm ? p.norm.weight2 : p.norm.weight);
-    const T* bias = static_cast<const T*>(second_norm ? p.norm.bias2 : p.norm.bias);
-    const T* w2 = static_cast<const T*>(p.norm.weight2);
-    const T* b2 = static_cast<const T*>(p.norm.bias2);
     for (int b = 0; b < p.batch; ++b) {
       const T* x = static_cast<const T*>(p.x) + b * p.x_stride;
       const bool fixed = p.norm.delta && p.norm.delta_fixed;
@@ -280,21 +302,16 @@ __device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool write
         // global stores (which may alias them, for all the compiler knows) waited one round trip each. Measured on the
         // H100 (per-block timeline, Pythia-2.8B fused LN+QKV), the writing blocks staged x 1.7 us after the others;
         // 0.2 us with the vectors.
-        const Vec<T, V> wv = *reinterpret_cast<const Vec<T, V>*>(w + k), bv = vec_or_zero<T, V>(bias, k);
         const bool second = writer && p.norm.h2;
-        Vec<T, V> w2v = wv, b2v = bv;
-        if (second) {
-          w2v = *reinterpret_cast<const Vec<T, V>*>(w2 + k);
-          b2v = vec_or_zero<T, V>(b2, k);
-        }
+        const NormVecs<T, V> nv = early ? early[j] : norm_vecs<T, V>(p, second_norm, second, k);
 #pragma unroll
         for (int e = 0; e < V; ++e)
-          store(b, k - k0 + e, round_to<T>(norm_value<T>(s[j][e], mean, rstd, wv.data[e], bv.data[e], p.norm.rms)));
+          store(b, k - k0 + e, round_to<T>(norm_value<T>(s[j][e], mean, rstd, nv.w.data[e], nv.b.data[e], p.norm.rms)));
         if (writer && p.norm.delta) store_vec<T, V>(static_cast<T*>(p.norm.sum) + b * p.k + k, s[j]);
         if (second) {
           float h2[V];
 #pragma unroll
-          for (int e = 0; e < V; ++e) h2[e] = norm_value<T>(s[j][e], mean, rstd, w2v.data[e], b2v.data[e], false);
+          for (int e = 0; e < V; ++e) h2[e] = norm_value<T>(s[j][e], mean, rstd, nv.w2.data[e], nv.b2.data[e], false);
           store_vec<T, V>(static_cast<T*>(p.norm.h2) + b * p.k + k, h2);
         }
       }
