@@ -84,9 +84,9 @@ def kv_bytes(model, batch: int, context: float) -> float:
 MAX_TIMING_TRIES = 5  # per repeat, for a (1 token, N + 1 tokens) pair whose difference is not positive
 
 
-def profile_kernels(fn) -> dict[str, list]:
-    """GPU kernels executed while fn() runs, by name: [launches, total GPU us, critical us] (torch.profiler / CUPTI;
-    kernels inside CUDA graphs are recorded one by one too; `kernel_shares` says what critical means)."""
+def profile_spans(fn) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of each GPU kernel executed while fn() runs, in start order (torch.profiler / CUPTI;
+    kernels inside CUDA graphs are recorded one by one too)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -97,7 +97,22 @@ def profile_kernels(fn) -> dict[str, list]:
         for e in prof.events()
         if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset"))
     ]
-    return kernel_shares(spans)
+    return sorted(spans, key=lambda s: s[1])
+
+
+def by_place(spans: list[tuple[str, float, float]], skip: dict[str, int], places: dict[str, int]) -> list:
+    """The spans with each run of a kernel in `places` (name -> runs per layer) renamed "name #i", i its place
+    among that kernel's runs in a layer (1 = first), counting from its run after the first skip[name] (the prefill's)."""
+    seen: dict[str, int] = {}
+    out = []
+    for name, start, end in spans:
+        if name in places:
+            k = seen.get(name, 0)
+            seen[name] = k + 1
+            if k >= skip.get(name, 0):
+                name = f"{name} #{(k - skip.get(name, 0)) % places[name] + 1}"
+        out.append((name, start, end))
+    return out
 
 
 def kernel_shares(spans: list[tuple[str, float, float]]) -> dict[str, list]:
@@ -138,29 +153,45 @@ def short_kernel_name(name: str, limit: int = 100) -> str:
     return name if len(name) <= limit else name[: limit - 3] + "..."
 
 
-def step_profile(generate, steps: int = 8, top: int = 12) -> dict:
+def short_place_name(name: str) -> str:
+    """short_kernel_name, keeping by_place's " #i"."""
+    base, mark, place = name.rpartition(" #")
+    return short_kernel_name(base) + mark + place if mark and place.isdigit() else short_kernel_name(name)
+
+
+def step_profile(generate, layers: int, steps: int = 8, top: int = 12) -> dict:
     """Kernels per decode step and where the step's GPU time goes: profile (1 token) and (steps + 1 tokens) and
     take the difference per step. Ranked by critical time (kernel_shares), which adds up to the time a kernel ran; the
-    summed durations overlap under programmatic dependent launch."""
-    one, many = profile_kernels(lambda: generate(1)), profile_kernels(lambda: generate(steps + 1))
-    per_step = {}
-    for name, (count, us, critical) in many.items():
-        c0, us0, critical0 = one.get(name, (0, 0.0, 0.0))
-        if count > c0:
-            per_step[short_kernel_name(name)] = [
-                (count - c0) / steps,
-                (us - us0) / steps,
-                (critical - critical0) / steps,
-            ]
-    ranked = sorted(per_step.items(), key=lambda kv: -kv[1][2])
+    summed durations overlap under programmatic dependent launch. A kernel that runs several times in each of the
+    `layers` layers (the int4 linears) is also split by its place in the layer ("kernel_places")."""
+    one_spans, many_spans = profile_spans(lambda: generate(1)), profile_spans(lambda: generate(steps + 1))
+
+    def per_step(one: dict, many: dict) -> dict:
+        rows = {}
+        for name, (count, us, critical) in many.items():
+            c0, us0, critical0 = one.get(name, (0, 0.0, 0.0))
+            if count > c0:
+                rows[name] = [(count - c0) / steps, (us - us0) / steps, (critical - critical0) / steps]
+        return rows
+
+    def ranked(rows: dict, limit: int) -> list:
+        order = sorted(rows.items(), key=lambda kv: -kv[1][2])[:limit]
+        return [
+            {"kernel": short_place_name(k), "launches": c, "us": us, "critical_us": cr, "critical_us_each": cr / c}
+            for k, (c, us, cr) in order
+        ]
+
+    one = kernel_shares(one_spans)
+    rows = per_step(one, kernel_shares(many_spans))
+    places = {n: round(r[0] / layers) for n, r in rows.items() if r[0] > layers and r[0] % layers == 0}
+    skip = {n: one[n][0] if n in one else 0 for n in places}
+    by_layer = per_step(one, kernel_shares(by_place(many_spans, skip, places)))
     return {
-        "kernels_per_step": sum(c for c, _, _ in per_step.values()),
-        "kernel_us_per_step": sum(us for _, us, _ in per_step.values()),
-        "critical_us_per_step": sum(critical for _, _, critical in per_step.values()),
-        "top_kernels": [
-            {"kernel": k, "launches": c, "us": us, "critical_us": critical, "critical_us_each": critical / c}
-            for k, (c, us, critical) in ranked[:top]
-        ],
+        "kernels_per_step": sum(c for c, _, _ in rows.values()),
+        "kernel_us_per_step": sum(us for _, us, _ in rows.values()),
+        "critical_us_per_step": sum(critical for _, _, critical in rows.values()),
+        "top_kernels": ranked(rows, top),
+        "kernel_places": ranked({k: v for k, v in by_layer.items() if "#" in k}, 4 * top),
     }
 
 
@@ -239,7 +270,7 @@ def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True)
         if device.type == "cuda":
             row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
             if profile:
-                row.update(step_profile(generate))
+                row.update(step_profile(generate, model.config.num_hidden_layers))
                 row["gpu_busy"] = row["critical_us_per_step"] / 1e3 / row["tpot_ms"]
     return row
 
@@ -407,6 +438,9 @@ def main(argv=None) -> int:
                     f"{row['kernel_us_per_step']:.0f} us (they overlap under programmatic dependent launch)"
                 )
                 print(common.table(row["top_kernels"], KERNEL_COLUMNS))
+                if row.get("kernel_places"):
+                    print("\nthe kernels that run several times a layer, by their place in it (#1 first):")
+                    print(common.table(row["kernel_places"], KERNEL_COLUMNS))
     if bandwidth:
         roof = rows[0]["roofline_ms"]
         print(

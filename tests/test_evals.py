@@ -226,3 +226,20 @@ def test_kernel_shares_add_up_to_the_time_a_kernel_ran():
     # A long run over two shorter ones with a gap between them: it adds the gap and its ends, not the others' time.
     shares = tpot.kernel_shares([("x", 0.0, 1.0), ("y", 5.0, 6.0), ("long", 0.5, 10.0)])
     assert shares["long"] == [1, 9.5, 8.0]
+
+
+def test_kernel_runs_by_their_place_in_a_layer():
+    # Two prefill runs of "k", then two layers of two "k" runs each (with "attn" between): the prefill runs keep the
+    # name, the rest take their place in the layer, and a kernel not in `places` is left alone.
+    spans = [("k", float(i), i + 0.5) for i in range(2)] + [
+        ("k", 10.0, 11.0),
+        ("attn", 11.0, 12.0),
+        ("k", 12.0, 13.0),
+        ("k", 20.0, 21.0),
+        ("attn", 21.0, 22.0),
+        ("k", 22.0, 23.0),
+    ]
+    names = [name for name, _, _ in tpot.by_place(spans, {"k": 2}, {"k": 2})]
+    assert names == ["k", "k", "k #1", "attn", "k #2", "k #1", "attn", "k #2"]
+    assert tpot.short_place_name("void patcher::f<int>(int) #2") == "f<int> #2"
+    assert tpot.short_place_name("void patcher::f<int>(int)") == "f<int>"
