@@ -1,11 +1,11 @@
 // Decode attention over a static KV cache, reading only its filled part (flash-decoding, one kernel).
 //
-// Grid (kv heads x head groups, batch, splits). A block takes one or two query heads of one kv head (GQA: the
-// group's heads, two at a time) of one row, and a contiguous share of the valid keys pad[b] .. slot. The number of
-// shares actually used is decided in the kernel from the device-side `slot` (at most `splits`, and no share
-// smaller than one block step of keys), so one captured CUDA graph serves every step and context length, and
-// short contexts do not pay for merging many near-empty partials. The block's G query heads all use each key it
-// loads; the other head groups of the same kv head read the same keys, mostly from L2.
+// Grid (query heads, batch, splits). A block takes one query head (GQA: the heads of one kv head in blocks side by
+// side, reading the same keys, mostly from L2) of one row, and a contiguous share of the valid keys pad[b] .. slot.
+// The number of shares actually used is decided in the kernel from the device-side `slot` (at most `splits`, and no
+// share smaller than one block step of keys), so one captured CUDA graph serves every step and context length, and
+// short contexts do not pay for merging many near-empty partials. (The kernel takes up to GMAX heads of a kv head a
+// block, G of them, which use each key it loads; launch_head_dim says why it is given one.)
 //
 // Inside a block, the online softmax of attention.cuh (shared with the int4 step kernel): lane groups hold a key
 // each, the scores are fp32 scaled by HF's head_dim^-0.5, one share writes the output, several merge in the last
@@ -255,26 +255,25 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Decode
 
 template <typename T, int D>
 cudaError_t launch_head_dim(const DecodeAttentionParams& p, cudaStream_t stream) {
-  // A block serves at most two query heads of its kv head: with GQA (Llama 4, Qwen2 6 per kv head) more blocks share
-  // the keys, so a short context is not a long serial loop over heads in few blocks (Qwen2-1.5B has 2 kv heads);
-  // the group's other blocks read the same keys, mostly from L2.
-  const int64_t group = p.num_q_heads / p.num_kv_heads;
-  const int64_t per_block = group <= 1 ? 1 : 2;
+  // One query head a block, also with GQA (Llama 4, Qwen2 6 heads a kv head): the blocks of a kv head read the same
+  // keys, mostly from L2, and each step of a block is half the dependent work of two heads. Two heads a block (the
+  // choice until session 30, made so that a short context would not be a long serial loop over heads in few blocks)
+  // measured slower on the H100 (int4 g128 decode, fp16, batch 1, context 128-192, one call, two rounds; `python -m
+  // evals.tpot --random-config MODEL --int4-random 128 --modes patched --new-tokens 64 --repeats 3`): Llama-3.1-8B
+  // 2.378 / 2.379 -> 2.341 / 2.345 ms, Qwen2-1.5B 1.109 -> 1.074; the attention's critical time 8.00 -> 6.15 us a
+  // launch (--kernel-table).
   // The share is the slowest index, so the blocks of share 0, which every context has, are dispatched first, and
   // those of the shares a short context leaves empty (which read slot and exit) after them. With the share as the
-  // fastest index every head group's working block sat behind `splits - 1` empty ones: at 194 registers a thread
-  // one block fits an SM, and those blocks find room only where the QKV kernel before has left an SM. Measured on
-  // the H100 (int4 g128 decode of the Llama-3.1-8B shape, context 128-192: one share, splits 16, so 240 of 256 blocks
-  // empty; `python -m evals.tpot --random-config llama-3.1-8b --int4-random 128 --modes patched --kernel-table`, one
-  // call, with the norm kernel's change of the same commit, int4.cu): critical time 9.13 -> 7.90 us a launch.
-  const dim3 grid(static_cast<unsigned>(p.num_kv_heads * ((group + per_block - 1) / per_block)),
-                  static_cast<unsigned>(p.batch), static_cast<unsigned>(p.splits));
-  if (p.qkv_acc) {
-    if (per_block == 1) return launch_pdl(decode_attention_kernel<T, D, 1, true>, grid, kThreads, 0, stream, p);
-    return launch_pdl(decode_attention_kernel<T, D, 2, true>, grid, kThreads, 0, stream, p);
-  }
-  if (per_block == 1) return launch_pdl(decode_attention_kernel<T, D, 1, false>, grid, kThreads, 0, stream, p);
-  return launch_pdl(decode_attention_kernel<T, D, 2, false>, grid, kThreads, 0, stream, p);
+  // fastest index every head's working block sat behind `splits - 1` empty ones: at 150-160 registers a thread (the
+  // kernel that finishes the QKV sums) one block fits an SM, and those blocks find room only where the QKV kernel
+  // before has left an SM. Measured on the H100, at two heads a block (int4 g128 decode of the Llama-3.1-8B shape,
+  // context 128-192: one share, splits 16, so 240 of 256 blocks empty; `python -m evals.tpot --random-config
+  // llama-3.1-8b --int4-random 128 --modes patched --kernel-table`, one call, with the norm kernel's change of the
+  // same commit, 9a19b08): critical time 9.13 -> 7.90 us a launch.
+  const dim3 grid(static_cast<unsigned>(p.num_q_heads), static_cast<unsigned>(p.batch),
+                  static_cast<unsigned>(p.splits));
+  if (p.qkv_acc) return launch_pdl(decode_attention_kernel<T, D, 1, true>, grid, kThreads, 0, stream, p);
+  return launch_pdl(decode_attention_kernel<T, D, 1, false>, grid, kThreads, 0, stream, p);
 }
 
 }  // namespace
