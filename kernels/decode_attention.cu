@@ -27,6 +27,16 @@ namespace {
 
 constexpr int kThreads = kAttnWarps * 32;
 constexpr int kMaxSplits = kAttnMaxSplits;
+// From this many working blocks (query heads x rows) on, the kernel that finishes the QKV sums is held to 128
+// registers a thread (no spills), so that its block fits an SM beside one block of the int4 QKV op before it (two
+// 256-thread blocks of 128 registers fill an SM); compiled freely it takes 150-160 and finds room only on an SM that
+// op has left. Measured on the H100 (int4 g128, fp16, batch 1, context 128-192, one call, interleaved; `python -m
+// evals.tpot --random-config MODEL --int4-random 128 --modes patched --new-tokens 64 --repeats 3 --no-profile`, ms,
+// free -> 128 registers): Llama-3.1-8B (32 heads) 2.355 / 2.359 -> 2.327 / 2.328, but Qwen2-1.5B (12 heads) 1.075 /
+// 1.073 -> 1.093 / 1.084. (Llama's --kernel-table, another call, beside a norm-kernel variant not taken: the
+// attention's critical time 6.2 -> 7.2 us a launch, the o_proj after it 5.8 -> 4.5.)
+// Where between 12 and 32 it turns, and how it goes at batch 2-8, was not measured.
+constexpr int64_t kAttnTwoPerSmHeads = 32;
 
 // One element of q or of the current token's K/V, made from the QKV accumulator (DecodeAttentionParams::qkv_acc):
 // round(round(sum) + bias), as finish_values forms the projection's output, then for q and k within the rotary dims
@@ -81,8 +91,8 @@ __device__ __forceinline__ float acc_value(const AccElement& e, bool has_bias, l
   return e.rotated ? rope_value<T>(x, value(partner_sum, e.partner_bias), e.d, e.R, e.cos_d, e.sin_d) : x;
 }
 
-template <typename T, int D, int GMAX, bool FROM_ACC>
-__global__ void __launch_bounds__(kThreads) decode_attention_kernel(const DecodeAttentionParams p) {
+template <typename T, int D, int GMAX, bool FROM_ACC, int MINB = 1>
+__global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const DecodeAttentionParams p) {
   using Shape = AttnShape<D, GMAX>;
   constexpr int kActive = Shape::kActive, kLanes = Shape::kLanes, kGroups = Shape::kGroups;
   constexpr int kUnroll = Shape::kUnroll, kStep = Shape::kStep;
@@ -272,6 +282,8 @@ cudaError_t launch_head_dim(const DecodeAttentionParams& p, cudaStream_t stream)
   // same commit, 9a19b08): critical time 9.13 -> 7.90 us a launch.
   const dim3 grid(static_cast<unsigned>(p.num_q_heads), static_cast<unsigned>(p.batch),
                   static_cast<unsigned>(p.splits));
+  if (p.qkv_acc && p.num_q_heads * p.batch >= kAttnTwoPerSmHeads)
+    return launch_pdl(decode_attention_kernel<T, D, 1, true, 2>, grid, kThreads, 0, stream, p);
   if (p.qkv_acc) return launch_pdl(decode_attention_kernel<T, D, 1, true>, grid, kThreads, 0, stream, p);
   return launch_pdl(decode_attention_kernel<T, D, 1, false>, grid, kThreads, 0, stream, p);
 }
