@@ -274,12 +274,12 @@ cudaError_t launch_head_dim(const DecodeAttentionParams& p, cudaStream_t stream)
   // launch (--kernel-table).
   // The share is the slowest index, so the blocks of share 0, which every context has, are dispatched first, and
   // those of the shares a short context leaves empty (which read slot and exit) after them. With the share as the
-  // fastest index every head's working block sat behind `splits - 1` empty ones: at 150-160 registers a thread (the
-  // kernel that finishes the QKV sums) one block fits an SM, and those blocks find room only where the QKV kernel
-  // before has left an SM. Measured on the H100, at two heads a block (int4 g128 decode of the Llama-3.1-8B shape,
-  // context 128-192: one share, splits 16, so 240 of 256 blocks empty; `python -m evals.tpot --random-config
-  // llama-3.1-8b --int4-random 128 --modes patched --kernel-table`, one call, with the norm kernel's change of the
-  // same commit, 9a19b08): critical time 9.13 -> 7.90 us a launch.
+  // fastest index every head's working block sat behind `splits - 1` empty ones: at 150-200 registers a thread (the
+  // kernel that finishes the QKV sums, compiled freely) one block fits an SM, and those blocks find room only where
+  // the QKV kernel before has left an SM. Measured on the H100, at two heads a block (int4 g128 decode of the
+  // Llama-3.1-8B shape, context 128-192: one share, splits 16, so 240 of 256 blocks empty; `python -m evals.tpot
+  // --random-config llama-3.1-8b --int4-random 128 --modes patched --kernel-table`, one call, with the norm kernel's
+  // change of the same commit, 9a19b08): critical time 9.13 -> 7.90 us a launch.
   const dim3 grid(static_cast<unsigned>(p.num_q_heads), static_cast<unsigned>(p.batch),
                   static_cast<unsigned>(p.splits));
   if (p.qkv_acc && p.num_q_heads * p.batch >= kAttnTwoPerSmHeads)
