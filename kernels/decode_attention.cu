@@ -4,8 +4,8 @@
 // side, reading the same keys, mostly from L2) of one row, and a contiguous share of the valid keys pad[b] .. slot.
 // The number of shares actually used is decided in the kernel from the device-side `slot` (at most `splits`, and no
 // share smaller than one block step of keys), so one captured CUDA graph serves every step and context length, and
-// short contexts do not pay for merging many near-empty partials. (The kernel takes up to GMAX heads of a kv head a
-// block, G of them, which use each key it loads; launch_head_dim says why it is given one.)
+// short contexts do not pay for merging many near-empty partials. (attention.cuh's core takes up to two heads a
+// block, for the step kernel; launch_head_dim says why this kernel takes one.)
 //
 // Inside a block, the online softmax of attention.cuh (shared with the int4 step kernel): lane groups hold a key
 // each, the scores are fp32 scaled by HF's head_dim^-0.5, one share writes the output, several merge in the last
@@ -91,8 +91,9 @@ __device__ __forceinline__ float acc_value(const AccElement& e, bool has_bias, l
   return e.rotated ? rope_value<T>(x, value(partner_sum, e.partner_bias), e.d, e.R, e.cos_d, e.sin_d) : x;
 }
 
-template <typename T, int D, int GMAX, bool FROM_ACC, int MINB = 1>
+template <typename T, int D, bool FROM_ACC, int MINB = 1>
 __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const DecodeAttentionParams p) {
+  constexpr int GMAX = 1, G = 1;  // query heads a block: attention.cuh's core in its one-head form
   using Shape = AttnShape<D, GMAX>;
   constexpr int kActive = Shape::kActive, kLanes = Shape::kLanes, kGroups = Shape::kGroups;
   constexpr int kUnroll = Shape::kUnroll, kStep = Shape::kStep;
@@ -101,13 +102,10 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
   // slot and pad are read before the wait (and the first keys, below): the decode step writes them only between
   // steps (slot) and before the first (pad), never in the kernel just before this one, which is the only one that
   // may still be running.
-  // blockIdx.x: kv head and group of up to GMAX of its query heads (G of them in this block); y: row; z: share
+  // blockIdx.x: query head (of kv head head / group_size); y: row; z: share
   const int group_size = static_cast<int>(p.num_q_heads / p.num_kv_heads);
-  const int groups = (group_size + GMAX - 1) / GMAX;
-  const int b = blockIdx.y, kvh = blockIdx.x / groups, split = blockIdx.z;
-  const int first = static_cast<int>(blockIdx.x % groups) * GMAX;  // within the kv head's group
-  const int head0 = kvh * group_size + first;                      // first query head of this block
-  const int G = group_size - first < GMAX ? group_size - first : GMAX;
+  const int head = blockIdx.x, b = blockIdx.y, kvh = head / group_size, split = blockIdx.z;
+  const bool writes_kv = head % group_size == 0;  // the kv head's first query head writes its K/V into the cache
   const int64_t last_key = *p.slot;
   const AttnRange range = attention_range<D, GMAX>(p.pad[b], last_key, p.splits, split);
   if (split >= range.shares) return;  // this block has no keys at this context length
@@ -144,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
   // q, and the current token's key and value: from p.q and the cache, or (FROM_ACC) made by the block from the QKV
   // accumulator into shared memory, one element a thread (acc_element: all but the sums read before the wait), then
   // read as the lanes hold them. Only the block that attends over the current token (the share holding slot) makes
-  // its K/V; of those, the kv head's first head group's block writes them into the cache.
+  // its K/V; of those, the kv head's first query head's block writes them into the cache.
   constexpr int kMade = ((GMAX + 2) * D + kThreads - 1) / kThreads;  // elements a thread makes, at most
   const bool holds_current = lo <= last_key && last_key < hi;
   const int tid = static_cast<int>(threadIdx.x), count = (holds_current ? G + 2 : G) * D;
@@ -154,8 +152,8 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
 #pragma unroll
     for (int k = 0; k < kMade; ++k) {
       const int i = min(tid + k * kThreads, count - 1);  // clamped: past count, loaded and dropped
-      const int m = i / D, d = i % D;                    // m < G: q head head0 + m; G: k; G + 1: v
-      made_from[k] = acc_element<T>(p, b, row, m < G ? 0 : m - G + 1, m < G ? head0 + m : kvh, d);
+      const int m = i / D, d = i % D;                    // m < G: the block's q head; G: k; G + 1: v
+      made_from[k] = acc_element<T>(p, b, row, m < G ? 0 : m - G + 1, m < G ? head : kvh, d);
     }
   }
   // The first block step is loaded before the wait, except the current token's key and value: the QKV kernel just
@@ -192,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
       if (i >= count) break;
       const float y = acc_value<T>(made_from[k], p.qkv_bias != nullptr, sum[k], partner_sum[k]);
       made[m < G ? m : GMAX + m - G][d] = y;
-      if (m >= G && first == 0) {
+      if (m >= G && writes_kv) {
         T* cache = static_cast<T*>(m == G ? p.rope.k_cache : p.rope.v_cache);  // p.k_cache/v_cache, writable
         cache[head_offset + last_key * D + d] = from_float<T>(y);
       }
@@ -216,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
 #pragma unroll
         for (int j = 0; j < 8; ++j) q[g][j] = made[g][d0 + j];
       } else {
-        load_vec<T, 8>(q[g], static_cast<const T*>(p.q) + ((b * p.num_q_heads + head0 + g) * D + d0));
+        load_vec<T, 8>(q[g], static_cast<const T*>(p.q) + ((b * p.num_q_heads + head) * D + d0));
       }
 #pragma unroll
       for (int j = 0; j < 8; ++j) q[g][j] *= p.scale * kLog2e;  // scores in log2 units: exp2 below
@@ -257,10 +255,10 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
     }
     attend_step<D, GMAX>(q, kv, vv, valid, G, m, l, acc);
   }
-  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + head0) * D;
-  float* partials = p.partials + ((static_cast<int64_t>(b) * p.num_q_heads + head0) * p.splits) * (D + 2);
+  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + head) * D;
+  float* partials = p.partials + ((static_cast<int64_t>(b) * p.num_q_heads + head) * p.splits) * (D + 2);
   attend_finish<T, D, GMAX>(S, m, l, acc, G, shares, split, p.splits, out, partials,
-                            p.counters + b * p.num_q_heads + head0, [] { __syncthreads(); });
+                            p.counters + b * p.num_q_heads + head, [] { __syncthreads(); });
 }
 
 template <typename T, int D>
@@ -283,9 +281,9 @@ cudaError_t launch_head_dim(const DecodeAttentionParams& p, cudaStream_t stream)
   const dim3 grid(static_cast<unsigned>(p.num_q_heads), static_cast<unsigned>(p.batch),
                   static_cast<unsigned>(p.splits));
   if (p.qkv_acc && p.num_q_heads * p.batch >= kAttnTwoPerSmHeads)
-    return launch_pdl(decode_attention_kernel<T, D, 1, true, 2>, grid, kThreads, 0, stream, p);
-  if (p.qkv_acc) return launch_pdl(decode_attention_kernel<T, D, 1, true>, grid, kThreads, 0, stream, p);
-  return launch_pdl(decode_attention_kernel<T, D, 1, false>, grid, kThreads, 0, stream, p);
+    return launch_pdl(decode_attention_kernel<T, D, true, 2>, grid, kThreads, 0, stream, p);
+  if (p.qkv_acc) return launch_pdl(decode_attention_kernel<T, D, true>, grid, kThreads, 0, stream, p);
+  return launch_pdl(decode_attention_kernel<T, D, false>, grid, kThreads, 0, stream, p);
 }
 
 }  // namespace

@@ -269,10 +269,13 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
   }
 }
 
-// The A fragments of a lane's chunk, a_pairs [column][pair (k_j, k_j+4)], into acc[h] (columns 4g + 2h and
-// 4g + 2h + 1) against its x chunk (the B fragments of those 8 k).
+// The A fragments of a lane's chunk, a_pairs [column][pair (k_j, k_j+4)], into acc0[h] and acc1[h] (columns 4g + 2h
+// and 4g + 2h + 1) against its x chunk (the B fragments of those 8 k): the chunk's first two pairs into acc0, the
+// last two into acc1. Given one array twice, one chain of dependent mma; the persistent step kernel (step.cuh) gives
+// two, so that each chain is half as long.
 template <typename T>
-__device__ __forceinline__ void mma_pairs(float (&acc)[2][4], const uint32_t (&a_pairs)[4][4], const uint4& xv) {
+__device__ __forceinline__ void mma_pairs(float (&acc0)[2][4], float (&acc1)[2][4], const uint32_t (&a_pairs)[4][4],
+                                          const uint4& xv) {
   const uint32_t xb[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -281,7 +284,7 @@ __device__ __forceinline__ void mma_pairs(float (&acc)[2][4], const uint32_t (&a
       const int c0 = 2 * h, c1 = 2 * h + 1;
       const uint32_t a[4] = {a_pairs[c0][2 * jj], a_pairs[c1][2 * jj], a_pairs[c0][2 * jj + 1],
                              a_pairs[c1][2 * jj + 1]};
-      mma_16816<T>(acc[h], a, xb[2 * jj], xb[2 * jj + 1]);
+      mma_16816<T>(jj == 0 ? acc0[h] : acc1[h], a, xb[2 * jj], xb[2 * jj + 1]);
     }
   }
 }
@@ -299,19 +302,20 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[2][4], const uint4& chunk
 #pragma unroll
     for (int j = 0; j < 4; ++j) a_pairs[c][j] = operand<T>(w[j]);
   }
-  mma_pairs<T>(acc, a_pairs, xv);
+  mma_pairs<T>(acc, acc, a_pairs, xv);
 }
 
-// The same step with the weights as the exact integers q - zero (dequantize_zeros) into the group's sums `part`;
-// the scales multiply those once a group (GroupTerms::fold).
+// The same step with the weights as the exact integers q - zero (dequantize_zeros) into the group's sums, part0 and
+// part1 as mma_pairs takes them (this kernel gives one array twice); the scales multiply those once a group
+// (GroupTerms::fold).
 template <typename T>
-__device__ __forceinline__ void mma_chunk_exact(float (&part)[2][4], const uint4& chunk, const uint4& xv,
-                                                const ZeroTerms& z) {
+__device__ __forceinline__ void mma_chunk_exact(float (&part0)[2][4], float (&part1)[2][4], const uint4& chunk,
+                                                const uint4& xv, const ZeroTerms& z) {
   const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
   uint32_t a_pairs[4][4];
 #pragma unroll
   for (int c = 0; c < 4; ++c) dequantize_zeros<T>(words[c], z, c, a_pairs[c]);
-  mma_pairs<T>(part, a_pairs, xv);
+  mma_pairs<T>(part0, part1, a_pairs, xv);
 }
 
 // A group's parameters for a lane's 4 columns as mma_chunk_exact and the fold take them: the zero terms and the
@@ -461,7 +465,7 @@ __global__ void __launch_bounds__(MmaShape<WIDE>::kThreads, 2) int4_mma_kernel(c
       // B is zero past the batch and past the run (whose x is not staged), so whatever A holds there adds 0.
       uint4 xv = make_uint4(0, 0, 0, 0);
       if (x_row && 4 * s < lane_rows) xv = *reinterpret_cast<const uint4*>(x_lane + 32 * s);
-      mma_chunk_exact<T>(part, wj, xv, d.z);
+      mma_chunk_exact<T>(part, part, wj, xv, d.z);
       // The chunk kPreload steps on, into the registers just read. Loaded before the use into a copy instead
       // (`chunk = wj`, then the load), the compiler loaded into spare registers and moved the chunk home at
       // the next step, so each step waited there for the load issued one step before: in flight were 1-2

@@ -414,28 +414,8 @@ __device__ __noinline__ void stage_norm(const StepPlan& P, const StepStage& st, 
 }
 
 // ---- a unit's arithmetic ----
-// (ZeroTerms, zero_terms and dequantize_zeros: int4_mma.cuh, whose kernel dequantizes the same way.)
-
-// One 4-row step of a lane: its chunk (4 columns x 8 k) against its x chunk, into part[jj][h] (columns 4g + 2h,
-// + 1; the two k halves of the step in separate sums, so that each chain of dependent mma is half as long).
-template <typename T>
-__device__ __forceinline__ void step_mma(float (&part)[2][2][4], const uint4& chunk, const uint4& xv,
-                                         const ZeroTerms& z) {
-  const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
-  const uint32_t xb[4] = {xv.x, xv.y, xv.z, xv.w};
-  uint32_t a_pairs[4][4];  // [column][pair (k_j, k_j+4)]
-#pragma unroll
-  for (int c = 0; c < 4; ++c) dequantize_zeros<T>(words[c], z, c, a_pairs[c]);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int jj = 0; jj < 2; ++jj) {
-      const uint32_t a[4] = {a_pairs[2 * h][2 * jj], a_pairs[2 * h + 1][2 * jj], a_pairs[2 * h][2 * jj + 1],
-                             a_pairs[2 * h + 1][2 * jj + 1]};
-      mma_16816<T>(part[jj][h], a, xb[2 * jj], xb[2 * jj + 1]);
-    }
-  }
-}
+// (ZeroTerms, zero_terms, dequantize_zeros, mma_chunk_exact and GroupTerms: int4_mma.cuh, whose kernel dequantizes
+// and sums the same way.)
 
 // This warp's share of a unit: column warp w, half `half` (rows 16 half .. 16 half + 15, 128 k), 4 steps; the sums
 // of each group, times its scales, into acc.
@@ -456,15 +436,16 @@ __device__ __forceinline__ void unit_compute(const StepLinearInfo& L, const Warp
   float part[2][2][4] = {};
   GroupTerms<T> d(GroupParams{}, L.zero_offset);  // the current group's (int4_mma.cuh)
   int current = -1;
-  const auto flush = [&] {
+  const auto flush = [&] {  // the group's two sums (part[0]: each step's first k pairs, part[1]: its last) into acc
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        acc[h][i] += d.scale[2 * h + (i >> 1)] * (part[0][h][i] + part[1][h][i]);
-        part[0][h][i] = part[1][h][i] = 0.f;
+        part[0][h][i] += part[1][h][i];
+        part[1][h][i] = 0.f;
       }
     }
+    d.fold(acc, part[0]);
   };
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
@@ -482,7 +463,7 @@ __device__ __forceinline__ void unit_compute(const StepLinearInfo& L, const Warp
       const int r = stage_row(4 * half + 2 * p + t, q);
       const uint4 chunk = *reinterpret_cast<const uint4*>(box + r * 128 + ((g ^ (r & 7)) << 4));
       const uint4 xv = g < batch ? *reinterpret_cast<const uint4*>(x_lane + r * 8) : make_uint4(0, 0, 0, 0);
-      step_mma<T>(part, chunk, xv, d.z);
+      mma_chunk_exact<T>(part[0], part[1], chunk, xv, d.z);  // two chains of dependent mma, each half as long
     }
   }
   flush();
