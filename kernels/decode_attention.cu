@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
   for (int g = 0; g < GMAX; ++g) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) q[g][j] = 0.f;
-    if (g < G && active) {
+    if (active) {  // (G == GMAX: the block's one head)
       if constexpr (FROM_ACC) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) q[g][j] = made[g][d0 + j];
