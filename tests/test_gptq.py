@@ -140,6 +140,66 @@ def test_split_rule_sizes_the_x_stage_by_the_kernel(monkeypatch):
     assert int4_ops.splits_for(8, gate_up, 132, dtype=torch.float16) == 4
 
 
+def test_split_rule_leaves_room_for_the_attention():
+    """Next to the decode attention (`beside`: its blocks, half an SM each) an op takes fewer K slices where that
+    lets every attention block fit beside its blocks on 132 SMs, unless that costs more than a quarter of its
+    blocks: Llama-3.1-8B's QKV (48 tiles) 5 -> 4 and o_proj (32 tiles) 8 -> 7 at one row, 4 and 6 at two, unchanged
+    at four (128 attention blocks leave room for 2 and 4); Pythia-2.8B's output pair (20 tiles) 13 -> 11, but not its
+    QKV + MLP-input op (112 tiles of 160 threads, 3 an SM): 2 slices would be a third fewer blocks."""
+    meta = {"dtype": torch.int32, "device": "meta"}
+
+    def linear(k, widths):
+        return int4_ops.Int4Linear([torch.empty(k // 8, n, **meta) for n in widths], [], [], [], [None] * len(widths),
+                                   128, False, 1)  # fmt: skip
+
+    def splits(batch, lin, beside, head_dim=None):
+        return int4_ops.splits_for(batch, lin, 132, head_dim, torch.float16, beside)
+
+    qkv, o_proj = linear(4096, [4096, 1024, 1024]), linear(4096, [4096])
+    for batch, want_qkv, want_o in ((1, 4, 7), (2, 4, 6), (4, 5, 8)):
+        assert (splits(batch, qkv, 0), splits(batch, o_proj, 0)) == (5, 8)
+        assert (splits(batch, qkv, 32 * batch), splits(batch, o_proj, 32 * batch)) == (want_qkv, want_o), batch
+    # room beside 32 attention blocks: 100 SMs of two op blocks and 32 of one
+    assert 48 * 4 <= 232 < 48 * 5 and 32 * 7 <= 232 < 32 * 8
+    pair, qkv_mlp = linear(2560 + 10240, [2560]), linear(2560, [7680, 10240])
+    assert (splits(1, pair, 0), splits(1, pair, 32)) == (13, 11)
+    assert (splits(1, qkv_mlp, 0, head_dim=80), splits(1, qkv_mlp, 32, head_dim=80)) == (3, 3)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])
+def test_decode_step_gives_the_attention_room_beside_its_neighbours(name, tmp_path, monkeypatch):
+    """The decode runner passes the attention's blocks (query heads x rows) as `beside` for the int4 linears launched
+    just before and after it (QKV or GPT-NeoX's QKV + MLP input; the output projection or pair) and for no other;
+    for LLaMA's attention that finishes the QKV sums only from ATTENTION_HALF_SM_BLOCKS blocks, below which it takes
+    a whole SM (kernels/decode_attention.cu)."""
+    from patcher.decode import runner as runner_module
+
+    model = gptq_model(name, tmp_path)
+    patch_model(model)
+    heads = model.config.num_attention_heads
+    for defer_qkv in (True, False):
+        runner = DecodeRunner(model, use_graphs=False, defer_qkv=defer_qkv)
+        near = {id(lin) for layer in runner.layers for lin in (layer.attention.qkv_int4, layer.attention.out_int4,
+                                                              layer.qkv_mlp, layer.out_pair) if lin is not None}  # fmt: skip
+        mlp = {id(lin) for layer in runner.layers for lin in (layer.mlp.in_int4, layer.mlp.out_int4) if lin is not None}
+        assert runner.next_to_attention == near and near and mlp and not near & mlp
+        from_acc = name == "tiny-llama" and defer_qkv
+        for batch in (1, 8, runner_module.ATTENTION_HALF_SM_BLOCKS // heads):
+            half_sm = not from_acc or heads * batch >= runner_module.ATTENTION_HALF_SM_BLOCKS
+            assert runner.attention_blocks(batch) == (heads * batch if half_sm else 0)
+        seen = {}
+
+        def record(batch, lin, sms, head_dim, dtype, beside, seen=seen):
+            seen[id(lin)] = beside
+            return 1
+
+        monkeypatch.setattr(int4_ops, "splits_for", record)
+        for lin, head in runner.int4.values():
+            runner.int4_splits(8, lin, head)
+        monkeypatch.undo()
+        assert seen == {key: runner.attention_blocks(8) if key in near else 0 for key in runner.int4}
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-pythia"])
 @pytest.mark.parametrize("act_order", [False, True])
 def test_pack_tool_and_load_gptq(name, act_order, tmp_path):

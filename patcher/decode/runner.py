@@ -86,6 +86,9 @@ NO_PROLOGUE = (None,) * 6 + (0.0, False)  # the prologue arguments of an op that
 MIN_CAPACITY = 256
 MAX_EOS_IDS = 8
 MAX_SPLITS = 16  # decode_attention merges at most this many partial softmaxes per (row, kv head)
+# From this many blocks (query heads x rows) the decode attention that finishes the int4 QKV sums is held to 128
+# registers, half an SM, as its form that reads q always is (kernels/decode_attention.cu: kAttnTwoPerSmHeads).
+ATTENTION_HALF_SM_BLOCKS = 32
 # GPT-NeoX parallel residual: the MLP on a branch stream, concurrent with the attention (module docstring).
 # Measured on an H100 (fp16, batch 1, one process): Pythia-2.8B 2.51 -> 2.22 ms a token, Pythia-6.9B 5.30 -> 4.73,
 # int4 Pythia-2.8B 2.12 -> 1.92.
@@ -337,6 +340,14 @@ class DecodeRunner:
         for (kind, _), lin in self.deferred.items():
             if kind == "qkv":  # a plain int4 op now (the attention applies RoPE): its K slices for plain tiles
                 self.int4[id(lin)] = (lin, None)
+        # The int4 linears launched just before or just after the attention: their K slices leave room for its
+        # blocks (int4_splits).
+        self.next_to_attention = {
+            id(lin)
+            for layer in self.layers
+            for lin in (layer.attention.qkv_int4, layer.attention.out_int4, layer.qkv_mlp, layer.out_pair)
+            if lin is not None
+        }
         self.states: dict[int, StepState] = {}  # batch size -> buffers (and graph), grown on demand
 
     # ---- setup ------------------------------------------------------------------------------------------------
@@ -381,7 +392,16 @@ class DecodeRunner:
 
     def int4_splits(self, batch: int, linear, head_dim) -> int:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
-        return int4.splits_for(batch, linear, sms, head_dim, self.dtype)
+        beside = self.attention_blocks(batch) if id(linear) in self.next_to_attention else 0
+        return int4.splits_for(batch, linear, sms, head_dim, self.dtype, beside)
+
+    def attention_blocks(self, batch: int) -> int:
+        """The decode attention's blocks at a short context (one a query head and row) where each takes half an SM,
+        else 0: below ATTENTION_HALF_SM_BLOCKS the form that finishes the QKV sums takes ~150 registers a thread and
+        fits only an SM the op has left, a case the split rule's `beside` was not measured for."""
+        blocks = self.num_heads * batch
+        from_acc = any(kind == "qkv" for kind, _ in self.deferred)
+        return blocks if not from_acc or blocks >= ATTENTION_HALF_SM_BLOCKS else 0
 
     def rope_tables(self, capacity: int):
         """cos/sin [capacity, rotary_dim] for positions 0..capacity-1, from the model's own rotary embedding."""

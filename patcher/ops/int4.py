@@ -23,6 +23,10 @@ TMA_STAGE_K = 256  # k per stage of the Hopper kernel (kernels/int4_tma.cuh): at
 # the ops of a decode step share one workspace, and an op with more tiles must not read another's partial sums as
 # its counters.
 COUNTERS = 4096
+# The decode attention's block (kernels/attention.cuh: kAttnWarps warps), and the share of an op's blocks the split
+# rule gives up at most so that the attention's blocks fit beside them (splits_for: `beside`).
+ATTENTION_THREADS = 256
+BESIDE_KEEP = 0.75
 
 
 @dataclass
@@ -154,6 +158,7 @@ def splits_for(
     multiprocessors: int,
     head_dim: int | None = None,
     dtype: torch.dtype = torch.float32,
+    beside: int = 0,
 ) -> int:
     """K slices for the decode-step kernels: no more blocks than the SMs hold at once, so that every block runs
     in the first wave (a block left for a second wave pays its whole chain of load, reduce and epilogue again);
@@ -166,10 +171,30 @@ def splits_for(
     The x stage held 8192 elements for every kernel before the tensor-core kernel's took 2-byte elements; at 8 rows
     that cut Llama-3.1-8B's gate/up into 4 K slices (896 blocks) and down into 14. Measured on the H100 (int4 TPOT,
     fp16, g128, one call, with int4_norm_prologue in front of the norm ops): Llama-3.1-8B 4.734 -> 3.881 ms at batch
-    8, 3.332 -> 2.967 at batch 4; Pythia-2.8B 2.099 -> 2.092 and 1.554 -> 1.398. Batch 1 takes the same slices."""
+    8, 3.332 -> 2.967 at batch 4; Pythia-2.8B 2.099 -> 2.092 and 1.554 -> 1.398. Batch 1 takes the same slices.
+
+    `beside`: blocks of the decode attention that run next to this op (it is the linear just before or just after
+    the attention), each 256 threads at no more than 128 registers, so half an SM. Where the op's blocks fill the
+    SMs, attention blocks that find no room wait for op blocks to end: before the attention (QKV), its blocks
+    start late, with nothing loaded; after it (the output projection), the op's own blocks start only as attention
+    blocks end, with no weights preloaded meanwhile. So the op takes fewer K slices where that leaves room for all of
+    them, unless that costs more than a quarter of its blocks (BESIDE_KEEP). Measured on the H100 (int4 g128, fp16,
+    batch 1, context 128-192; TPOT in one process, the two split choices interleaved over 4-5 rounds, each round's
+    difference): Llama-3.1-8B's QKV 5 -> 4 slices (240 -> 192 blocks beside 32 attention blocks) and o_proj 8 -> 7
+    (256 -> 224) -14 to -27 us (2.313-2.325 -> 2.296-2.300 ms); Pythia-2.8B's output pair 13 -> 11 (260 -> 220)
+    -16 to -39 us (1.065 -> 1.043 ms). Against it: Pythia's QKV + MLP-input op at 2 slices instead of 3 (224 of its
+    336 narrow blocks, a third fewer) +12 to +36 us, and Llama's QKV at 3 slices +15 to +27 us."""
     rows = linear.in_features // 8
-    resident = 512 // max(1, block_threads(tile_width(head_dim)))
-    splits = max(1, min(max(1, rows // 16), resident * multiprocessors // tiles(linear, head_dim)))
+    threads = max(1, block_threads(tile_width(head_dim)))
+    resident, width = 512 // threads, tiles(linear, head_dim)
+    splits = max(1, min(max(1, rows // 16), resident * multiprocessors // width))
+    if beside:
+        # SMs that hold an attention block: one each, beside (512 - 256) // threads of the op's blocks.
+        shared = min(beside, multiprocessors)
+        room = resident * (multiprocessors - shared) + (512 - ATTENTION_THREADS) // threads * shared
+        fewer = max(1, min(splits, room // width))
+        if fewer >= BESIDE_KEEP * splits:
+            splits = fewer
     while (
         stage_bytes(batch, linear, splits, dtype, head_dim) > STAGE_BYTES
         or group_stage_bytes(linear, splits, head_dim) > GROUP_STAGE_BYTES
