@@ -243,3 +243,31 @@ def test_kernel_runs_by_their_place_in_a_layer():
     assert names == ["k", "k", "k #1", "attn", "k #2", "k #1", "attn", "k #2"]
     assert tpot.short_place_name("void patcher::f<int>(int) #2") == "f<int> #2"
     assert tpot.short_place_name("void patcher::f<int>(int)") == "f<int>"
+
+
+def test_splits_tool_on_a_tiny_int4_model(tmp_path, capsys):
+    """evals.splits times the split rule and each configuration with a fresh runner per round (CPU, reference
+    backend: the timings mean nothing here, the bookkeeping does), and records the K slices each one ran."""
+    from evals import splits
+
+    out = tmp_path / "splits.json"
+    args = ["--random-config", "tiny-llama", "--int4-random", "32", "--device", "cpu", "--prompt-len", "8"]
+    args += ["--new-tokens", "3", "--rounds", "2", "--repeats", "1", "--json", str(out)]
+    assert splits.main([*args, "--configs", "qkv=2,out=3", "mlp_out=4"]) == 0
+    result = json.loads(out.read_text())
+    assert result["tool"] == "evals.splits" and result["model"] == "tiny-llama-int4-g32"
+    rows = {row["config"]: row for row in result["results"]}
+    assert list(rows) == ["rule", "qkv=2,out=3", "mlp_out=4"]
+    rule = rows["rule"]["splits"]
+    assert rule.keys() == {"qkv", "out", "mlp_in", "mlp_out"}
+    assert rows["qkv=2,out=3"]["splits"] == {**rule, "qkv": 2, "out": 3}
+    assert rows["mlp_out=4"]["splits"] == {**rule, "mlp_out": 4}
+    for row in rows.values():
+        assert len(row["tpot_ms_rounds"]) == len(row["diff_ms_rounds"]) == 2 and row["tpot_ms"] > 0
+        assert row["tokens_match_rule"] is True  # fixed-point accumulation: K slices do not change the tokens
+    assert rows["rule"]["diff_ms_rounds"] == [0.0, 0.0]
+    assert "qkv=2,out=3" in capsys.readouterr().out
+    for bad, message in (("qkv=x", "role=slices pairs"), ("qkv_mlp=2", "no int4 linear of role 'qkv_mlp'")):
+        with pytest.raises(SystemExit):
+            splits.main([*args, "--configs", bad])
+        assert message in capsys.readouterr().err

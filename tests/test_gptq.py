@@ -200,6 +200,40 @@ def test_decode_step_gives_the_attention_room_beside_its_neighbours(name, tmp_pa
         assert seen == {key: runner.attention_blocks(8) if key in near else 0 for key in runner.int4}
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])
+def test_decode_runner_takes_k_slices_by_role(name, tmp_path):
+    """DecodeRunner(int4_splits={role: slices}) runs the linears of those roles at those K slices (the others by the
+    rule) and rejects what the step cannot take, with the reason: a role the model's step does not launch (GPT-NeoX's
+    merged step runs qkv_mlp and out_pair in place of qkv, mlp_in, out and mlp_out), a count that is not a whole
+    number >= 1, a count outside what the kernels take for that linear."""
+    from patcher.decode.runner import int4_roles
+
+    model = gptq_model(name, tmp_path)
+    patch_model(model)
+    roles = ("qkv", "out", "mlp_in", "mlp_out") if name == "tiny-llama" else ("qkv_mlp", "out_pair")
+    rule = DecodeRunner(model, use_graphs=False)
+    assert {r for layer in rule.layers for r, lin in int4_roles(layer).items() if lin is not None} == set(roles)
+    ids, mask = torch.randint(3, 500, (1, 5)), torch.ones(1, 5, dtype=torch.long)
+    tokens = rule.generate(ids, mask, 4, Sampling(), eos=[], pad_token_id=0)
+    chosen = {roles[0]: 3, roles[1]: 2}
+    runner = DecodeRunner(model, use_graphs=False, int4_splits=chosen)
+    assert torch.equal(runner.generate(ids, mask, 4, Sampling(), eos=[], pad_token_id=0), tokens)
+    for layer, rule_layer in zip(runner.layers, rule.layers):  # (GPT-NeoX's merged linears are made per runner)
+        by_rule = {
+            r: rule.states[1].int4_splits[id(lin)] for r, lin in int4_roles(rule_layer).items() if lin is not None
+        }
+        got = {r: runner.states[1].int4_splits[id(lin)] for r, lin in int4_roles(layer).items() if lin is not None}
+        assert got == {**by_rule, **chosen}
+    other = "qkv_mlp" if name == "tiny-llama" else "qkv"
+    for bad, message in (({other: 2}, f"no int4 linear of role {other!r}"), ({roles[0]: 0}, "whole number"),
+                         ({roles[0]: 2.0}, "whole number"), ({roles[0]: True}, "whole number")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            DecodeRunner(model, use_graphs=False, int4_splits=bad)
+    too_many = DecodeRunner(model, use_graphs=False, int4_splits={roles[0]: model.config.hidden_size})
+    with pytest.raises(ValueError, match=r"the int4 kernels take 1 to \d+ K slices"):
+        too_many.generate(ids, mask, 2, Sampling(), eos=[], pad_token_id=0)
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-pythia"])
 @pytest.mark.parametrize("act_order", [False, True])
 def test_pack_tool_and_load_gptq(name, act_order, tmp_path):

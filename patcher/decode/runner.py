@@ -160,6 +160,37 @@ def defer_qkv_enabled() -> bool:
     return os.environ.get("PATCHER_INT4_DEFER_QKV", "1") != "0"
 
 
+INT4_ROLES = ("qkv", "out", "mlp_in", "mlp_out", "qkv_mlp", "out_pair")
+
+
+def int4_roles(layer) -> dict:
+    """The int4 linears a layer's decode step launches, by role (None where it launches none of that role), as
+    evals.ops names the ops: qkv, out, mlp_in (gate/up), mlp_out (down); in GPT-NeoX's step qkv_mlp (QKV beside the
+    MLP's input projection, in place of qkv and mlp_in) and out_pair (both output projections, in place of out and
+    mlp_out)."""
+    a, m = layer.attention, layer.mlp
+    roles = dict.fromkeys(INT4_ROLES)
+    roles.update(qkv=a.qkv_int4, out=a.out_int4, mlp_in=m.in_int4, mlp_out=m.out_int4)
+    if layer.qkv_mlp is not None:
+        roles.update(qkv=None, mlp_in=None, qkv_mlp=layer.qkv_mlp)
+    if layer.out_pair is not None:
+        roles.update(out=None, mlp_out=None, out_pair=layer.out_pair)
+    return roles
+
+
+def check_int4_splits(splits: dict, roles: set) -> dict:
+    """DecodeRunner's int4_splits, checked: roles this model's decode step runs, whole numbers of at least 1."""
+    for role, value in splits.items():
+        if role not in roles:
+            raise ValueError(
+                f"int4_splits: no int4 linear of role {role!r} in this model's decode step (it has: "
+                f"{', '.join(r for r in INT4_ROLES if r in roles) or 'none'})"
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"int4_splits[{role!r}] must be a whole number of K slices >= 1, got {value!r}")
+    return dict(splits)
+
+
 def int4_separate_norm_min_batch() -> int:
     """The batch size from which int4 ops take their add + norm as a kernel in front (INT4_SEPARATE_NORM_MIN_BATCH):
     PATCHER_INT4_SEPARATE_NORM_BATCH, else that constant."""
@@ -259,6 +290,7 @@ class DecodeRunner:
         defer_int4: bool | None = None,
         defer_qkv: bool | None = None,
         int4_separate_norm_batch: int | None = None,
+        int4_splits: dict[str, int] | None = None,
     ):
         config = model.config
         entry = REGISTRY[config.model_type]
@@ -348,6 +380,14 @@ class DecodeRunner:
             for lin in (layer.attention.qkv_int4, layer.attention.out_int4, layer.qkv_mlp, layer.out_pair)
             if lin is not None
         }
+        # int4_splits: K slices by role instead of the split rule's, for comparisons (evals.splits) and tuning.
+        self.int4_roles = {
+            id(lin): role
+            for layer in self.layers
+            for role, lin in int4_roles(layer).items()
+            if lin is not None and id(lin) in self.int4
+        }
+        self.int4_splits_override = check_int4_splits(int4_splits or {}, set(self.int4_roles.values()))
         self.states: dict[int, StepState] = {}  # batch size -> buffers (and graph), grown on demand
 
     # ---- setup ------------------------------------------------------------------------------------------------
@@ -391,6 +431,17 @@ class DecodeRunner:
         return max(1, min(MAX_SPLITS, math.ceil(2 * sms / (batch * self.num_kv_heads))))
 
     def int4_splits(self, batch: int, linear, head_dim) -> int:
+        role = self.int4_roles.get(id(linear))
+        if role in self.int4_splits_override:
+            splits = self.int4_splits_override[role]
+            limit = int4.splits_limit(batch, linear, self.dtype, head_dim)
+            if not limit[0] <= splits <= limit[1]:
+                raise ValueError(
+                    f"int4_splits[{role!r}] = {splits}: the int4 kernels take {limit[0]} to {limit[1]} K slices for "
+                    f"this linear at batch {batch} (K = {linear.in_features}; fewer make a slice too large for the "
+                    "kernel's shared-memory stage, more leave slices with no rows)"
+                )
+            return splits
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
         beside = self.attention_blocks(batch) if id(linear) in self.next_to_attention else 0
         return int4.splits_for(batch, linear, sms, head_dim, self.dtype, beside)

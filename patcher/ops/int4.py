@@ -203,6 +203,19 @@ def splits_for(
     return min(splits, rows)
 
 
+def splits_limit(batch: int, linear: Int4Linear, dtype: torch.dtype, head_dim: int | None = None) -> tuple[int, int]:
+    """The fewest and the most K slices the decode-step kernels take for a linear: the fewest whose x and group stages
+    fit the kernel's shared memory (splits_for's loop), the most one qweight row a slice."""
+    rows = linear.in_features // 8
+    fewest = 1
+    while fewest < rows and (
+        stage_bytes(batch, linear, fewest, dtype, head_dim) > STAGE_BYTES
+        or group_stage_bytes(linear, fewest, head_dim) > GROUP_STAGE_BYTES
+    ):
+        fewest += 1
+    return fewest, rows
+
+
 def tensor_cores(linear: Int4Linear, dtype: torch.dtype, head_dim: int | None = None) -> bool:
     """Whether the tensor-core kernel takes the linear, as kernels/int4_gemv.cuh picks it (int4_mma.cuh:
     mma_applies): fp16/bf16 activations, no act-order, groups of whole 32s, tiles of whole warps within 256 columns;

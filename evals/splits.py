@@ -1,0 +1,141 @@
+"""K slices of the int4 decode step against the split rule, interleaved in one process: `python -m evals.splits`.
+
+The int4 ops split K into slices so that their blocks fill the GPU (patcher/ops/int4.py: splits_for). Choices one
+slice apart change the step by well under 1%, less than TPOT moves between processes (a process's memory placement
+and clocks), so `evals.tpot` runs in separate processes cannot tell them apart. Here one process builds the model
+once, then times each configuration in turn, round after round: every round a fresh DecodeRunner (new buffers, new
+CUDA graph) per configuration, TPOT as evals.tpot defines it ((time(generate N+1) - time(generate 1)) / N, median over
+repeats). The first configuration is the split rule's; each round's difference against it is what to read.
+
+A configuration is `rule` or role=slices pairs, e.g. `qkv=5,out=8` (roles: qkv, out, mlp_in, mlp_out, qkv_mlp,
+out_pair, as DecodeRunner(int4_splits=...) takes them). The tokens of each configuration are compared with the rule's
+(the deferred projections add in fixed point, so K slices do not change them; an op whose K slices meet in floating
+point may differ in the last bits).
+
+    python -m evals.splits --random-config llama-3.1-8b --int4-random 128 --configs qkv=5,out=8 --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+from tqdm import tqdm
+
+from . import common
+
+RULE = "rule"
+
+
+def parse_config(text: str) -> dict[str, int]:
+    """`rule` -> {}; `qkv=4,out=7` -> {"qkv": 4, "out": 7}."""
+    if text == RULE:
+        return {}
+    config = {}
+    for item in text.split(","):
+        role, sep, value = item.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise ValueError(f"configuration {text!r}: expected role=slices pairs like qkv=4,out=7, or {RULE!r}")
+        config[role.strip()] = int(value)
+    return config
+
+
+def time_config(model, splits: dict, prompt, new_tokens: int, repeats: int, device) -> tuple[float, torch.Tensor, dict]:
+    """(TPOT ms, the tokens, the K slices of the first layer's int4 linears by role) with a fresh runner."""
+    from patcher.decode import DecodeRunner, Sampling
+    from patcher.decode.runner import int4_roles
+
+    runner = DecodeRunner(model, int4_splits=splits)
+    mask = torch.ones_like(prompt)
+
+    def generate(n):
+        return runner.generate(prompt, mask, n, Sampling(), eos=[], pad_token_id=0)
+
+    tokens = generate(new_tokens + 1)  # warm-up: buffers, graph capture
+    generate(1)
+    tpots = []
+    for _ in range(repeats):
+        t1 = common.wall_time(lambda: generate(1), device)
+        tn = common.wall_time(lambda: generate(new_tokens + 1), device)
+        tpots.append((tn - t1) / new_tokens * 1e3)
+    state = runner.states[prompt.shape[0]]
+    used = {role: state.int4_splits[id(lin)] for role, lin in int4_roles(runner.layers[0]).items() if lin is not None}
+    return statistics.median(tpots), tokens, used
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m evals.splits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    common.add_model_args(parser)
+    parser.add_argument("--configs", nargs="+", required=True, help=f"configurations to time against {RULE!r}")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=7, help="TPOT pairs a configuration and round (median)")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--json", help="write every figure and the run's settings here")
+    args = parser.parse_args(argv)
+    try:
+        configs = [RULE] + [c for c in args.configs if c != RULE]
+        parsed = {c: parse_config(c) for c in configs}
+    except ValueError as e:
+        parser.error(str(e))
+    if min(args.rounds, args.repeats, args.batch, args.new_tokens) < 1:
+        parser.error("--rounds, --repeats, --batch and --new-tokens must be >= 1")
+
+    import patcher
+
+    device, dtype = common.resolve(args)
+    model, _, name = common.load_model(args, device, dtype)
+    patcher.patch_model(model)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=g).to(device)
+
+    rows = {c: {"config": c, "tpot_ms_rounds": [], "diff_ms_rounds": []} for c in configs}
+    first_tokens = None
+    with tqdm(total=args.rounds * len(configs), desc="splits", file=sys.stderr) as progress:
+        for _ in range(args.rounds):
+            for c in configs:
+                try:
+                    tpot, tokens, used = time_config(model, parsed[c], prompt, args.new_tokens, args.repeats, device)
+                except ValueError as e:  # a role this model lacks, slices the kernels cannot take
+                    parser.error(f"configuration {c!r}: {e}")
+                first_tokens = tokens if first_tokens is None else first_tokens
+                row = rows[c]
+                row["splits"] = used
+                row["tpot_ms_rounds"].append(tpot)
+                row["diff_ms_rounds"].append(tpot - rows[RULE]["tpot_ms_rounds"][-1])
+                row["tokens_match_rule"] = row.get("tokens_match_rule", True) and torch.equal(tokens, first_tokens)
+                progress.update(1)
+    for row in rows.values():
+        row["tpot_ms"] = statistics.median(row["tpot_ms_rounds"])
+        row["diff_ms"] = statistics.median(row["diff_ms_rounds"])
+        row["slices"] = " ".join(f"{r}={s}" for r, s in row["splits"].items())
+        row["diffs"] = " ".join(f"{d * 1e3:+.1f}" for d in row["diff_ms_rounds"])
+    print(f"{name}, {str(dtype).replace('torch.', '')}, batch {args.batch}, context {args.prompt_len}, {device}")
+    columns = [
+        ("config", "config", "s"),
+        ("slices", "K slices (layer 0)", "s"),
+        ("tpot_ms", "TPOT ms (median of rounds)", ".4f"),
+        ("diff_ms", "vs rule ms (median)", "+.4f"),
+        ("diffs", "each round, us", "s"),
+        ("tokens_match_rule", "tokens as rule", ""),
+    ]
+    print(common.table(list(rows.values()), columns))
+    payload = {
+        "tool": "evals.splits",
+        "model": name,
+        "dtype": str(dtype).replace("torch.", ""),
+        "settings": {k: v for k, v in vars(args).items() if k != "default_random"},
+        "environment": common.environment(device, "evals.splits"),
+        "results": [{k: v for k, v in row.items() if k not in ("slices", "diffs")} for row in rows.values()],
+    }
+    common.write_json(args.json, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
