@@ -8,9 +8,10 @@ CUDA graph) per configuration, TPOT as evals.tpot defines it ((time(generate N+1
 repeats). The first configuration is the split rule's; each round's difference against it is what to read.
 
 A configuration is `rule` or role=slices pairs, e.g. `qkv=5,out=8` (roles: qkv, out, mlp_in, mlp_out, qkv_mlp,
-out_pair, as DecodeRunner(int4_splits=...) takes them). The tokens of each configuration are compared with the rule's
-(the deferred projections add in fixed point, so K slices do not change them; an op whose K slices meet in floating
-point may differ in the last bits).
+out_pair, as DecodeRunner(int4_splits=...) takes them). The tokens of each configuration are compared with the rule's:
+other K slices round other fp32 partial sums, so logits may move in their last bits, and with random weights (flat
+distributions) a greedy token may flip and the rest of the sequence with it; a mismatch says to check the logits, not
+that the step is wrong.
 
     python -m evals.splits --random-config llama-3.1-8b --int4-random 128 --configs qkv=5,out=8 --rounds 4
 """

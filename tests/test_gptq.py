@@ -141,37 +141,54 @@ def test_split_rule_sizes_the_x_stage_by_the_kernel(monkeypatch):
 
 
 def test_split_rule_leaves_room_for_the_attention():
-    """Next to the decode attention (`beside`: its blocks, half an SM each) an op takes fewer K slices where that
-    lets every attention block fit beside its blocks on 132 SMs, unless that costs more than a quarter of its
-    blocks: Llama-3.1-8B's QKV (48 tiles) 5 -> 4 and o_proj (32 tiles) 8 -> 7 at one row, 4 and 6 at two, unchanged
-    at four (128 attention blocks leave room for 2 and 4); Pythia-2.8B's output pair (20 tiles) 13 -> 11, but not its
-    QKV + MLP-input op (112 tiles of 160 threads, 3 an SM): 2 slices would be a third fewer blocks."""
+    """Next to the decode attention (`beside`) an op takes fewer K slices where that lets every attention block fit
+    beside its blocks on 132 SMs, unless that costs more than a quarter of its blocks in an op of more than 4 MB.
+    Before the attention the op's blocks are spread first and the attention's take the SMs left with room; after it
+    the op's fill the SMs around them. At one row: Llama-3.1-8B's QKV (48 tiles) 5 -> 4 and o_proj (32 tiles) 8 -> 7
+    beside 32 half-SM blocks (4 and 6 at two rows; at four, 128 blocks leave room for 2 and 4: unchanged);
+    Pythia-2.8B's output pair 13 -> 11, but not its QKV + MLP-input op (112 tiles of 160 threads, 3 an SM: 2 slices
+    would be a third fewer blocks); Qwen2-7B's o_proj 9 -> 7 beside 28 whole-SM blocks, but not its QKV (7 -> 2);
+    Qwen2-1.5B's QKV (1.6 MB) 12 -> 7, so that 12 SMs stay empty for its whole-SM blocks, its o_proj unchanged."""
     meta = {"dtype": torch.int32, "device": "meta"}
 
     def linear(k, widths):
-        return int4_ops.Int4Linear([torch.empty(k // 8, n, **meta) for n in widths], [], [], [], [None] * len(widths),
-                                   128, False, 1)  # fmt: skip
+        return int4_ops.Int4Linear(
+            [torch.empty(k // 8, n, **meta) for n in widths],
+            [torch.empty(k // 128, n // 8, **meta) for n in widths],
+            [torch.empty(k // 128, n, dtype=torch.float16, device="meta") for n in widths],
+            [], [None] * len(widths), 128, False, 1,
+        )  # fmt: skip
 
-    def splits(batch, lin, beside, head_dim=None):
+    def splits(batch, lin, beside=None, head_dim=None):
         return int4_ops.splits_for(batch, lin, 132, head_dim, torch.float16, beside)
 
+    Beside = int4_ops.Beside
     qkv, o_proj = linear(4096, [4096, 1024, 1024]), linear(4096, [4096])
     for batch, want_qkv, want_o in ((1, 4, 7), (2, 4, 6), (4, 5, 8)):
-        assert (splits(batch, qkv, 0), splits(batch, o_proj, 0)) == (5, 8)
-        assert (splits(batch, qkv, 32 * batch), splits(batch, o_proj, 32 * batch)) == (want_qkv, want_o), batch
-    # room beside 32 attention blocks: 100 SMs of two op blocks and 32 of one
+        assert (splits(batch, qkv), splits(batch, o_proj)) == (5, 8)
+        got = splits(batch, qkv, Beside(32 * batch)), splits(batch, o_proj, Beside(32 * batch, before=False))
+        assert got == (want_qkv, want_o), batch
+    # at one row: 264 - 32 block slots (2 an SM, an attention block taking one of them)
     assert 48 * 4 <= 232 < 48 * 5 and 32 * 7 <= 232 < 32 * 8
     pair, qkv_mlp = linear(2560 + 10240, [2560]), linear(2560, [7680, 10240])
-    assert (splits(1, pair, 0), splits(1, pair, 32)) == (13, 11)
-    assert (splits(1, qkv_mlp, 0, head_dim=80), splits(1, qkv_mlp, 32, head_dim=80)) == (3, 3)
+    assert (splits(1, pair), splits(1, pair, Beside(32, before=False))) == (13, 11)
+    assert (splits(1, qkv_mlp, head_dim=80), splits(1, qkv_mlp, Beside(32), head_dim=80)) == (3, 3)
+    whole = {"threads": 512}
+    qkv_7b, o_7b = linear(3584, [3584, 512, 512]), linear(3584, [3584])
+    assert (splits(1, qkv_7b), splits(1, qkv_7b, Beside(28, **whole))) == (7, 7)
+    assert (splits(1, o_7b), splits(1, o_7b, Beside(28, **whole, before=False))) == (9, 7)
+    qkv_15b, o_15b = linear(1536, [1536, 256, 256]), linear(1536, [1536])
+    assert qkv_15b.nbytes() <= int4_ops.SMALL_OP_BYTES < qkv_7b.nbytes()
+    assert (splits(1, qkv_15b), splits(1, qkv_15b, Beside(12, **whole))) == (12, 7)  # 112 blocks: 20 SMs empty
+    assert (splits(1, o_15b), splits(1, o_15b, Beside(12, **whole, before=False))) == (12, 12)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])
 def test_decode_step_gives_the_attention_room_beside_its_neighbours(name, tmp_path, monkeypatch):
     """The decode runner passes the attention's blocks (query heads x rows) as `beside` for the int4 linears launched
-    just before and after it (QKV or GPT-NeoX's QKV + MLP input; the output projection or pair) and for no other;
-    for LLaMA's attention that finishes the QKV sums only from ATTENTION_HALF_SM_BLOCKS blocks, below which it takes
-    a whole SM (kernels/decode_attention.cu)."""
+    just before and after it (QKV or GPT-NeoX's QKV + MLP input; the output projection or pair) and for no other,
+    each block half an SM, but a whole one for LLaMA's attention that finishes the QKV sums below
+    ATTENTION_HALF_SM_BLOCKS blocks (kernels/decode_attention.cu)."""
     from patcher.decode import runner as runner_module
 
     model = gptq_model(name, tmp_path)
@@ -182,11 +199,16 @@ def test_decode_step_gives_the_attention_room_beside_its_neighbours(name, tmp_pa
         near = {id(lin) for layer in runner.layers for lin in (layer.attention.qkv_int4, layer.attention.out_int4,
                                                               layer.qkv_mlp, layer.out_pair) if lin is not None}  # fmt: skip
         mlp = {id(lin) for layer in runner.layers for lin in (layer.mlp.in_int4, layer.mlp.out_int4) if lin is not None}
-        assert runner.next_to_attention == near and near and mlp and not near & mlp
+        assert runner.next_to_attention.keys() == near and near and mlp and not near & mlp
         from_acc = name == "tiny-llama" and defer_qkv
-        for batch in (1, 8, runner_module.ATTENTION_HALF_SM_BLOCKS // heads):
-            half_sm = not from_acc or heads * batch >= runner_module.ATTENTION_HALF_SM_BLOCKS
-            assert runner.attention_blocks(batch) == (heads * batch if half_sm else 0)
+        for lin in (runner.layers[0].attention.qkv_int4, runner.layers[0].mlp.in_int4):
+            for batch in (1, 8, runner_module.ATTENTION_HALF_SM_BLOCKS // heads):
+                beside = runner.attention_beside(batch, lin)
+                if lin is runner.layers[0].mlp.in_int4:
+                    assert beside is None
+                    continue
+                half_sm = not from_acc or heads * batch >= runner_module.ATTENTION_HALF_SM_BLOCKS
+                assert beside == int4_ops.Beside(heads * batch, 256 if half_sm else 512, before=True)
         seen = {}
 
         def record(batch, lin, sms, head_dim, dtype, beside, seen=seen):
@@ -197,7 +219,9 @@ def test_decode_step_gives_the_attention_room_beside_its_neighbours(name, tmp_pa
         for lin, head in runner.int4.values():
             runner.int4_splits(8, lin, head)
         monkeypatch.undo()
-        assert seen == {key: runner.attention_blocks(8) if key in near else 0 for key in runner.int4}
+        assert {key for key, beside in seen.items() if beside is not None} == near
+        assert {seen[key].before for key in near} == {True, False}
+        assert all(seen[key].blocks == heads * 8 for key in near)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])

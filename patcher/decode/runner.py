@@ -372,14 +372,19 @@ class DecodeRunner:
         for (kind, _), lin in self.deferred.items():
             if kind == "qkv":  # a plain int4 op now (the attention applies RoPE): its K slices for plain tiles
                 self.int4[id(lin)] = (lin, None)
-        # The int4 linears launched just before or just after the attention: their K slices leave room for its
-        # blocks (int4_splits).
-        self.next_to_attention = {
-            id(lin)
-            for layer in self.layers
-            for lin in (layer.attention.qkv_int4, layer.attention.out_int4, layer.qkv_mlp, layer.out_pair)
-            if lin is not None
-        }
+        # The int4 linears launched just before (True) or just after (False) the attention: their K slices leave
+        # room for its blocks (int4_splits).
+        self.next_to_attention = {}
+        for layer in self.layers:
+            a = layer.attention
+            for lin, before in (
+                (a.qkv_int4, True),
+                (layer.qkv_mlp, True),
+                (a.out_int4, False),
+                (layer.out_pair, False),
+            ):
+                if lin is not None:
+                    self.next_to_attention[id(lin)] = before
         # int4_splits: K slices by role instead of the split rule's, for comparisons (evals.splits) and tuning.
         self.int4_roles = {
             id(lin): role
@@ -443,16 +448,20 @@ class DecodeRunner:
                 )
             return splits
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
-        beside = self.attention_blocks(batch) if id(linear) in self.next_to_attention else 0
-        return int4.splits_for(batch, linear, sms, head_dim, self.dtype, beside)
+        return int4.splits_for(batch, linear, sms, head_dim, self.dtype, self.attention_beside(batch, linear))
 
-    def attention_blocks(self, batch: int) -> int:
-        """The decode attention's blocks at a short context (one a query head and row) where each takes half an SM,
-        else 0: below ATTENTION_HALF_SM_BLOCKS the form that finishes the QKV sums takes ~150 registers a thread and
-        fits only an SM the op has left, a case the split rule's `beside` was not measured for."""
+    def attention_beside(self, batch: int, linear) -> int4.Beside | None:
+        """The decode attention's blocks at a short context (one a query head and row) as the split rule sees them
+        from `linear`, or None where it is not the linear just before or just after the attention: each takes half
+        an SM, but below ATTENTION_HALF_SM_BLOCKS the form that finishes the QKV sums (~150 registers a thread)
+        takes a whole one."""
+        before = self.next_to_attention.get(id(linear))
+        if before is None:
+            return None
         blocks = self.num_heads * batch
         from_acc = any(kind == "qkv" for kind, _ in self.deferred)
-        return blocks if not from_acc or blocks >= ATTENTION_HALF_SM_BLOCKS else 0
+        whole = from_acc and blocks < ATTENTION_HALF_SM_BLOCKS
+        return int4.Beside(blocks, 512 if whole else int4.ATTENTION_THREADS, before)
 
     def rope_tables(self, capacity: int):
         """cos/sin [capacity, rotary_dim] for positions 0..capacity-1, from the model's own rotary embedding."""

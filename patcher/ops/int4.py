@@ -23,10 +23,27 @@ TMA_STAGE_K = 256  # k per stage of the Hopper kernel (kernels/int4_tma.cuh): at
 # the ops of a decode step share one workspace, and an op with more tiles must not read another's partial sums as
 # its counters.
 COUNTERS = 4096
-# The decode attention's block (kernels/attention.cuh: kAttnWarps warps), and the share of an op's blocks the split
-# rule gives up at most so that the attention's blocks fit beside them (splits_for: `beside`).
+# The decode attention's block (kernels/attention.cuh: kAttnWarps warps); the share of an op's blocks the split rule
+# keeps at least so that the attention's blocks fit beside them (splits_for: `beside`), unless the op is so small
+# (SMALL_OP_BYTES: about a microsecond of streaming at the H100's 3 TB/s, less than a block's fixed start and end)
+# that fewer blocks hardly slow it.
 ATTENTION_THREADS = 256
 BESIDE_KEEP = 0.75
+SMALL_OP_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Beside:
+    """The decode attention's blocks next to an int4 op of the decode step (splits_for): how many (at a short
+    context one a query head and row), how much of an SM each takes in threads' worth of registers (256: its
+    128-register forms, half an SM; 512: the form that finishes the QKV sums at ~150 registers, below 32 blocks, a
+    whole one), and whether the op runs before the attention (the op's blocks are spread over the SMs first, one to
+    each, then a second; the attention's take the SMs they leave room on) or after it (the attention's blocks are in
+    place, and the op's fill the rest)."""
+
+    blocks: int
+    threads: int = ATTENTION_THREADS
+    before: bool = True
 
 
 @dataclass
@@ -158,7 +175,7 @@ def splits_for(
     multiprocessors: int,
     head_dim: int | None = None,
     dtype: torch.dtype = torch.float32,
-    beside: int = 0,
+    beside: Beside | None = None,
 ) -> int:
     """K slices for the decode-step kernels: no more blocks than the SMs hold at once, so that every block runs
     in the first wave (a block left for a second wave pays its whole chain of load, reduce and epilogue again);
@@ -173,27 +190,34 @@ def splits_for(
     fp16, g128, one call, with int4_norm_prologue in front of the norm ops): Llama-3.1-8B 4.734 -> 3.881 ms at batch
     8, 3.332 -> 2.967 at batch 4; Pythia-2.8B 2.099 -> 2.092 and 1.554 -> 1.398. Batch 1 takes the same slices.
 
-    `beside`: blocks of the decode attention that run next to this op (it is the linear just before or just after
-    the attention), each 256 threads at no more than 128 registers, so half an SM. Where the op's blocks fill the
-    SMs, attention blocks that find no room wait for op blocks to end: before the attention (QKV), its blocks
-    start late, with nothing loaded; after it (the output projection), the op's own blocks start only as attention
-    blocks end, with no weights preloaded meanwhile. So the op takes fewer K slices where that leaves room for all of
-    them, unless that costs more than a quarter of its blocks (BESIDE_KEEP). Measured on the H100 (int4 g128, fp16,
-    batch 1, context 128-192; TPOT in one process, the two split choices interleaved over 4-5 rounds, each round's
-    difference): Llama-3.1-8B's QKV 5 -> 4 slices (240 -> 192 blocks beside 32 attention blocks) and o_proj 8 -> 7
-    (256 -> 224) -14 to -27 us (2.313-2.325 -> 2.296-2.300 ms); Pythia-2.8B's output pair 13 -> 11 (260 -> 220)
-    -16 to -39 us (1.065 -> 1.043 ms). Against it: Pythia's QKV + MLP-input op at 2 slices instead of 3 (224 of its
-    336 narrow blocks, a third fewer) +12 to +36 us, and Llama's QKV at 3 slices +15 to +27 us."""
+    `beside`: the decode attention's blocks, where the op is the linear just before or just after it (Beside). Where
+    the op's blocks fill the SMs, attention blocks that find no room wait for op blocks to end: before the attention
+    (QKV), its blocks start late, with nothing loaded; after it (the output projection), the op's own blocks start
+    only as attention blocks end, with no weights preloaded meanwhile. So the op takes fewer K slices where that
+    leaves room for all of them, unless that costs more than a quarter of its blocks (BESIDE_KEEP) in an op of more
+    than SMALL_OP_BYTES. Measured on the H100 (int4 g128, fp16, context 128-192; `python -m evals.splits`: TPOT in
+    one process, the choices interleaved over 3-5 rounds, each round's difference; evals/results/session33.txt):
+    Llama-3.1-8B's QKV 5 -> 4 slices (240 -> 192 blocks, beside 32 attention blocks of half an SM) and o_proj 8 -> 7
+    (256 -> 224) -14 to -27 us at batch 1 (2.31 -> 2.29-2.30 ms), -20 to -27 at batch 2 (QKV 4, o_proj 6);
+    Pythia-2.8B's output pair 13 -> 11 (260 -> 220) -16 to -39 us (1.065 -> 1.04 ms); Qwen2-7B's o_proj 9 -> 7
+    (252 -> 196, beside 28 whole-SM blocks) -6 to -23 us; Qwen2-1.5B's QKV (1.6 MB) 12 -> 6 (192 -> 96 blocks, so
+    that its 12 whole-SM attention blocks find empty SMs) -16 to -38 us (1.07 -> 1.04 ms), where 10 and 8 slices
+    (no empty SMs enough) gained nothing. Against it: Pythia's QKV + MLP-input op (23.9 MB) at 2 slices instead of 3
+    (224 of its 336 narrow blocks) +12 to +36 us, Llama's QKV at 3 slices +15 to +40 us, and Qwen2-7B's QKV (8.3
+    MB) at 5 slices, still too many to leave SMs empty, within the noise."""
     rows = linear.in_features // 8
     threads = max(1, block_threads(tile_width(head_dim)))
     resident, width = 512 // threads, tiles(linear, head_dim)
     splits = max(1, min(max(1, rows // 16), resident * multiprocessors // width))
-    if beside:
-        # SMs that hold an attention block: one each, beside (512 - 256) // threads of the op's blocks.
-        shared = min(beside, multiprocessors)
-        room = resident * (multiprocessors - shared) + (512 - ATTENTION_THREADS) // threads * shared
+    if beside is not None and beside.blocks > 0:
+        per_sm = (512 - beside.threads) // threads  # op blocks an SM holds beside one attention block
+        attention = min(beside.blocks, multiprocessors)
+        if beside.before:  # SMs left with at most per_sm op blocks, one attention block each
+            room = multiprocessors * (per_sm + 1) - attention
+        else:  # the op's blocks around the attention's, one attention block an SM
+            room = resident * (multiprocessors - attention) + per_sm * attention
         fewer = max(1, min(splits, room // width))
-        if fewer >= BESIDE_KEEP * splits:
+        if fewer >= BESIDE_KEEP * splits or linear.nbytes() <= SMALL_OP_BYTES:
             splits = fewer
     while (
         stage_bytes(batch, linear, splits, dtype, head_dim) > STAGE_BYTES
