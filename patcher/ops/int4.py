@@ -198,13 +198,13 @@ def splits_for(
     than SMALL_OP_BYTES. Measured on the H100 (int4 g128, fp16, context 128-192; `python -m evals.splits`: TPOT in
     one process, the choices interleaved over 3-5 rounds, each round's difference; evals/results/session33.txt):
     Llama-3.1-8B's QKV 5 -> 4 slices (240 -> 192 blocks, beside 32 attention blocks of half an SM) and o_proj 8 -> 7
-    (256 -> 224) -14 to -27 us at batch 1 (2.31 -> 2.29-2.30 ms), -20 to -27 at batch 2 (QKV 4, o_proj 6);
+    (256 -> 224) -9 to -27 us at batch 1 (2.31 -> 2.29-2.30 ms), -5 to -47 at batch 2 (QKV 4, o_proj 6);
     Pythia-2.8B's output pair 13 -> 11 (260 -> 220) -16 to -39 us (1.065 -> 1.04 ms); Qwen2-7B's o_proj 9 -> 7
-    (252 -> 196, beside 28 whole-SM blocks) -6 to -23 us; Qwen2-1.5B's QKV (1.6 MB) 12 -> 6 (192 -> 96 blocks, so
-    that its 12 whole-SM attention blocks find empty SMs) -16 to -38 us (1.07 -> 1.04 ms), where 10 and 8 slices
-    (no empty SMs enough) gained nothing. Against it: Pythia's QKV + MLP-input op (23.9 MB) at 2 slices instead of 3
-    (224 of its 336 narrow blocks) +12 to +36 us, Llama's QKV at 3 slices +15 to +40 us, and Qwen2-7B's QKV (8.3
-    MB) at 5 slices, still too many to leave SMs empty, within the noise."""
+    (252 -> 196, beside 28 whole-SM blocks) -6 to -23 us; Qwen2-1.5B's QKV (1.6 MB) 12 -> 7 (192 -> 112 blocks, so
+    that its 12 whole-SM attention blocks find empty SMs) -41 to -61 us (1.07 -> 1.03 ms; 6 slices -16 to -38), where
+    10 and 8 slices (no SM, or 4, left empty) gained nothing. Against it: Pythia's QKV + MLP-input op (23.9 MB) at
+    2 slices instead of 3 (224 of its 336 narrow blocks) +12 to +36 us, Llama's QKV at 3 slices +15 to +40 us, and
+    Qwen2-7B's QKV (8.3 MB) at 5 slices, still too many to leave SMs empty, within the noise."""
     rows = linear.in_features // 8
     threads = max(1, block_threads(tile_width(head_dim)))
     resident, width = 512 // threads, tiles(linear, head_dim)
