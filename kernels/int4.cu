@@ -1,6 +1,7 @@
 // GPTQ int4 entry points: the decode kernel (int4_gemv.cuh, built per dtype in int4_<dtype>.cu) and the
 // dequantization kernel of the prefill path.
 #include <algorithm>
+#include <type_traits>
 
 #include "int4_gemv.cuh"
 
@@ -33,10 +34,17 @@ __global__ void __launch_bounds__(256) int4_dequantize_kernel(const Int4DequantP
 // INT4_SEPARATE_NORM_MIN_BATCH says what it measured). 512 threads a row, 16 elements each (K <= 8192, as in the
 // ops): against 256 threads, int4 TPOT on the H100 (fp16, g128) Llama-3.1-8B 3.332 -> 3.206 ms at batch 4 and
 // 4.734 -> 4.664 at batch 8, Pythia-2.8B 1.554 -> 1.525 and 2.099 -> 2.029.
-constexpr int kNormPrologueThreads = 512, kNormPrologueElems = 16;
+// fp16 rows of K <= 4096 take a narrow form: 8 elements a thread, held to 64 registers (56, no spills), so that the
+// block fits an SM beside one block of the int4 op before it (two of 128 registers fill an SM) and launches early;
+// the 16-element form takes 86 and finds room only on an SM that op has left. Measured on the H100 (int4 g128,
+// batch 1, context 128-192; in one process, the two forms interleaved, each round's difference in us a step;
+// evals/results/session33.txt, call L): Llama-3.1-8B -0.7 .. -6.1 (5 rounds), Pythia-2.8B -5.5 .. -9.8 (4),
+// Qwen2-1.5B -8.8 .. +4.9 (4). bf16 and fp32 keep the 16-element form (held to 64 registers they spill 6 and 16
+// bytes; not measured).
+constexpr int kNormPrologueThreads = 512, kNormPrologueElems = 16, kNormPrologueNarrowElems = 8;
 
-template <typename T>
-__global__ void __launch_bounds__(kNormPrologueThreads) int4_norm_prologue_kernel(Int4Params p, T* h) {
+template <typename T, int ELEMS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(kNormPrologueThreads, MIN_BLOCKS) int4_norm_prologue_kernel(Int4Params p, T* h) {
   const int64_t b = blockIdx.x;  // this block's row, as a batch of one
   p.batch = 1;
   p.x = static_cast<const T*>(p.x) + b * p.x_stride;
@@ -53,7 +61,7 @@ __global__ void __launch_bounds__(kNormPrologueThreads) int4_norm_prologue_kerne
   // do, they cost a round trip (L2 keeps little of them between steps) on the step's critical path. Measured on the
   // H100 (Llama-3.1-8B shape, int4 g128, --kernel-table, with the attention grid's change of the same commit): 3.89
   // -> 3.71 us critical a launch.
-  constexpr int V = 16 / sizeof(T), PER = kNormPrologueElems / V;
+  constexpr int V = 16 / sizeof(T), PER = ELEMS / V;
   NormVecs<T, V> early[PER];
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
@@ -62,8 +70,19 @@ __global__ void __launch_bounds__(kNormPrologueThreads) int4_norm_prologue_kerne
   }
   griddep_wait();
   griddep_launch_dependents();  // the op after it starts loading its weights
-  stage_x<T, true, kNormPrologueElems>(
-      p, 0, p.k, true, false, [=](int, int64_t i, float v) { out[i] = from_float<T>(v); }, early);
+  stage_x<T, true, ELEMS>(p, 0, p.k, true, false, [=](int, int64_t i, float v) { out[i] = from_float<T>(v); }, early);
+}
+
+// The narrow form for fp16 rows it holds, else the 16-element form (above).
+template <typename T>
+cudaError_t launch_norm_prologue_typed(const Int4Params& p, T* h, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.batch)), block(kNormPrologueThreads);
+  if constexpr (std::is_same_v<T, __half>) {
+    if (norm_fits<T>(p, kNormPrologueThreads, kNormPrologueNarrowElems))
+      return launch_pdl(int4_norm_prologue_kernel<T, kNormPrologueNarrowElems, 2>, grid, block, 0, stream, p, h);
+  }
+  if (!norm_fits<T>(p, kNormPrologueThreads, kNormPrologueElems)) return cudaErrorNotSupported;
+  return launch_pdl(int4_norm_prologue_kernel<T, kNormPrologueElems, 1>, grid, block, 0, stream, p, h);
 }
 
 }  // namespace
@@ -71,11 +90,7 @@ __global__ void __launch_bounds__(kNormPrologueThreads) int4_norm_prologue_kerne
 cudaError_t launch_int4_norm_prologue(const Int4Params& p, void* h, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
   if (!p.norm.weight || p.batch > 8) return cudaErrorInvalidValue;
-  PATCHER_DISPATCH_DTYPE(p.dtype, T, {
-    if (!norm_fits<T>(p, kNormPrologueThreads, kNormPrologueElems)) return cudaErrorNotSupported;
-    return launch_pdl(int4_norm_prologue_kernel<T>, dim3(static_cast<unsigned>(p.batch)), dim3(kNormPrologueThreads), 0,
-                      stream, p, static_cast<T*>(h));
-  });
+  PATCHER_DISPATCH_DTYPE(p.dtype, T, { return launch_norm_prologue_typed<T>(p, static_cast<T*>(h), stream); });
   return cudaErrorInvalidValue;
 }
 

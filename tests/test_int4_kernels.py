@@ -244,12 +244,13 @@ def test_int4_prologue_reads_an_accumulator(rms, with_bias, batch, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 3, 8])
-@pytest.mark.parametrize("k", [2560, 4096, 1032])
+@pytest.mark.parametrize("k", [2560, 4096, 1032, 6144])
 @pytest.mark.parametrize("prologue", ["rms", "add_rms", "layer", "add2_dual_layer", "acc_rms", "acc_layer"])
 def test_int4_norm_prologue(prologue, k, batch, dtype):
     """The int4 ops' add + norm prologue as its own kernel (the decode step's): h and h2 with the 2x rule, the
     residual sum bit for bit; "acc_*": delta an int4_gemv_acc accumulator and delta2 the producer's bias rows, as the
-    decode step hands them on."""
+    decode step hands them on. In fp16, K <= 4096 takes the kernel's narrow form (8 elements a thread), 6144 the
+    16-element one that bf16 and fp32 always take."""
     from patcher.ops import reference
 
     if prologue.startswith("acc"):
