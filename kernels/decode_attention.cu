@@ -35,7 +35,8 @@ constexpr int kMaxSplits = kAttnMaxSplits;
 // free -> 128 registers): Llama-3.1-8B (32 heads) 2.355 / 2.359 -> 2.327 / 2.328, but Qwen2-1.5B (12 heads) 1.075 /
 // 1.073 -> 1.093 / 1.084. (Llama's --kernel-table, another call, beside a norm-kernel variant not taken: the
 // attention's critical time 6.2 -> 7.2 us a launch, the o_proj after it 5.8 -> 4.5.)
-// Where between 12 and 32 it turns, and how it goes at batch 2-8, was not measured.
+// Where between 12 and 32 it turns, and how it goes at batch 2-8, was not measured. The int4 split rule places these
+// blocks beside the ops next to the attention by the same count (patcher/decode/runner.py: ATTENTION_HALF_SM_BLOCKS).
 constexpr int64_t kAttnTwoPerSmHeads = 32;
 
 // One element of q or of the current token's K/V, made from the QKV accumulator (DecodeAttentionParams::qkv_acc):
