@@ -127,6 +127,29 @@ def wall_time(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+MAX_TIMING_TRIES = 5  # per repeat, for a (1 token, N + 1 tokens) pair whose difference is not positive
+
+
+def generation_pairs(generate, new_tokens: int, repeats: int, device: torch.device, label: str) -> list[tuple]:
+    """`repeats` pairs (seconds for generate(1), for generate(new_tokens + 1)), after the caller's warm-up; TPOT is
+    (tn - t1) / new_tokens. A pair whose long run was not the slower one is noise (tiny models on a busy CPU): it is
+    measured again, up to MAX_TIMING_TRIES times."""
+    pairs = []
+    for _ in range(repeats):
+        for _attempt in range(MAX_TIMING_TRIES):
+            t1 = wall_time(lambda: generate(1), device)
+            tn = wall_time(lambda: generate(new_tokens + 1), device)
+            if tn > t1:
+                break
+        else:
+            raise RuntimeError(
+                f"{label}: generating {new_tokens + 1} tokens was not slower than generating 1 in "
+                f"{MAX_TIMING_TRIES} tries, so the difference is timing noise; use more --new-tokens"
+            )
+        pairs.append((t1, tn))
+    return pairs
+
+
 def gpu_time_ms(fn, reps: int = 50, warmup: int = 5, flush: bool = False) -> float:
     """Median GPU time of fn() in ms from CUDA events; `flush` evicts L2 before each run (cold weights)."""
     scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush else None

@@ -56,11 +56,8 @@ def time_config(model, splits: dict, prompt, new_tokens: int, repeats: int, devi
 
     tokens = generate(new_tokens + 1)  # warm-up: buffers, graph capture
     generate(1)
-    tpots = []
-    for _ in range(repeats):
-        t1 = common.wall_time(lambda: generate(1), device)
-        tn = common.wall_time(lambda: generate(new_tokens + 1), device)
-        tpots.append((tn - t1) / new_tokens * 1e3)
+    pairs = common.generation_pairs(generate, new_tokens, repeats, device, "evals.splits")
+    tpots = [(tn - t1) / new_tokens * 1e3 for t1, tn in pairs]
     state = runner.states[prompt.shape[0]]
     used = {role: state.int4_splits[id(lin)] for role, lin in int4_roles(runner.layers[0]).items() if lin is not None}
     return statistics.median(tpots), tokens, used

@@ -81,9 +81,6 @@ def kv_bytes(model, batch: int, context: float) -> float:
     return per_token * batch * context * model.dtype.itemsize
 
 
-MAX_TIMING_TRIES = 5  # per repeat, for a (1 token, N + 1 tokens) pair whose difference is not positive
-
-
 def profile_spans(fn) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of each GPU kernel executed while fn() runs, in start order (torch.profiler / CUPTI;
     kernels inside CUDA graphs are recorded one by one too)."""
@@ -236,21 +233,7 @@ def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True)
         generate(1)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        t1s, tns = [], []
-        for _ in range(repeats):
-            # A pair whose long run was not the slower one is noise (tiny models on a busy CPU): measure it again.
-            for _attempt in range(MAX_TIMING_TRIES):
-                t1 = common.wall_time(lambda: generate(1), device)
-                tn = common.wall_time(lambda: generate(new_tokens + 1), device)
-                if tn > t1:
-                    break
-            else:
-                raise RuntimeError(
-                    f"{mode}: generating {new_tokens + 1} tokens was not slower than generating 1 in "
-                    f"{MAX_TIMING_TRIES} tries, so the difference is timing noise; use more --new-tokens"
-                )
-            t1s.append(t1)
-            tns.append(tn)
+        t1s, tns = zip(*common.generation_pairs(generate, new_tokens, repeats, device, mode))
         tpots = [(tn - t1) / new_tokens for tn, t1 in zip(tns, t1s)]
         row = {
             "mode": mode,
