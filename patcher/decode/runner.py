@@ -161,6 +161,9 @@ def defer_qkv_enabled() -> bool:
 
 
 INT4_ROLES = ("qkv", "out", "mlp_in", "mlp_out", "qkv_mlp", "out_pair")
+# The roles launched just before (True) or just after (False) the attention: their K slices leave room for its blocks
+# (DecodeRunner.attention_beside).
+NEXT_TO_ATTENTION = {"qkv": True, "qkv_mlp": True, "out": False, "out_pair": False}
 
 
 def int4_roles(layer) -> dict:
@@ -372,25 +375,10 @@ class DecodeRunner:
         for (kind, _), lin in self.deferred.items():
             if kind == "qkv":  # a plain int4 op now (the attention applies RoPE): its K slices for plain tiles
                 self.int4[id(lin)] = (lin, None)
-        # The int4 linears launched just before (True) or just after (False) the attention: their K slices leave
-        # room for its blocks (int4_splits).
-        self.next_to_attention = {}
-        for layer in self.layers:
-            a = layer.attention
-            for lin, before in (
-                (a.qkv_int4, True),
-                (layer.qkv_mlp, True),
-                (a.out_int4, False),
-                (layer.out_pair, False),
-            ):
-                if lin is not None:
-                    self.next_to_attention[id(lin)] = before
-        # int4_splits: K slices by role instead of the split rule's, for comparisons (evals.splits) and tuning.
+        # The role of each int4 linear the step launches: the split rule's view of it (attention_beside), and
+        # int4_splits, K slices by role instead of the rule's, for comparisons (evals.splits) and tuning.
         self.int4_roles = {
-            id(lin): role
-            for layer in self.layers
-            for role, lin in int4_roles(layer).items()
-            if lin is not None and id(lin) in self.int4
+            id(lin): role for layer in self.layers for role, lin in int4_roles(layer).items() if lin is not None
         }
         self.int4_splits_override = check_int4_splits(int4_splits or {}, set(self.int4_roles.values()))
         self.states: dict[int, StepState] = {}  # batch size -> buffers (and graph), grown on demand
@@ -455,7 +443,7 @@ class DecodeRunner:
         from `linear`, or None where it is not the linear just before or just after the attention: each takes half
         an SM, but below ATTENTION_HALF_SM_BLOCKS the form that finishes the QKV sums (~150 registers a thread)
         takes a whole one."""
-        before = self.next_to_attention.get(id(linear))
+        before = NEXT_TO_ATTENTION.get(self.int4_roles.get(id(linear)))
         if before is None:
             return None
         blocks = self.num_heads * batch
