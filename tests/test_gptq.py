@@ -492,11 +492,11 @@ def test_qkv_acc_reference():
 def deferred_expected(runner) -> set:
     """The (kind, layer) producers that should run as int4_gemv_acc (with defer_qkv also the QKV projections, as
     int4_norm_gemv_acc) in an all-int4 model (runner.py)."""
-    last = runner.num_layers - 1
+    layers = range(runner.num_layers)  # the last layer's output projection too: the final norm reads its sums
     if runner.parallel:
-        return {("out", i) for i in range(last)}
-    kinds = ("qkv", "attn_out") if runner.defer_qkv else ("attn_out",)
-    return {(kind, i) for kind in kinds for i in range(last + 1)} | {("mlp_out", i) for i in range(last)}
+        return {("out", i) for i in layers}
+    kinds = ("qkv", "attn_out", "mlp_out") if runner.defer_qkv else ("attn_out", "mlp_out")
+    return {(kind, i) for kind in kinds for i in layers}
 
 
 def check_accumulators(runner, batch: int) -> None:
@@ -562,7 +562,8 @@ NORM_IN_FRONT = [
 @pytest.mark.parametrize("name,kwargs,per_layer", NORM_IN_FRONT)
 def test_int4_norm_in_front(name, kwargs, per_layer, tmp_path, monkeypatch):
     """CPU, reference backend: from INT4_SEPARATE_NORM_MIN_BATCH rows on (every batch size by default), the decode
-    step runs each int4 op's add + norm as int4_norm_prologue in front of it, the op reading h (and h2), and gives
+    step runs each int4 op's add + norm as int4_norm_prologue in front of it, the op reading h (and h2), and the
+    final norm as int4_norm_prologue where the last layer's sums come unmet (at any batch size), and gives
     the tokens and logits of the step with the norms inside the ops (PATCHER_INT4_SEPARATE_NORM_BATCH above the
     batch size)."""
     model = gptq_model(name, tmp_path)
@@ -582,7 +583,10 @@ def test_int4_norm_in_front(name, kwargs, per_layer, tmp_path, monkeypatch):
             results[in_front] = (tokens, runner.logits(runner.states[2]))
             monkeypatch.undo()
             assert runner.states[2].int4_separate_norm == in_front
-            assert len(calls) == (per_layer * model.config.num_hidden_layers if in_front else 0)
+            layers = model.config.num_hidden_layers
+            # and the final norm where the last layer's output projection leaves its sums unmet
+            final = int(any(kind in ("mlp_out", "out") and i == layers - 1 for kind, i in runner.deferred))
+            assert len(calls) == (per_layer * layers if in_front else 0) + final
     assert torch.equal(results[True][0], results[False][0])
     assert torch.equal(results[True][1], results[False][1])
 

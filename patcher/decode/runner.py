@@ -387,23 +387,23 @@ class DecodeRunner:
     def _deferred_linears(self) -> dict:
         """(kind, layer) -> Int4Linear of every int4 output projection whose output the next op's int4 norm prologue
         reads: LLaMA/Qwen2's o_proj ("attn_out", read by the MLP's int4_gemv) and down ("mlp_out", by the next
-        layer's QKV op; not the last layer's, which the final norm reads), GPT-NeoX's out pair ("out", by the next
-        layer's int4_qkv_mlp_in); and with defer_qkv LLaMA/Qwen2's QKV ("qkv", int4_norm_gemv_acc, read by
-        decode_attention_qkv_acc). A kind with a single producer keeps its meeting: that producer would zero its own
-        accumulator."""
+        layer's QKV op), GPT-NeoX's out pair ("out", by the next layer's int4_qkv_mlp_in), the last layer's by the
+        final norm (as int4_norm_prologue, in logits()); and with defer_qkv LLaMA/Qwen2's QKV ("qkv",
+        int4_norm_gemv_acc, read by decode_attention_qkv_acc). A kind with a single producer keeps its meeting: that
+        producer would zero its own accumulator."""
         found = {}
         for i, layer in enumerate(self.layers):
             a, m = layer.attention, layer.mlp
             following = self.layers[i + 1] if i + 1 < len(self.layers) else None
             if self.parallel:
-                if layer.out_pair is not None and following is not None and following.qkv_mlp is not None:
+                if layer.out_pair is not None and (following is None or following.qkv_mlp is not None):
                     found[("out", i)] = layer.out_pair
                 continue
             if self.defer_qkv and a.qkv_int4 is not None:
                 found[("qkv", i)] = a.qkv_int4
             if a.out_int4 is not None and m.in_int4 is not None:
                 found[("attn_out", i)] = a.out_int4
-            if m.out_int4 is not None and following is not None and following.attention.qkv_int4 is not None:
+            if m.out_int4 is not None and (following is None or following.attention.qkv_int4 is not None):
                 found[("mlp_out", i)] = m.out_int4
         kinds = Counter(kind for kind, _ in found)
         return {key: lin for key, lin in found.items() if kinds[key[0]] > 1}
@@ -694,6 +694,13 @@ class DecodeRunner:
         else:
             residual, delta, delta2 = self._layers(x, st)
         pro = self._prologue(delta, delta2, self.final_norm)
+        if delta is not None and delta.dtype == torch.int64:  # the last layer's int4 projection left its sums unmet
+            # The final norm reads them as the layers' norms do. Against the projection's meeting and the dense norm
+            # kernel after it, in one process on the H100 (int4 g128, fp16, batch 1), us a step: Llama-3.1-8B -2 .. -9,
+            # Qwen2-1.5B -9 .. -15, Pythia-2.8B within its noise (docs/int4_decode.md, "The last layer's sums read by
+            # the final norm; three levers measured and not taken (session 34)").
+            h = self.ops.int4_norm_prologue(residual, *pro)[0]
+            return self._linear(h, self.lm_weight, self.lm_bias, "none", st)
         # The lm_head never takes the final norm as its prologue on a GPU: its vocab / 8 blocks would each
         # recompute the norm (H100, SmolLM2-135M: 42.8 us for the fused op, ~2 + 19 us for the two kernels).
         fuse = self.device.type != "cuda"
