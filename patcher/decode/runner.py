@@ -698,7 +698,7 @@ class DecodeRunner:
             # The final norm reads them as the layers' norms do. Against the projection's meeting and the dense norm
             # kernel after it, in one process on the H100 (int4 g128, fp16, batch 1), us a step: Llama-3.1-8B -2 .. -9,
             # Qwen2-1.5B -9 .. -15, Pythia-2.8B within its noise (docs/int4_decode.md, "The last layer's sums read by
-            # the final norm; three levers measured and not taken (session 34)").
+            # the final norm; the levers measured and not taken (session 34)").
             h = self.ops.int4_norm_prologue(residual, *pro)[0]
             return self._linear(h, self.lm_weight, self.lm_bias, "none", st)
         # The lm_head never takes the final norm as its prologue on a GPU: its vocab / 8 blocks would each
