@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <utility>
 #include <vector>
 
 namespace bench {
@@ -91,5 +92,55 @@ int for_each_shape(Body body) {
 
 // GB/s of reading `bytes` in `us` microseconds.
 inline double gbs(size_t bytes, float us) { return static_cast<double>(bytes) / us / 1e3; }
+
+// 0, or 1 with the error printed after `what`.
+inline int check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    return 1;
+  }
+  return 0;
+}
+
+// One link of a chain of kernels captured into a graph (the probes): `pdl` launches it with programmatic stream
+// serialization, as the decode step does (not for a chain's first kernel, which follows a memset in stream order).
+// Dynamic shared memory of 100 KB a block, so that at most two blocks share an SM, as the int4 kernels' registers
+// allow.
+template <typename... KernelArgs, typename... Args>
+int launch_link(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream, bool pdl, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = 100 * 1024;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), "launch");
+}
+
+// Milliseconds a replay of `graph` takes: instantiated, replayed 3 times to warm up, then `replays` times between
+// two events. Adds 1 to `err` where a call fails.
+inline float replay_ms(cudaGraph_t graph, cudaStream_t stream, int replays, int& err) {
+  cudaGraphExec_t exec;
+  err |= check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  if (err) return 0.f;
+  for (int r = 0; r < 3; ++r) cudaGraphLaunch(exec, stream);
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  cudaEventRecord(a, stream);
+  for (int r = 0; r < replays; ++r) cudaGraphLaunch(exec, stream);
+  cudaEventRecord(b, stream);
+  err |= check(cudaStreamSynchronize(stream), "replay");
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaGraphExecDestroy(exec);
+  return ms / static_cast<float>(replays);
+}
 
 }  // namespace bench

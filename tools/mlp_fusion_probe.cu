@@ -135,28 +135,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_kernel(Layer l) {
   if (blockIdx.x == 0 && threadIdx.x == 0) l.out[0] = acc;
 }
 
-int check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    return 1;
-  }
-  return 0;
-}
-
-template <typename Kernel>
-int launch(Kernel kernel, dim3 grid, cudaStream_t stream, bool pdl, const Layer& l) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = 100 * 1024;  // two blocks an SM, as the int4 kernels' registers allow
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl ? 1 : 0;
-  return check(cudaLaunchKernelEx(&config, kernel, l), "launch");
-}
+using bench::check;
 
 // One chain of kLayers layers in `mode`, replayed; prints us a layer.
 int run_chain(int mode, const uint4* const (&gate_up)[2], const uint4* const (&down)[2]) {
@@ -178,31 +157,17 @@ int run_chain(int mode, const uint4* const (&gate_up)[2], const uint4* const (&d
     Layer l{gate_up[i % 2], down[i % 2], i > 0 ? outs + i - 1 : nullptr, hidden + i * kPairs, acc + i * kHidden,
             outs + i,       mode};
     if (mode == kSeparate) {
-      err |= launch(gate_up_kernel, dim3(kPairs), stream, i > 0, l);
-      err |= launch(down_kernel, dim3(kDownTiles, kDownSlices), stream, true, l);
+      err |= bench::launch_link(gate_up_kernel, dim3(kPairs), dim3(kThreads), stream, i > 0, l);
+      err |= bench::launch_link(down_kernel, dim3(kDownTiles, kDownSlices), dim3(kThreads), stream, true, l);
     } else {
-      err |= launch(fused_kernel, dim3(kPairs), stream, i > 0, l);
+      err |= bench::launch_link(fused_kernel, dim3(kPairs), dim3(kThreads), stream, i > 0, l);
     }
   }
   err |= check(cudaStreamEndCapture(stream, &graph), "capture");
   if (err) return err;
-  cudaGraphExec_t exec;
-  err |= check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  for (int r = 0; r < 3; ++r) cudaGraphLaunch(exec, stream);
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  constexpr int kReplays = 20;
-  cudaEventRecord(a, stream);
-  for (int r = 0; r < kReplays; ++r) cudaGraphLaunch(exec, stream);
-  cudaEventRecord(b, stream);
-  err |= check(cudaStreamSynchronize(stream), "replay");
-  float ms = 0;
-  cudaEventElapsedTime(&ms, a, b);
-  const double us = 1e3 * ms / kReplays / kLayers;
+  const double us = 1e3 * bench::replay_ms(graph, stream, 20, err) / kLayers;
   const double bytes = static_cast<double>(2 * kGateRows * kInter + kDownRows * kHidden) * 4;
   printf("  %-22s %7.2f us a layer (%6.0f GB/s)\n", kModeNames[mode], us, bytes / us / 1e3);
-  cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
   cudaFree(hidden);

@@ -125,13 +125,7 @@ __global__ void __launch_bounds__(THREADS, 2) link_kernel(Link l) {
   }
 }
 
-int check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    return 1;
-  }
-  return 0;
-}
+using bench::check;
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -197,33 +191,11 @@ int run_chain(int mode, size_t bytes, const Geometry& geo, int sms, int32_t* poo
     l.rows = geo.rows;
     l.n = geo.n;
     l.pairs = geo.pairs;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(blocks);
-    config.blockDim = dim3(threads);
-    config.dynamicSmemBytes = 100 * 1024;  // two blocks an SM, as the int4 kernels' registers allow
-    config.stream = stream;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attribute;
-    config.numAttrs = (mode != kPlain && i > 0) ? 1 : 0;  // the first waits for the memset in stream order
-    err |= check(cudaLaunchKernelEx(&config, kernel, l), "launch");
+    err |= bench::launch_link(kernel, dim3(blocks), dim3(threads), stream, mode != kPlain && i > 0, l);
   }
   err |= check(cudaStreamEndCapture(stream, &graph), "capture");
   if (err) return err;
-  cudaGraphExec_t exec;
-  err |= check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  for (int r = 0; r < 3; ++r) cudaGraphLaunch(exec, stream);
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  constexpr int kReplays = 20;
-  cudaEventRecord(a, stream);
-  for (int r = 0; r < kReplays; ++r) cudaGraphLaunch(exec, stream);
-  cudaEventRecord(b, stream);
-  err |= check(cudaStreamSynchronize(stream), "replay");
-  float ms = 0;
-  cudaEventElapsedTime(&ms, a, b);
+  const float ms = bench::replay_ms(graph, stream, 20, err);
   // The timeline of the last replay: for each boundary, the next kernel's median block past its wait minus this
   // kernel's last block end; and each kernel's streaming (median block from its wait to its end).
   std::vector<uint64_t> t(3 * static_cast<size_t>(blocks) * kChain);
@@ -241,13 +213,12 @@ int run_chain(int mode, size_t bytes, const Geometry& geo, int sms, int32_t* poo
     gaps.push_back(median(past_wait) - static_cast<double>(last_end));
     spans.push_back(median(span));
   }
-  const double us = 1e3 * ms / kReplays / kChain;
+  const double us = 1e3 * ms / kChain;
   printf(
       "  %-5s %7.2f us a kernel (%6.0f GB/s)   gap, last block end -> next median past wait: %6.2f us   "
       "median block wait->end %6.2f us\n",
       kModeNames[mode], us, static_cast<double>(per_block * blocks * 16) / us / 1e3, median(gaps) / 1e3,
       median(spans) / 1e3);
-  cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
   cudaFree(outs);

@@ -219,12 +219,17 @@ def splits_for(
         fewer = max(1, min(splits, room // width))
         if fewer >= BESIDE_KEEP * splits or linear.nbytes() <= SMALL_OP_BYTES:
             splits = fewer
-    while (
-        stage_bytes(batch, linear, splits, dtype, head_dim) > STAGE_BYTES
-        or group_stage_bytes(linear, splits, head_dim) > GROUP_STAGE_BYTES
-    ):
+    while not stages_fit(batch, linear, splits, dtype, head_dim):
         splits += 1
     return min(splits, rows)
+
+
+def stages_fit(batch: int, linear: Int4Linear, splits: int, dtype: torch.dtype, head_dim: int | None = None) -> bool:
+    """Whether a block's x stage and group stage at `splits` K slices fit the kernel's shared memory."""
+    return (
+        stage_bytes(batch, linear, splits, dtype, head_dim) <= STAGE_BYTES
+        and group_stage_bytes(linear, splits, head_dim) <= GROUP_STAGE_BYTES
+    )
 
 
 def splits_limit(batch: int, linear: Int4Linear, dtype: torch.dtype, head_dim: int | None = None) -> tuple[int, int]:
@@ -232,10 +237,7 @@ def splits_limit(batch: int, linear: Int4Linear, dtype: torch.dtype, head_dim: i
     fit the kernel's shared memory (splits_for's loop), the most one qweight row a slice."""
     rows = linear.in_features // 8
     fewest = 1
-    while fewest < rows and (
-        stage_bytes(batch, linear, fewest, dtype, head_dim) > STAGE_BYTES
-        or group_stage_bytes(linear, fewest, head_dim) > GROUP_STAGE_BYTES
-    ):
+    while fewest < rows and not stages_fit(batch, linear, fewest, dtype, head_dim):
         fewest += 1
     return fewest, rows
 
