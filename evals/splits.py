@@ -8,12 +8,15 @@ CUDA graph) per configuration, TPOT as evals.tpot defines it ((time(generate N+1
 repeats). The first configuration is the split rule's; each round's difference against it is what to read.
 
 A configuration is `rule` or role=slices pairs, e.g. `qkv=5,out=8` (roles: qkv, out, mlp_in, mlp_out, qkv_mlp,
-out_pair, as DecodeRunner(int4_splits=...) takes them). The tokens of each configuration are compared with the rule's:
-other K slices round other fp32 partial sums, so logits may move in their last bits, and with random weights (flat
-distributions) a greedy token may flip and the rest of the sequence with it; a mismatch says to check the logits, not
-that the step is wrong.
+out_pair, as DecodeRunner(int4_splits=...) takes them), and may also set the decode step's switches that DecodeRunner
+takes (RUNNER_OPTIONS: `defer_int4=0`, `defer_qkv=0` and `int4_separate_norm_batch=2`, the README's PATCHER_INT4_DEFER,
+PATCHER_INT4_DEFER_QKV and PATCHER_INT4_SEPARATE_NORM_BATCH for one runner; `merge_int4=0`, `fuse_next_token=0`), e.g.
+`defer_qkv=0` or `qkv=5,defer_qkv=0`. The tokens of
+each configuration are compared with the rule's: other K slices round other fp32 partial sums, so logits may move in
+their last bits, and with random weights (flat distributions) a greedy token may flip and the rest of the sequence
+with it; a mismatch says to check the logits, not that the step is wrong.
 
-    python -m evals.splits --random-config llama-3.1-8b --int4-random 128 --configs qkv=5,out=8 --rounds 4
+    python -m evals.splits --random-config llama-3.1-8b --int4-random 128 --configs qkv=5,out=8 defer_qkv=0 --rounds 4
 """
 
 from __future__ import annotations
@@ -28,27 +31,51 @@ from tqdm import tqdm
 from . import common
 
 RULE = "rule"
+# DecodeRunner's switches a configuration may set (name -> type): on/off as 1/0, or a batch size.
+RUNNER_OPTIONS = {
+    "defer_int4": bool,
+    "defer_qkv": bool,
+    "merge_int4": bool,
+    "fuse_next_token": bool,
+    "int4_separate_norm_batch": int,
+}
 
 
-def parse_config(text: str) -> dict[str, int]:
-    """`rule` -> {}; `qkv=4,out=7` -> {"qkv": 4, "out": 7}."""
+def parse_config(text: str) -> tuple[dict[str, int], dict]:
+    """(K slices by role, DecodeRunner options): `rule` -> ({}, {}); `qkv=4,defer_qkv=0` -> ({"qkv": 4},
+    {"defer_qkv": False})."""
     if text == RULE:
-        return {}
-    config = {}
+        return {}, {}
+    splits, options = {}, {}
     for item in text.split(","):
-        role, sep, value = item.partition("=")
-        if not sep or not value.strip().isdigit():
-            raise ValueError(f"configuration {text!r}: expected role=slices pairs like qkv=4,out=7, or {RULE!r}")
-        config[role.strip()] = int(value)
-    return config
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not value.isdigit():
+            raise ValueError(
+                f"configuration {text!r}: expected role=slices pairs like qkv=4,out=7 and runner options like "
+                f"defer_qkv=0 ({', '.join(RUNNER_OPTIONS)}), or {RULE!r}"
+            )
+        if RUNNER_OPTIONS.get(key) is bool:
+            if value not in ("0", "1"):
+                raise ValueError(f"configuration {text!r}: {key} takes 0 or 1, got {value}")
+            options[key] = value == "1"
+        elif key in RUNNER_OPTIONS:
+            if int(value) < 1:
+                raise ValueError(f"configuration {text!r}: {key} takes a batch size >= 1, got {value}")
+            options[key] = int(value)
+        else:
+            splits[key] = int(value)
+    return splits, options
 
 
-def time_config(model, splits: dict, prompt, new_tokens: int, repeats: int, device) -> tuple[float, torch.Tensor, dict]:
-    """(TPOT ms, the tokens, the K slices of the first layer's int4 linears by role) with a fresh runner."""
+def time_config(
+    model, splits: dict, prompt, new_tokens: int, repeats: int, device, options: dict | None = None
+) -> tuple[float, torch.Tensor, dict]:
+    """(TPOT ms, the tokens, the K slices of the first layer's int4 linears by role) with a fresh runner, built with
+    `options` (RUNNER_OPTIONS)."""
     from patcher.decode import DecodeRunner, Sampling
     from patcher.decode.runner import int4_roles
 
-    runner = DecodeRunner(model, int4_splits=splits)
+    runner = DecodeRunner(model, int4_splits=splits, **(options or {}))
     mask = torch.ones_like(prompt)
 
     def generate(n):
@@ -98,12 +125,15 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             for c in configs:
                 try:
-                    tpot, tokens, used = time_config(model, parsed[c], prompt, args.new_tokens, args.repeats, device)
-                except ValueError as e:  # a role this model lacks, slices the kernels cannot take
+                    splits, options = parsed[c]
+                    tpot, tokens, used = time_config(
+                        model, splits, prompt, args.new_tokens, args.repeats, device, options
+                    )
+                except ValueError as e:  # a role this model lacks, slices the kernels cannot take, a bad option
                     parser.error(f"configuration {c!r}: {e}")
                 first_tokens = tokens if first_tokens is None else first_tokens
                 row = rows[c]
-                row["splits"] = used
+                row["splits"], row["options"] = used, parsed[c][1]
                 row["tpot_ms_rounds"].append(tpot)
                 row["diff_ms_rounds"].append(tpot - rows[RULE]["tpot_ms_rounds"][-1])
                 row["tokens_match_rule"] = row.get("tokens_match_rule", True) and torch.equal(tokens, first_tokens)

@@ -245,29 +245,53 @@ def test_kernel_runs_by_their_place_in_a_layer():
     assert tpot.short_place_name("void patcher::f<int>(int)") == "f<int>"
 
 
-def test_splits_tool_on_a_tiny_int4_model(tmp_path, capsys):
+def test_splits_tool_on_a_tiny_int4_model(tmp_path, capsys, monkeypatch):
     """evals.splits times the split rule and each configuration with a fresh runner per round (CPU, reference
-    backend: the timings mean nothing here, the bookkeeping does), and records the K slices each one ran."""
+    backend: the timings mean nothing here, the bookkeeping does), and records the K slices each one ran and the
+    runner options it set."""
     from evals import splits
+    from patcher.decode import DecodeRunner
 
     out = tmp_path / "splits.json"
     args = ["--random-config", "tiny-llama", "--int4-random", "32", "--device", "cpu", "--prompt-len", "8"]
     args += ["--new-tokens", "3", "--rounds", "2", "--repeats", "1", "--json", str(out)]
-    assert splits.main([*args, "--configs", "qkv=2,out=3", "mlp_out=4"]) == 0
+    configs = ["qkv=2,out=3", "mlp_out=4", "defer_qkv=0", "out=3,defer_int4=0,int4_separate_norm_batch=2"]
+    created = []
+    original_init = DecodeRunner.__init__
+
+    def recording_init(self, model, **kwargs):
+        created.append(kwargs)
+        original_init(self, model, **kwargs)
+
+    monkeypatch.setattr(DecodeRunner, "__init__", recording_init)
+    assert splits.main([*args, "--configs", *configs]) == 0
     result = json.loads(out.read_text())
     assert result["tool"] == "evals.splits" and result["model"] == "tiny-llama-int4-g32"
     rows = {row["config"]: row for row in result["results"]}
-    assert list(rows) == ["rule", "qkv=2,out=3", "mlp_out=4"]
+    assert list(rows) == ["rule", *configs]
     rule = rows["rule"]["splits"]
     assert rule.keys() == {"qkv", "out", "mlp_in", "mlp_out"}
     assert rows["qkv=2,out=3"]["splits"] == {**rule, "qkv": 2, "out": 3}
     assert rows["mlp_out=4"]["splits"] == {**rule, "mlp_out": 4}
+    assert rows["defer_qkv=0"]["splits"] == rule and rows["defer_qkv=0"]["options"] == {"defer_qkv": False}
+    both = rows[configs[3]]
+    assert both["splits"] == {**rule, "out": 3}
+    assert both["options"] == {"defer_int4": False, "int4_separate_norm_batch": 2}
+    assert created[:5] == [{"int4_splits": {}}] + [  # each runner built with its configuration, round after round
+        {"int4_splits": splits.parse_config(c)[0], **splits.parse_config(c)[1]} for c in configs
+    ]
     for row in rows.values():
         assert len(row["tpot_ms_rounds"]) == len(row["diff_ms_rounds"]) == 2 and row["tpot_ms"] > 0
         assert row["tokens_match_rule"] is True  # the CPU reference computes every linear whole
     assert rows["rule"]["diff_ms_rounds"] == [0.0, 0.0]
     assert "qkv=2,out=3" in capsys.readouterr().out
-    for bad, message in (("qkv=x", "role=slices pairs"), ("qkv_mlp=2", "no int4 linear of role 'qkv_mlp'")):
+    bad_configs = (
+        ("qkv=x", "role=slices pairs"),
+        ("qkv_mlp=2", "no int4 linear of role 'qkv_mlp'"),
+        ("defer_qkv=2", "defer_qkv takes 0 or 1"),
+        ("int4_separate_norm_batch=0", "takes a batch size >= 1"),
+    )
+    for bad, message in bad_configs:
         with pytest.raises(SystemExit):
             splits.main([*args, "--configs", bad])
         assert message in capsys.readouterr().err
