@@ -11,10 +11,10 @@ A configuration is `rule` or role=slices pairs, e.g. `qkv=5,out=8` (roles: qkv, 
 out_pair, as DecodeRunner(int4_splits=...) takes them), and may also set the decode step's switches that DecodeRunner
 takes (RUNNER_OPTIONS: `defer_int4=0`, `defer_qkv=0` and `int4_separate_norm_batch=2`, the README's PATCHER_INT4_DEFER,
 PATCHER_INT4_DEFER_QKV and PATCHER_INT4_SEPARATE_NORM_BATCH for one runner; `merge_int4=0`, `fuse_next_token=0`), e.g.
-`defer_qkv=0` or `qkv=5,defer_qkv=0`. The tokens of
-each configuration are compared with the rule's: other K slices round other fp32 partial sums, so logits may move in
-their last bits, and with random weights (flat distributions) a greedy token may flip and the rest of the sequence
-with it; a mismatch says to check the logits, not that the step is wrong.
+`defer_qkv=0` or `qkv=5,defer_qkv=0`. The tokens of each configuration are compared with the rule's: other K slices
+round other fp32 partial sums, so logits may move in their last bits, and with random weights (flat distributions) a
+greedy token may flip and the rest of the sequence with it; a mismatch says to check the logits, not that the step is
+wrong.
 
     python -m evals.splits --random-config llama-3.1-8b --int4-random 128 --configs qkv=5,out=8 defer_qkv=0 --rounds 4
 """
@@ -125,9 +125,9 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             for c in configs:
                 try:
-                    splits, options = parsed[c]
+                    slices, options = parsed[c]
                     tpot, tokens, used = time_config(
-                        model, splits, prompt, args.new_tokens, args.repeats, device, options
+                        model, slices, prompt, args.new_tokens, args.repeats, device, options
                     )
                 except ValueError as e:  # a role this model lacks, slices the kernels cannot take, a bad option
                     parser.error(f"configuration {c!r}: {e}")
