@@ -232,12 +232,11 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// Launches `kernel` with programmatic stream serialization on GPUs that have it (sm_90+). PATCHER_DISABLE_PDL=1 in
-// the environment launches it plainly instead.
+// Launches `kernel`, with programmatic stream serialization where `pdl` (sm_90+ only); the standalone probes
+// (tools/bench_common.cuh: launch_link) choose it per launch.
 template <typename... KernelArgs, typename... Args>
-cudaError_t launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                       Args&&... args) {
-  static const bool supported = hopper_or_newer() && !env_flag("PATCHER_DISABLE_PDL");
+cudaError_t launch_with_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                            bool pdl, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -247,8 +246,17 @@ cudaError_t launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, siz
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = supported ? 1 : 0;
+  config.numAttrs = pdl ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// Launches `kernel` with programmatic stream serialization on GPUs that have it (sm_90+). PATCHER_DISABLE_PDL=1 in
+// the environment launches it plainly instead.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  static const bool supported = hopper_or_newer() && !env_flag("PATCHER_DISABLE_PDL");
+  return launch_with_pdl(kernel, grid, block, smem, stream, supported, std::forward<Args>(args)...);
 }
 
 __host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "../kernels/common.cuh"  // launch_with_pdl, the kernels' launch under programmatic dependent launch
+
 namespace bench {
 
 __device__ __forceinline__ unsigned mix(uint4 c) { return c.x ^ (c.y * 3u) ^ (c.z * 5u) ^ (c.w * 7u); }
@@ -108,17 +110,8 @@ inline int check(cudaError_t e, const char* what) {
 // allow.
 template <typename... KernelArgs, typename... Args>
 int launch_link(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream, bool pdl, Args&&... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = 100 * 1024;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl ? 1 : 0;
-  return check(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), "launch");
+  return check(patcher::launch_with_pdl(kernel, grid, block, 100 * 1024, stream, pdl, std::forward<Args>(args)...),
+               "launch");
 }
 
 // Milliseconds a replay of `graph` takes: instantiated, replayed 3 times to warm up, then `replays` times between
