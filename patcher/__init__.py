@@ -6,6 +6,7 @@ print(report)                   # what was replaced, what was left as it was and
 unpatch_model(model)            # back to the original forwards, bit-identical outputs
 """
 
+from .decode import DecodeOptions
 from .gptq import load_gptq
 from .ops import ExtensionError
 from .patching import UnsupportedModelError, is_patched, patch_model, set_fast_generate, unpatch_model
@@ -14,6 +15,7 @@ from .report import ModuleRecord, PatchReport
 __version__ = "0.1.0"
 
 __all__ = [
+    "DecodeOptions",
     "ExtensionError",
     "ModuleRecord",
     "PatchReport",

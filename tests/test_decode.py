@@ -16,8 +16,10 @@ from conftest import requires_cuda, smollm2_gguf, wikitext_path
 
 from patcher import patch_model, set_fast_generate, unpatch_model
 from patcher import random_models as rm
-from patcher.decode import DecodeRunner, Sampling, generate_path
+from patcher.decode import DecodeOptions, DecodeRunner, Sampling, generate_path
 from patcher.decode.generate import call_reason
+
+EAGER = DecodeOptions(use_graphs=False)
 
 
 def prompt(model, batch, tokens, seed=3, device="cpu", pad_rows=()):
@@ -48,7 +50,7 @@ def test_runner_greedy_matches_hf_fp32(name, batch, pad_rows):
     ids, mask = prompt(model, batch, 9, pad_rows=pad_rows)
     expected = hf_generate(model, ids, mask, max_new_tokens=24, do_sample=False)
     patch_model(model)
-    runner = DecodeRunner(model, use_graphs=False)
+    runner = DecodeRunner(model, EAGER)
     got = runner.generate(ids, mask, 24, Sampling(), eos=[], pad_token_id=0)
     assert torch.equal(got, expected)
 
@@ -60,12 +62,12 @@ def test_runner_stops_like_hf_at_eos():
     eos = [int(free[0, 10]), int(free[1, 14])]  # tokens each row will produce: both rows finish early
     expected = hf_generate(model, ids, mask, max_new_tokens=30, do_sample=False, eos_token_id=eos)
     patch_model(model)
-    got = DecodeRunner(model, use_graphs=False).generate(ids, mask, 30, Sampling(), eos=eos, pad_token_id=0)
+    got = DecodeRunner(model, EAGER).generate(ids, mask, 30, Sampling(), eos=eos, pad_token_id=0)
     assert expected.shape[1] < free.shape[1]
     assert torch.equal(got, expected)
 
     # Finished rows continue with the pad id, so one outside the vocabulary is refused before anything runs.
-    runner = DecodeRunner(model, use_graphs=False)
+    runner = DecodeRunner(model, EAGER)
     with pytest.raises(ValueError, match="pad_token_id 5000 is outside the vocabulary"):
         runner.generate(ids, mask, 30, Sampling(), eos=eos, pad_token_id=5000)
 
@@ -77,10 +79,10 @@ def test_step_end_as_torch_ops_gives_the_same_tokens(name):
     model = rm.build(name)
     ids, mask = prompt(model, 3, 7, pad_rows=((1, 3),))
     patch_model(model)
-    free = DecodeRunner(model, use_graphs=False).generate(ids, mask, 20, Sampling(), eos=[], pad_token_id=0)
+    free = DecodeRunner(model, EAGER).generate(ids, mask, 20, Sampling(), eos=[], pad_token_id=0)
     eos = [int(free[0, 12])]  # a token row 0 emits
     runs = [
-        DecodeRunner(model, use_graphs=False, fuse_next_token=fuse).generate(ids, mask, 20, Sampling(), eos, 0)
+        DecodeRunner(model, EAGER.replace(fuse_next_token=fuse)).generate(ids, mask, 20, Sampling(), eos, 0)
         for fuse in (True, False)
     ]
     assert torch.equal(runs[0], runs[1])
@@ -90,7 +92,7 @@ def test_step_end_as_torch_ops_gives_the_same_tokens(name):
 def test_runner_sampling_is_reproducible():
     model = rm.build("tiny-qwen2")
     patch_model(model)
-    runner = DecodeRunner(model, use_graphs=False)
+    runner = DecodeRunner(model, EAGER)
     ids, mask = prompt(model, 2, 5)
     sampling = Sampling(do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
     runs = []
@@ -138,7 +140,7 @@ def test_graph_replay_equals_eager_step(name, batch):
     model.generation_config.eos_token_id = None
     patch_model(model)
     ids, mask = prompt(model, batch, 11, device="cuda", pad_rows=((0, 3),) if batch > 1 else ())
-    eager = DecodeRunner(model, use_graphs=False).generate(ids, mask, 40, Sampling(), eos=[], pad_token_id=0)
+    eager = DecodeRunner(model, EAGER).generate(ids, mask, 40, Sampling(), eos=[], pad_token_id=0)
     got = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
     assert generate_path(model)["path"] == "graph"
     assert torch.equal(got, eager)
@@ -152,51 +154,42 @@ def test_graph_replay_equals_eager_step(name, batch):
 @requires_cuda
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia", "tiny-qwen2", "tiny-neox-sequential"])
 @pytest.mark.parametrize("fused_norms", [True, False])
-def test_cuda_runner_fp32_greedy_matches_hf(name, fused_norms, monkeypatch):
+def test_cuda_runner_fp32_greedy_matches_hf(name, fused_norms):
     """fp32 on the GPU, both ways of running the norms at 1-3 rows: inside the GEMVs' prologues, or as separate
-    add + norm kernels (the choice runner.FUSED_NORM_MAX_HIDDEN makes by hidden size); tokens equal HF's."""
-    from patcher.decode import runner as runner_module
-
-    monkeypatch.setattr(runner_module, "FUSED_NORM_MAX_HIDDEN", 1 << 20 if fused_norms else 0)
+    add + norm kernels (the choice DecodeOptions.fused_norm_max_hidden makes by hidden size); tokens equal HF's."""
     model = rm.build(name, dtype=torch.float32, device="cuda")
     model.generation_config.eos_token_id = None
     ids, mask = prompt(model, 2, 9, device="cuda", pad_rows=((1, 3),))
     expected = hf_generate(model, ids, mask, max_new_tokens=24, do_sample=False)
     patch_model(model)
-    runner = DecodeRunner(model, use_graphs=True)
+    runner = DecodeRunner(model, DecodeOptions(fused_norm_max_hidden=1 << 20 if fused_norms else 1))
     got = runner.generate(ids, mask, 24, Sampling(), eos=[], pad_token_id=0)
     assert runner.states[2].fused_norms == fused_norms
     assert torch.equal(got, expected)
 
 
-def one_and_two_stream_tokens(model, ids, mask, monkeypatch, **runner_args) -> dict:
-    """Greedy tokens of the graph-captured decode with GPT-NeoX's MLP on the main stream and on its branch stream
-    (DecodeRunner(model, **runner_args))."""
-    from patcher.decode import runner as runner_module
-
+def one_and_two_stream_tokens(model, ids, mask, options: DecodeOptions = DecodeOptions()) -> dict:
+    """Greedy tokens of the graph-captured decode with GPT-NeoX's MLP on the main stream and on its branch stream."""
     tokens = {}
     for branch in (False, True):
-        monkeypatch.setattr(runner_module, "PARALLEL_BRANCH", branch)
-        runner = DecodeRunner(model, **runner_args)
-        assert runner.branch_stream is not None
+        runner = DecodeRunner(model, options.replace(parallel_branch=branch))
+        assert (runner.decode_step.branch_stream is not None) == branch
         tokens[branch] = runner.generate(ids, mask, 40, Sampling(), eos=[], pad_token_id=0)
     return tokens
 
 
 @requires_cuda
 @pytest.mark.parametrize("fused_norms", [True, False])
-def test_mlp_branch_stream_changes_no_result(fused_norms, monkeypatch):
+def test_mlp_branch_stream_changes_no_result(fused_norms):
     """GPT-NeoX's MLP on a second stream, beside the attention, only reorders work: the tokens equal those of the
     one-stream step, with the norms in the QKV GEMV's prologue (the MLP branch then starts after it, from its h2)
     and as a separate kernel (the branch starts after the norm kernel)."""
-    from patcher.decode import runner as runner_module
-
-    monkeypatch.setattr(runner_module, "FUSED_NORM_MAX_HIDDEN", 1 << 20 if fused_norms else 0)
     model = rm.build("tiny-pythia", dtype=torch.float16, device="cuda")
     model.generation_config.eos_token_id = None
     patch_model(model)
     ids, mask = prompt(model, 3, 11, device="cuda", pad_rows=((0, 3),))
-    tokens = one_and_two_stream_tokens(model, ids, mask, monkeypatch)
+    options = DecodeOptions(fused_norm_max_hidden=1 << 20 if fused_norms else 1)
+    tokens = one_and_two_stream_tokens(model, ids, mask, options)
     assert torch.equal(tokens[True], tokens[False])
 
 
@@ -225,7 +218,7 @@ def test_graph_sampling_reproducible_and_eos():
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
     free = runs[0]
     eos = [int(free[r, 7 + 5 + r]) for r in range(4)]
-    eager = DecodeRunner(model, use_graphs=False).generate(ids, mask, 64, Sampling(), eos=eos, pad_token_id=0)
+    eager = DecodeRunner(model, EAGER).generate(ids, mask, 64, Sampling(), eos=eos, pad_token_id=0)
     got = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(got, eager)
 

@@ -17,12 +17,15 @@ from conftest import FP32_LOGIT_ATOL, assert_within_torch_error, max_err, requir
 
 from patcher import load_gptq, patch_model, unpatch_model
 from patcher import random_models as rm
-from patcher.decode import DecodeRunner, Sampling, generate_path
+from patcher.decode import DecodeOptions, DecodeRunner, Sampling, generate_path
+from patcher.decode import int4_plan
 from patcher.gptq import format as fmt
 from patcher.gptq.linear import GPTQLinear
 from patcher.gptq.pack import main as pack_main
 from patcher.gptq.pack import pack_model, quantize
 from patcher.ops import int4 as int4_ops
+
+EAGER = DecodeOptions(use_graphs=False)
 
 
 def test_pack_and_unpack_round_trip_every_nibble():
@@ -189,13 +192,11 @@ def test_decode_step_gives_the_attention_room_beside_its_neighbours(name, tmp_pa
     just before and after it (QKV or GPT-NeoX's QKV + MLP input; the output projection or pair) and for no other,
     each block half an SM, but a whole one for LLaMA's attention that finishes the QKV sums below
     ATTENTION_HALF_SM_BLOCKS blocks (kernels/decode_attention.cu)."""
-    from patcher.decode import runner as runner_module
-
     model = gptq_model(name, tmp_path)
     patch_model(model)
     heads = model.config.num_attention_heads
     for defer_qkv in (True, False):
-        runner = DecodeRunner(model, use_graphs=False, defer_qkv=defer_qkv)
+        step = DecodeRunner(model, EAGER.replace(defer_qkv=defer_qkv)).decode_step
 
         # what the step launches next to the attention: GPT-NeoX's merged ops where it has them, else QKV and o_proj
         def launched_next(layer):
@@ -203,18 +204,18 @@ def test_decode_step_gives_the_attention_room_beside_its_neighbours(name, tmp_pa
                 return layer.qkv_mlp, layer.out_pair
             return layer.attention.qkv_int4, layer.attention.out_int4
 
-        near = {id(lin) for layer in runner.layers for lin in launched_next(layer)}
-        mlp = {id(lin) for layer in runner.layers for lin in (layer.mlp.in_int4, layer.mlp.out_int4) if lin is not None}
+        near = {id(lin) for layer in step.layers for lin in launched_next(layer)}
+        mlp = {id(lin) for layer in step.layers for lin in (layer.mlp.in_int4, layer.mlp.out_int4) if lin is not None}
         assert near and mlp and not near & mlp
         from_acc = name == "tiny-llama" and defer_qkv
-        first = runner.layers[0]
+        first = step.layers[0]
         for lin in (launched_next(first)[0], first.mlp.in_int4):
-            for batch in (1, 8, runner_module.ATTENTION_HALF_SM_BLOCKS // heads):
-                beside = runner.attention_beside(batch, lin)
+            for batch in (1, 8, int4_plan.ATTENTION_HALF_SM_BLOCKS // heads):
+                beside = step.int4.attention_beside(batch, lin)
                 if lin is first.mlp.in_int4:
                     assert beside is None
                     continue
-                half_sm = not from_acc or heads * batch >= runner_module.ATTENTION_HALF_SM_BLOCKS
+                half_sm = not from_acc or heads * batch >= int4_plan.ATTENTION_HALF_SM_BLOCKS
                 assert beside == int4_ops.Beside(heads * batch, 256 if half_sm else 512, before=True)
         seen = {}
 
@@ -223,8 +224,8 @@ def test_decode_step_gives_the_attention_room_beside_its_neighbours(name, tmp_pa
             return 1
 
         monkeypatch.setattr(int4_ops, "splits_for", record)
-        for lin, head in runner.int4.values():
-            runner.int4_splits(8, lin, head)
+        for lin, head in step.int4.linears.values():
+            step.int4.splits(8, lin, head)
         monkeypatch.undo()
         assert {key for key, beside in seen.items() if beside is not None} == near
         assert {seen[key].before for key in near} == {True, False}
@@ -233,23 +234,24 @@ def test_decode_step_gives_the_attention_room_beside_its_neighbours(name, tmp_pa
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])
 def test_decode_runner_takes_k_slices_by_role(name, tmp_path):
-    """DecodeRunner(int4_splits={role: slices}) runs the linears of those roles at those K slices (the others by the
+    """DecodeOptions(int4_splits={role: slices}) runs the linears of those roles at those K slices (the others by the
     rule) and rejects what the step cannot take, with the reason: a role the model's step does not launch (GPT-NeoX's
     merged step runs qkv_mlp and out_pair in place of qkv, mlp_in, out and mlp_out), a count that is not a whole
     number >= 1, a count outside what the kernels take for that linear."""
-    from patcher.decode.runner import int4_roles
-
+    int4_roles = int4_plan.layer_roles
     model = gptq_model(name, tmp_path)
     patch_model(model)
     roles = ("qkv", "out", "mlp_in", "mlp_out") if name == "tiny-llama" else ("qkv_mlp", "out_pair")
-    rule = DecodeRunner(model, use_graphs=False)
-    assert {r for layer in rule.layers for r, lin in int4_roles(layer).items() if lin is not None} == set(roles)
+    rule = DecodeRunner(model, EAGER)
+    launched = {r for layer in rule.decode_step.layers for r, lin in int4_roles(layer).items() if lin is not None}
+    assert launched == set(roles)
     ids, mask = torch.randint(3, 500, (1, 5)), torch.ones(1, 5, dtype=torch.long)
     tokens = rule.generate(ids, mask, 4, Sampling(), eos=[], pad_token_id=0)
     chosen = {roles[0]: 3, roles[1]: 2}
-    runner = DecodeRunner(model, use_graphs=False, int4_splits=chosen)
+    runner = DecodeRunner(model, EAGER.replace(int4_splits=chosen))
     assert torch.equal(runner.generate(ids, mask, 4, Sampling(), eos=[], pad_token_id=0), tokens)
-    for layer, rule_layer in zip(runner.layers, rule.layers):  # (GPT-NeoX's merged linears are made per runner)
+    # (GPT-NeoX's merged linears are made per runner)
+    for layer, rule_layer in zip(runner.decode_step.layers, rule.decode_step.layers):
         by_rule = {
             r: rule.states[1].int4_splits[id(lin)] for r, lin in int4_roles(rule_layer).items() if lin is not None
         }
@@ -259,8 +261,8 @@ def test_decode_runner_takes_k_slices_by_role(name, tmp_path):
     for bad, message in (({other: 2}, f"no int4 linear of role {other!r}"), ({roles[0]: 0}, "whole number"),
                          ({roles[0]: 2.0}, "whole number"), ({roles[0]: True}, "whole number")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
-            DecodeRunner(model, use_graphs=False, int4_splits=bad)
-    too_many = DecodeRunner(model, use_graphs=False, int4_splits={roles[0]: model.config.hidden_size})
+            DecodeRunner(model, EAGER.replace(int4_splits=bad))
+    too_many = DecodeRunner(model, EAGER.replace(int4_splits={roles[0]: model.config.hidden_size}))
     with pytest.raises(ValueError, match=r"the int4 kernels take 1 to \d+ K slices"):
         too_many.generate(ids, mask, 2, Sampling(), eos=[], pad_token_id=0)
 
@@ -337,7 +339,7 @@ def test_patch_model_runs_gptq_models_on_int4_ops(name, act_order, tmp_path):
         tokens = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
         report = patch_model(model)
         got = model(ids).logits
-        runner = DecodeRunner(model, use_graphs=False)
+        runner = DecodeRunner(model, EAGER)
         decoded = runner.generate(ids, mask, 16, Sampling(), eos=[], pad_token_id=0)
     assert report.layers_restructured == model.config.num_hidden_layers and not report.unpatched
     assert all("int4" in r.detail for r in report.replaced if r.name.endswith(("attention", "mlp", "self_attn")))
@@ -368,8 +370,9 @@ def test_int4_out_pair(tmp_path):
     logits = {}
     with torch.no_grad():
         for use in (True, False):
-            runner = DecodeRunner(model, use_graphs=False, merge_int4=use)
-            assert all((step.out_pair is not None) == use == (step.qkv_mlp is not None) for step in runner.layers)
+            runner = DecodeRunner(model, EAGER.replace(merge_int4=use))
+            steps = runner.decode_step.layers
+            assert all((step.out_pair is not None) == use == (step.qkv_mlp is not None) for step in steps)
             tokens = runner.generate(ids, mask, 8, Sampling(), eos=[], pad_token_id=0)
             logits[use] = (tokens, runner.logits(runner.states[2]))
     assert torch.equal(logits[True][0], logits[False][0])
@@ -382,7 +385,7 @@ def test_int4_out_pair(tmp_path):
     act_order = gptq_model("tiny-pythia", tmp_path / "act", act_order=True)
     report = patch_model(act_order)
     assert all("apart (act-order" in r.detail for r in report.replaced if r.kind == "GPTNeoXLayer")
-    assert DecodeRunner(act_order, use_graphs=False).layers[0].out_pair is None
+    assert DecodeRunner(act_order, EAGER).decode_step.layers[0].out_pair is None
 
 
 def test_fixed_point_accumulators():
@@ -491,11 +494,12 @@ def test_qkv_acc_reference():
 
 def deferred_expected(runner) -> set:
     """The (kind, layer) producers that should run as int4_gemv_acc (with defer_qkv also the QKV projections, as
-    int4_norm_gemv_acc) in an all-int4 model (runner.py)."""
-    layers = range(runner.num_layers)  # the last layer's output projection too: the final norm reads its sums
-    if runner.parallel:
+    int4_norm_gemv_acc) in an all-int4 model (decode/int4_plan.py)."""
+    step = runner.decode_step
+    layers = range(step.num_layers)  # the last layer's output projection too: the final norm reads its sums
+    if step.parallel:
         return {("out", i) for i in layers}
-    kinds = ("qkv", "attn_out", "mlp_out") if runner.defer_qkv else ("attn_out", "mlp_out")
+    kinds = ("qkv", "attn_out", "mlp_out") if runner.options.defer_qkv else ("attn_out", "mlp_out")
     return {(kind, i) for kind in kinds for i in layers}
 
 
@@ -521,8 +525,8 @@ def test_int4_output_projections_hand_on_unmet_sums(name, tmp_path):
     results = {}
     with torch.no_grad():
         for defer in ("qkv", True, False):
-            runner = DecodeRunner(model, use_graphs=False, defer_int4=bool(defer), defer_qkv=defer == "qkv")
-            assert set(runner.deferred) == (deferred_expected(runner) if defer else set())
+            runner = DecodeRunner(model, EAGER.replace(defer_int4=bool(defer), defer_qkv=defer == "qkv"))
+            assert set(runner.decode_step.int4.deferred) == (deferred_expected(runner) if defer else set())
             tokens = runner.generate(ids, mask, 8, Sampling(), eos=[], pad_token_id=0)
             results[defer] = (tokens, runner.logits(runner.states[2]))
             if defer:
@@ -548,7 +552,7 @@ def randomize_norms(model, seed=0):
                     module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=g))
 
 
-# (model, DecodeRunner keywords, int4_norm_prologue calls a layer): every path of the step through an int4 norm op.
+# (model, DecodeOptions fields, int4_norm_prologue calls a layer): every path of the step through an int4 norm op.
 NORM_IN_FRONT = [
     ("tiny-llama", {}, 2),  # QKV as int4_gemv_acc (the attention finishes it), gate/up
     ("tiny-llama", {"defer_qkv": False}, 2),  # QKV as int4_qkv_rope_cache
@@ -561,11 +565,11 @@ NORM_IN_FRONT = [
 
 @pytest.mark.parametrize("name,kwargs,per_layer", NORM_IN_FRONT)
 def test_int4_norm_in_front(name, kwargs, per_layer, tmp_path, monkeypatch):
-    """CPU, reference backend: from INT4_SEPARATE_NORM_MIN_BATCH rows on (every batch size by default), the decode
-    step runs each int4 op's add + norm as int4_norm_prologue in front of it, the op reading h (and h2), and the
-    final norm as int4_norm_prologue where the last layer's sums come unmet (at any batch size), and gives
-    the tokens and logits of the step with the norms inside the ops (PATCHER_INT4_SEPARATE_NORM_BATCH above the
-    batch size)."""
+    """CPU, reference backend: from DecodeOptions.int4_separate_norm_batch rows on (every batch size by default),
+    the decode step runs each int4 op's add + norm as int4_norm_prologue in front of it, the op reading h (and h2),
+    and the final norm as int4_norm_prologue where the last layer's sums come unmet (at any batch size), and gives
+    the tokens and logits of the step with the norms inside the ops (int4_separate_norm_batch above the batch
+    size)."""
     model = gptq_model(name, tmp_path)
     randomize_norms(model)
     patch_model(model)
@@ -573,10 +577,11 @@ def test_int4_norm_in_front(name, kwargs, per_layer, tmp_path, monkeypatch):
     results = {}
     with torch.no_grad():
         for in_front in (True, False):
-            runner = DecodeRunner(model, use_graphs=False, int4_separate_norm_batch=2 if in_front else 9, **kwargs)
+            options = EAGER.replace(int4_separate_norm_batch=2 if in_front else 9, **kwargs)
+            runner = DecodeRunner(model, options)
             tokens = runner.generate(ids, mask, 8, Sampling(), eos=[], pad_token_id=0)
             calls = []
-            ops = runner.ops
+            ops = runner.decode_step.ops
             monkeypatch.setattr(
                 ops, "int4_norm_prologue", lambda *a, f=ops.int4_norm_prologue, c=calls: c.append(1) or f(*a)
             )
@@ -585,23 +590,11 @@ def test_int4_norm_in_front(name, kwargs, per_layer, tmp_path, monkeypatch):
             assert runner.states[2].int4_separate_norm == in_front
             layers = model.config.num_hidden_layers
             # and the final norm where the last layer's output projection leaves its sums unmet
-            final = int(any(kind in ("mlp_out", "out") and i == layers - 1 for kind, i in runner.deferred))
+            deferred = runner.decode_step.int4.deferred
+            final = int(any(kind in ("mlp_out", "out") and i == layers - 1 for kind, i in deferred))
             assert len(calls) == (per_layer * layers if in_front else 0) + final
     assert torch.equal(results[True][0], results[False][0])
     assert torch.equal(results[True][1], results[False][1])
-
-
-def test_int4_norm_in_front_threshold_from_the_environment(monkeypatch):
-    from patcher.decode import runner as runner_module
-
-    monkeypatch.delenv("PATCHER_INT4_SEPARATE_NORM_BATCH", raising=False)
-    assert runner_module.int4_separate_norm_min_batch() == runner_module.INT4_SEPARATE_NORM_MIN_BATCH
-    monkeypatch.setenv("PATCHER_INT4_SEPARATE_NORM_BATCH", "9")
-    assert runner_module.int4_separate_norm_min_batch() == 9
-    for bad in ("0", "two", "-1"):
-        monkeypatch.setenv("PATCHER_INT4_SEPARATE_NORM_BATCH", bad)
-        with pytest.raises(ValueError, match="PATCHER_INT4_SEPARATE_NORM_BATCH must be a batch size"):
-            runner_module.int4_separate_norm_min_batch()
 
 
 def test_gptq_layers_the_kernels_cannot_read_are_left_with_a_reason(tmp_path):
@@ -634,7 +627,7 @@ def test_int4_model_on_the_gpu(name, dtype, act_order, tmp_path):
         got = model(ids).logits
     assert_within_torch_error(got, hf, ref32, f"{name} int4 logits")
     for batch in (1, 3):
-        eager = DecodeRunner(model, use_graphs=False).generate(
+        eager = DecodeRunner(model, EAGER).generate(
             ids[:batch], mask[:batch], 24, Sampling(), eos=[], pad_token_id=0
         )
         graph = model.generate(ids[:batch], attention_mask=mask[:batch], max_new_tokens=24, do_sample=False)
@@ -653,14 +646,14 @@ def test_int4_unmet_sums_on_the_gpu(name, tmp_path):
     patch_model(model)
     ids = torch.randint(3, 500, (3, 13), device="cuda")
     mask = torch.ones_like(ids)
-    runners = {defer: DecodeRunner(model, defer_int4=defer, defer_qkv=False) for defer in (True, False)}
-    runners["qkv"] = DecodeRunner(model, defer_int4=True, defer_qkv=True)
+    runners = {defer: DecodeRunner(model, DecodeOptions(defer_int4=defer, defer_qkv=False)) for defer in (True, False)}
+    runners["qkv"] = DecodeRunner(model, DecodeOptions(defer_int4=True, defer_qkv=True))
     with torch.no_grad():
         for runner in runners.values():
             runner.generate(ids, mask, 16, Sampling(), eos=[], pad_token_id=0)
             assert runner.states[3].graph is not None
         for defer in (True, "qkv"):
-            assert set(runners[defer].deferred) == deferred_expected(runners[defer])
+            assert set(runners[defer].decode_step.int4.deferred) == deferred_expected(runners[defer])
             check_accumulators(runners[defer], 3)
         states = {defer: runner.states[3] for defer, runner in runners.items()}
         for other in (False, "qkv"):
@@ -682,7 +675,8 @@ def test_int4_norm_in_front_on_the_gpu(name, kwargs, tmp_path):
     patch_model(model)
     ids = torch.randint(3, 500, (3, 13), device="cuda")
     mask = torch.ones_like(ids)
-    runners = {front: DecodeRunner(model, int4_separate_norm_batch=2 if front else 9, **kwargs) for front in (1, 0)}
+    options = {front: DecodeOptions(int4_separate_norm_batch=2 if front else 9, **kwargs) for front in (1, 0)}
+    runners = {front: DecodeRunner(model, options[front]) for front in (1, 0)}
     with torch.no_grad():
         for runner in runners.values():
             runner.generate(ids, mask, 16, Sampling(), eos=[], pad_token_id=0)
@@ -696,7 +690,7 @@ def test_int4_norm_in_front_on_the_gpu(name, kwargs, tmp_path):
 
 
 @requires_cuda
-def test_int4_mlp_branch_stream_changes_no_result(tmp_path, monkeypatch):
+def test_int4_mlp_branch_stream_changes_no_result(tmp_path):
     """int4 GPT-NeoX with its MLP on a second stream (with its own K-split workspace), the five-kernel step that
     DecodeRunner(merge_int4=False) keeps: tokens equal the one-stream step's. (With the merged ops a layer runs on
     one stream, and the runner makes no branch stream.)"""
@@ -706,8 +700,8 @@ def test_int4_mlp_branch_stream_changes_no_result(tmp_path, monkeypatch):
     model.generation_config.eos_token_id = None
     patch_model(model)
     ids = torch.randint(3, 500, (3, 13), device="cuda")
-    tokens = one_and_two_stream_tokens(model, ids, torch.ones_like(ids), monkeypatch, merge_int4=False)
-    assert DecodeRunner(model).branch_stream is None
+    tokens = one_and_two_stream_tokens(model, ids, torch.ones_like(ids), DecodeOptions(merge_int4=False))
+    assert DecodeRunner(model).decode_step.branch_stream is None
     assert torch.equal(tokens[True], tokens[False])
 
 
@@ -776,7 +770,7 @@ def test_smollm2_int4_patched_matches_reference(device, smollm2_int4):
                 assert generate_path(model)["path"] == "graph"
                 runner = model._patcher_state.runner
             else:  # HF's loop runs the patched model on the CPU; the decode runner (no graphs) must agree with it
-                runner = DecodeRunner(model, use_graphs=False)
+                runner = DecodeRunner(model, EAGER)
                 assert torch.equal(
                     runner.generate(p, torch.ones_like(p), SMOLLM2_NEW_TOKENS, Sampling(), [], 0), tokens
                 )

@@ -53,8 +53,7 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def generate_path(model) -> dict:
-    """What the last `generate` call did: {"path": "graph" | "eager-runner" | "hf", "reason": ...}; on the decode
-    runner's paths also whether its layers ran as one persistent kernel ("step_kernel", "step_kernel_reason")."""
+    """What the last `generate` call did: {"path": "graph" | "eager-runner" | "hf", "reason": ...}."""
     return getattr(model._patcher_state, "last_generate", {})
 
 
@@ -165,12 +164,5 @@ def fast_generate(self, inputs=None, generation_config=None, **kwargs):
     if state.runner is None:
         state.runner = DecodeRunner(self)
     tokens = state.runner.generate(**prepared)
-    # Whether the layers ran as one persistent kernel (int4 models on Hopper: decode/step.py), or why not.
-    step_reason = state.runner.step_kernel_reason(prepared["input_ids"].shape[0])
-    state.last_generate = {
-        "path": "graph" if state.runner.use_graphs else "eager-runner",
-        "reason": None,
-        "step_kernel": step_reason is None,
-        "step_kernel_reason": step_reason,
-    }
+    state.last_generate = {"path": "graph" if state.runner.use_graphs else "eager-runner", "reason": None}
     return tokens

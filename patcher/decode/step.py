@@ -1,226 +1,370 @@
-"""The decode step of an int4 model as one persistent CUDA kernel (kernels/step.cuh).
+"""One decode step of a patched model, from the same patch plans the eager forward reads.
 
-Where every decoder linear of a model is GPTQ int4, the graph-captured decode step can run all layers in one
-cooperative launch instead of five kernels a layer: the blocks meet at grid-wide barriers between the stages of a
-layer, and each block streams its share of the weights through shared memory ahead of them. The embedding, the
-final norm, the lm_head and the token choice stay as they are (runner.py).
+Each layer runs the dataflow of its eager forward (patcher/layers/decoder.py) on the decode kernels, with the
+residual stream carried as (residual, delta, delta2) exactly as the eager layers hand it on:
 
-Status: opt-in (`PATCHER_STEP_KERNEL=1`, or `DecodeRunner(model, use_step_kernel=True)`), because measured on the
-H100 it is not yet faster than the per-op step: int4 TPOT Pythia-2.8B 1.80 against 1.64 ms, Llama-3.1-8B 3.80
-against 3.42 ms (docs/int4_decode.md; `python -m evals.step_profile` shows where each stage's time goes).
+    sequential (LLaMA, Qwen2)     [add +] norm -> QKV, RoPE, K/V into the cache -> decode attention -> o_proj
+                                  -> add + norm -> gate/up with SiLU * up -> down
+    parallel (GPT-NeoX)           [adds +] both LayerNorms -> QKV, RoPE, K/V into the cache -> attention -> dense
+                                  beside: the MLP on the second LayerNorm (dense: on a second stream)
 
-`StepKernel(runner, state)` builds the plan for one StepState (its caches, tables and batch size) and raises
-`StepKernelUnavailable` with the reason where the kernel cannot take the model; the runner then keeps the per-op
-step and records the reason (`DecodeRunner.step_kernel_reason`).
-
-The work split of the kernel is mirrored here (StageSplit) so that the CPU tests check its invariants: every unit
-of a stage is taken by exactly one block, a block's units of a strip are contiguous, and the blocks that share a
-strip are consecutive.
+What changes against the eager forward is only where an op boundary falls:
+- every linear that reads a norm's output can take that add + norm as its prologue (norm_gemv,
+  norm_gemv_rope_cache, int4 ops): dense GEMVs do so up to DecodeOptions.fused_norm_max_hidden, int4 ops below
+  int4_separate_norm_batch; elsewhere the norm runs as its own kernel in front, with the same values;
+- the QKV projection writes RoPE'd K/V into the static cache in its epilogue;
+- from DecodeOptions.cublas_min_batch rows dense linears run on cuBLAS, then the activation or RoPE kernel;
+- GPTQ int4 output projections may hand their sums on unmet (decode/int4_plan.py), and GPT-NeoX's int4 layer
+  is three launches: both LayerNorms + QKV + the MLP's input projection, the attention, both output projections.
+The final norm takes the last layer's stream the same way, and the lm_head is a GEMV after it.
 """
 
 from __future__ import annotations
 
-import os
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-# The stages of a layer (kernels/step.cuh), and the marks the timeline records in each (launchers.h: kStepMarks).
-PARALLEL_STAGES = ("A: add + LayerNorms, QKV + MLP in", "B: attention", "C: attention out + MLP out")
-SEQUENTIAL_STAGES = ("A: add + norm, QKV", "B: attention", "C: attention out", "D: add + norm, MLP in", "E: MLP out")
-# stage start (after its barrier), attention done, inputs staged, linears done (arrival at the barrier); then the ns
-# of the linears' phase spent waiting for weights and in the strips' meetings
-MARKS = 6
-GROUP_WHOLE = 1 << 30  # the group size passed for "one group over all of K" (GPTQ group_size -1)
-UNIT_K = 256  # k per unit of work (32 qweight rows)
-STRIP = 128  # output columns per strip (gate | up: 64 + 64)
+from ..ops import int4
+from ..registry import REGISTRY
+from .int4_plan import Int4Plan
+
+NO_PROLOGUE = (None,) * 6 + (0.0, False)  # the prologue arguments of an op that takes no add + norm
+MAX_SPLITS = 16  # decode_attention merges at most this many partial softmaxes per (row, kv head)
 
 
-class StepKernelUnavailable(RuntimeError):
-    """The step kernel cannot run this model or batch; the message says why."""
+@dataclass
+class LayerStep:
+    """What one layer's decode step reads: its modules' patch plans and its norms' parameters."""
+
+    attention: object  # AttentionPlan
+    mlp: object  # MlpPlan
+    scale: float
+    mlp_act: str  # the activation fused into the MLP's first linear: "silu_mul", "gelu" or "gelu_tanh"
+    norms: tuple  # ((weight, bias, eps) of the input norm, (weight, bias, eps) of the post-attention norm)
+    separate_norms: tuple  # the norms as their own kernels: (x, delta, delta2) -> (h, sum, h2)
+    out_pair: object = None  # GPT-NeoX int4: both output projections as one Int4Linear over [attn | h]
+    qkv_mlp: object = None  # GPT-NeoX int4: QKV and the MLP's input projection side by side (int4_qkv_mlp_in)
 
 
-def enabled() -> bool:
-    """Whether the decode runner uses the step kernel unless told otherwise: PATCHER_STEP_KERNEL=1 (opt-in)."""
-    return os.environ.get("PATCHER_STEP_KERNEL", "0") == "1"
+def norm_params(norm, spec) -> tuple:
+    return norm.weight, getattr(norm, "bias", None), float(getattr(norm, spec.eps_attr))
 
 
-# ---- the work split (kernels/step.cuh: StageSplit) -------------------------------------------------------------
-@dataclass(frozen=True)
-class StageSplit:
-    """A linear stage's units (every strip of its first linear x its K units, strip-major, then its second's) in
-    equal runs over the blocks; strips are numbered over both linears."""
-
-    blocks: int
-    strips0: int
-    ku0: int
-    strips1: int = 0
-    ku1: int = 1
-
-    @property
-    def begin1(self) -> int:
-        return self.strips0 * self.ku0
-
-    @property
-    def units(self) -> int:
-        return self.begin1 + self.strips1 * self.ku1
-
-    def run_start(self, block: int) -> int:
-        """Block b's run is [run_start(b), run_start(b + 1)): units // blocks each, one more for the first
-        units % blocks, so the blocks holding a strip's units are consecutive (the last hold none if units < blocks)."""
-        q, r = divmod(self.units, self.blocks)
-        return block * q + min(block, r)
-
-    def owner(self, u: int) -> int:
-        """The block whose run holds unit u."""
-        q, r = divmod(self.units, self.blocks)
-        return u // (q + 1) if u < r * (q + 1) else r + (u - r * (q + 1)) // q
-
-    def strip_of(self, u: int) -> int:
-        return u // self.ku0 if u < self.begin1 else self.strips0 + (u - self.begin1) // self.ku1
-
-    def first_unit(self, strip: int) -> int:
-        return strip * self.ku0 if strip < self.strips0 else self.begin1 + (strip - self.strips0) * self.ku1
-
-    def last_unit(self, strip: int) -> int:
-        return self.first_unit(strip + 1) - 1
-
-    def pieces(self, u0: int, u1: int) -> list[tuple[int, int, int]]:
-        """A block's run [u0, u1) as pieces (strip, first unit, units), each the run's units of one strip: the run's
-        last strip first, then the rest in order, so that the two blocks sharing a strip both take it early."""
-        s0, s1 = self.strip_of(u0), self.strip_of(u1 - 1)
-        if s0 == s1:
-            return [(s0, u0, u1 - u0)]
-        out = [(s1, self.first_unit(s1), u1 - self.first_unit(s1))]
-        for strip in range(s0, s1):
-            first = max(u0, self.first_unit(strip))
-            out.append((strip, first, self.last_unit(strip) + 1 - first))
-        return out
+def separate_norm(norm, add_norm):
+    """A norm plan's closures (patcher/layers/norm.py) as (x, delta, delta2) -> (h, sum, h2). sum is x where
+    there is no delta; no h2."""
+    return lambda x, d, d2: (norm(x), x, None) if d is None else (*add_norm(x, d, d2), None)
 
 
-# ---- eligibility ---------------------------------------------------------------------------------------------
-def model_reason(runner) -> str | None:
-    """Why the step kernel can never take this runner's model, or None (the C++ planner checks the rest)."""
-    if runner.device.type != "cuda":
-        return "not a CUDA model"
-    if torch.cuda.get_device_capability(runner.device)[0] != 9:
-        return "the step kernel needs a Hopper GPU (sm_90)"
-    if runner.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {runner.dtype} (the step kernel takes float16 and bfloat16)"
-    linears = []
-    for layer in runner.layers:
-        a, m = layer.attention, layer.mlp
-        group = (a.qkv_int4, a.out_int4, m.in_int4, m.out_int4)
-        if any(lin is None for lin in group):
-            return "not every decoder linear is GPTQ int4"
-        linears.extend(group)
-    if any(lin.act_order for lin in linears):
-        return "act-order (g_idx) or a group size that is not a multiple of 8"
-    if len({lin.zero_offset for lin in linears}) != 1:
-        return "GPTQ v1 and v2 linears mixed"
-    if group_size(linears) is None:
-        return "linears quantized with different group sizes"
-    eps = {norm[2] for layer in runner.layers for norm in layer.norms}
-    if len(eps) != 1:
-        return "norms with different eps"
-    return None
+def separate_dual_norm(plan):
+    """GPT-NeoX's junction (both LayerNorms of one sum) from a layer plan, as separate_norm returns it."""
+
+    def run(x, d, d2):
+        if d is None:
+            h, h2 = plan.dual_norm(x)
+            return h, x, h2
+        h, h2, total = plan.add_dual_norm(x, d, d2)
+        return h, total, h2
+
+    return run
 
 
-def group_size(linears) -> int | None:
-    """The one group size of all linears (GROUP_WHOLE for one group over K), or None where they differ."""
-    sizes = {GROUP_WHOLE if lin.group_size >= lin.in_features else lin.group_size for lin in linears}
-    return sizes.pop() if len(sizes) == 1 else None
+def layer_step(layer, spec, parallel: bool, merge_int4: bool) -> LayerStep:
+    """A decoder layer's LayerStep from the plans patch_model gave its modules."""
+    attention, mlp, plan = getattr(layer, spec.attention), getattr(layer, spec.mlp), layer._patcher
+    if spec.mlp_gated:
+        act = "silu_mul"
+    else:
+        act = "gelu_tanh" if getattr(mlp._patcher, "tanh", False) else "gelu"
+    norms = (norm_params(getattr(layer, spec.input_norm), spec), norm_params(getattr(layer, spec.post_norm), spec))
+    if parallel:
+        separate = (separate_dual_norm(plan), None)
+    else:
+        separate = (separate_norm(plan.norm, plan.add_norm), separate_norm(None, plan.post_add_norm))
+    step = LayerStep(attention._patcher, mlp._patcher, float(attention.scaling), act, norms, separate)
+    if merge_int4 and parallel and act != "silu_mul":
+        step.out_pair = plan.out_pair  # stacked by patch_model where it could (patcher/layers/out_pair.py)
+        a, m = attention._patcher, mlp._patcher
+        if a.qkv_int4 is not None and m.in_int4 is not None:
+            step.qkv_mlp = int4.side_by_side(a.qkv_int4, m.in_int4)
+    return step
 
 
-class StepKernel:
-    """The plan and buffers of the step kernel for one StepState (batch size, cache capacity). With `timeline`,
-    each launch records when every block starts and ends each phase of each stage (timeline_summary)."""
+class DecodeStep:
+    """The logits of the current tokens of a StepState, K/V written into its cache: the model's layers as decode
+    kernels. Runs eagerly, or inside a graph capture (runner.py)."""
 
-    def __init__(self, runner, state, timeline: bool = False):
-        reason = model_reason(runner)
-        if reason is not None:
-            raise StepKernelUnavailable(reason)
-        B, H, dev, dtype = state.batch, runner.hidden, runner.device, runner.dtype
-        first = runner.layers[0]
-        inter = sum(first.mlp.in_int4.widths) // (2 if first.mlp_act == "silu_mul" else 1)
-        hq, hkv, d = runner.num_heads, runner.num_kv_heads, runner.head_dim
-        self.resid = torch.zeros(2, B, H, dtype=dtype, device=dev)
-        self.delta = torch.zeros(2, B, H, dtype=dtype, device=dev)  # attention, MLP
-        self.qkv = torch.zeros(B, (hq + 2 * hkv) * d, dtype=dtype, device=dev)
-        self.attn = torch.zeros(B, hq * d, dtype=dtype, device=dev)
-        self.act = torch.zeros(B, inter, dtype=dtype, device=dev)
-        self.parallel = runner.parallel
-        qweight, qzeros, scales, bias, segments, norm_w, norm_b = [], [], [], [], [], [], []
-        linears = []
-        for layer in runner.layers:
-            a, m = layer.attention, layer.mlp
-            for lin in (a.qkv_int4, a.out_int4, m.in_int4, m.out_int4):
-                linears.append(lin)
-                qweight += lin.qweight
-                qzeros += lin.qzeros
-                scales += lin.scales
-                bias += lin.bias
-                segments.append(len(lin.qweight))
-            for w, b, _ in layer.norms:
-                norm_w.append(w)
-                norm_b.append(b)
-        self._keep = (qweight, qzeros, scales, bias, norm_w, norm_b)  # the plan points into these
-        self.stage_names = PARALLEL_STAGES if runner.parallel else SEQUENTIAL_STAGES
-        self.stages = len(runner.layers) * len(self.stage_names)
-        self.blocks = torch.cuda.get_device_properties(dev).multi_processor_count
-        marks = self.blocks * self.stages * MARKS
-        self.timeline = torch.zeros(marks, dtype=torch.long, device=dev) if timeline else None
-        try:
-            self.header, self.arrays, self.workspace, self.final = torch.ops.patcher.int4_step_plan(
-                qweight, qzeros, scales, bias, segments, group_size(linears), linears[0].zero_offset,
-                norm_w, norm_b, float(first.norms[0][2]), runner.rms, runner.parallel, first.mlp_act,
-                hq, hkv, d, first.attention.interleaved, first.scale, state.splits,
-                state.cos, state.sin, state.slot, state.pad, state.k, state.v,
-                self.resid, self.delta, self.qkv, self.attn, self.act, self.timeline,
-            )  # fmt: skip
-        except RuntimeError as e:
-            raise StepKernelUnavailable(str(e).split("\n")[0]) from e
+    def __init__(self, model, options):
+        config = model.config
+        spec = REGISTRY[config.model_type].spec
+        base = getattr(model, spec.base_model, model)
+        self.model, self.config, self.spec, self.options = model, config, spec, options
+        self.embed = model.get_input_embeddings()
+        # next_token writes the next step's input itself where the embedding is a plain table lookup; otherwise
+        # (a subclass with its own forward, max_norm) the step runs the module on the tokens.
+        plain = type(self.embed).forward is torch.nn.Embedding.forward and self.embed.max_norm is None
+        fused = options.fuse_next_token and plain and self.embed.weight.is_contiguous()
+        self.embed_weight = self.embed.weight if fused else None
+        lm_head = model.get_output_embeddings()
+        self.lm_weight, self.lm_bias = lm_head.weight, getattr(lm_head, "bias", None)
+        self.rotary = base.rotary_emb
+        final_norm = getattr(base, spec.final_norm)
+        self.final_norm = norm_params(final_norm, spec)
+        self.final_separate_norm = separate_norm(final_norm._patcher.norm, final_norm._patcher.add_norm)
+        self.parallel = spec.flag(config, spec.parallel_residual)
+        self.rms = spec.norm == "rms"
+        layers = getattr(base, spec.layers)
+        self.layers = [layer_step(layer, spec, self.parallel, options.merge_int4) for layer in layers]
+        self.ops = self.layers[0].attention.ops
+        self.num_layers = len(self.layers)
+        self.num_heads, self.num_kv_heads = spec.num_heads(config), spec.num_kv_heads(config)
+        self.head_dim = spec.head_dim(config)
+        self.hidden = self.lm_weight.shape[1]
+        self.device, self.dtype = self.lm_weight.device, self.lm_weight.dtype
+        self.int4 = Int4Plan(self.layers, self.parallel, options, self.device, self.dtype, self.num_heads,
+                             self.head_dim)  # fmt: skip
+        # GPT-NeoX's MLP on a second stream, beside QKV -> attention -> dense (the graph captures the two as
+        # parallel branches: HBM keeps streaming MLP weights while the attention, which reads little, runs); none
+        # where every layer runs int4_qkv_mlp_in on one stream.
+        merged = all(layer.qkv_mlp is not None for layer in self.layers)
+        branch = options.parallel_branch and self.parallel and not merged and self.device.type == "cuda"
+        self.branch_stream = torch.cuda.Stream(self.device) if branch else None
 
-    @property
-    def nbytes(self) -> int:
-        tensors = (self.resid, self.delta, self.qkv, self.attn, self.act, self.arrays, self.workspace)
-        return sum(t.numel() * t.element_size() for t in tensors)
+    # ---- shapes of the step's buffers -----------------------------------------------------------------------
+    def attention_splits(self, batch: int) -> int:
+        """Key splits per (row, kv head) of the decode attention: enough blocks to cover the GPU twice."""
+        if self.device.type != "cuda":
+            return 1
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return max(1, min(MAX_SPLITS, math.ceil(2 * sms / (batch * self.num_kv_heads))))
 
-    def run(self, x: torch.Tensor) -> tuple:
-        """Every layer on the embeddings x [B, H]: (residual, delta, delta2) for the final add + norm."""
-        self.resid[0].copy_(x)
-        torch.ops.patcher.int4_step(self.header, self.arrays, self.workspace)
-        if self.parallel:
-            return self.resid[self.final], self.delta[0], self.delta[1]
-        return self.resid[self.final], self.delta[1], None
+    def rope_tables(self, capacity: int):
+        """cos/sin [capacity, rotary_dim] for positions 0..capacity-1, from the model's own rotary embedding."""
+        positions = torch.arange(capacity, device=self.device)[None]
+        probe = torch.empty(1, device=self.device, dtype=self.dtype)
+        with torch.no_grad():
+            cos, sin = self.rotary(probe, position_ids=positions)
+        return cos[0].contiguous(), sin[0].contiguous()
 
+    # ---- the ops of a layer -----------------------------------------------------------------------------------
+    def _prologue(self, delta, delta2, norm, norm2=None) -> tuple:
+        """The add + norm arguments every prologue-taking op shares."""
+        (w, b, eps), (w2, b2) = norm, (norm2[:2] if norm2 else (None, None))
+        return (delta, delta2, w, b, w2, b2, eps, self.rms)
 
-def timeline_summary(kernel: StepKernel) -> list[dict]:
-    """Where the last launch's time went, per kind of stage (averaged over layers), in microseconds: the stage's
-    span (start to the next stage's start, median over blocks), and its phases, medians over blocks: attention,
-    staging the inputs (add + norm or a plain copy), the linears' units (compute, waiting for weights and the strip
-    meetings), of which waiting for weights and the meetings, and the wait at the barrier; "slowest" is the most any
-    block spent before arriving at the barrier."""
-    if kernel.timeline is None:
-        raise ValueError("the step kernel was built without a timeline (StepKernel(..., timeline=True))")
-    t = kernel.timeline.view(kernel.blocks, kernel.stages, MARKS).double().cpu() / 1e3  # us
-    ends = torch.cat([t[:, 1:, 0], t[:, -1:, 3]], dim=1)  # when each block starts the next stage
-    kinds = len(kernel.stage_names)
-    rows = []
-    for k, name in enumerate(kernel.stage_names):
-        s = t[:, k::kinds]
-        e = ends[:, k::kinds]
-        phases = {
-            "span_us": e - s[..., 0],
-            "attention_us": s[..., 1] - s[..., 0],
-            "staging_us": s[..., 2] - s[..., 1],
-            "units_us": s[..., 3] - s[..., 2],
-            "weight_wait_us": s[..., 4],
-            "meeting_us": s[..., 5],
-            "barrier_us": e - s[..., 3],
-        }
-        row = {"stage": name, **{key: v.median(dim=0).values.mean().item() for key, v in phases.items()}}
-        row["slowest_us"] = (s[..., 3] - s[..., 0]).max(dim=0).values.mean().item()
-        rows.append(row)
-    rows.append({"stage": "step", "span_us": (ends[:, -1] - t[:, 0, 0]).median().item()})
-    return rows
+    def _norm_linear(self, x, pro, separate, weight, bias, act: str, st, int4_linear=None, fuse=True):
+        """act(norm(x [+ deltas]) @ W^T + b) with the add + norm as the op's prologue where the kernels take it (and
+        `fuse`), else in front: int4_norm_prologue for an int4 linear, `separate` for a dense one. Returns
+        (out, sum, h2)."""
+        if int4_linear is not None:
+            if not st.int4_separate_norm:
+                return self.ops.int4_gemv(x, *pro, *int4_linear.args(), act, st.int4_splits[id(int4_linear)],
+                                          st.int4_workspace)  # fmt: skip
+            h, total, h2 = self.ops.int4_norm_prologue(x, *pro)
+        elif st.fused_norms and fuse:
+            return self.ops.norm_gemv(x, *pro, weight, bias, act)
+        else:
+            h, total, h2 = separate(x, pro[0], pro[1])
+        return self._linear(h, weight, bias, act, st, int4_linear), total, h2
+
+    def _linear(self, h, weight, bias, act: str, st, int4_linear=None, workspace=None):
+        """h @ W^T (+ b) with the MLP activation: our GEMV (epilogue fused), or cuBLAS then the activation.
+        `workspace`: the int4 workspace of the stream it runs on (default: the main stream's)."""
+        if int4_linear is not None:
+            workspace = st.int4_workspace if workspace is None else workspace
+            return self.ops.int4_gemv(h, *NO_PROLOGUE, *int4_linear.args(), act, st.int4_splits[id(int4_linear)],
+                                      workspace)[0]  # fmt: skip
+        if not st.cublas:
+            return self.ops.gemv(h, weight, bias, act)
+        y = F.linear(h, weight, bias)
+        if act == "silu_mul":
+            return self.ops.silu_and_mul(y)
+        if act != "none":
+            return F.gelu(y, approximate="tanh" if act == "gelu_tanh" else "none")
+        return y
+
+    def _accumulate(self, kind: str, i: int, x, x2, lin, st, early: bool = False) -> tuple:
+        """x (and x2 beside it along k) through the deferred linear (kind, i) into its accumulator: (delta, delta2)
+        for the reader's prologue."""
+        d = st.deferred[(kind, i)]
+        args = lin.args(bias=False)
+        self.ops.int4_gemv_acc(x, x2, *args, st.int4_splits[id(lin)], st.int4_workspace, d.acc, d.clear, early)
+        return d.acc, d.bias_rows
+
+    @staticmethod
+    def _qkv_takes_norm(layer: LayerStep, st) -> bool:
+        """Whether the QKV op computes the input norm in its prologue (int4, or dense with fused norms)."""
+        return layer.attention.qkv_int4 is not None or st.fused_norms
+
+    @staticmethod
+    def _rope_args(layer: LayerStep, index: int, st) -> tuple:
+        a = layer.attention
+        return st.cos, st.sin, st.slot, st.pad, st.k[index], st.v[index], a.num_heads, a.num_kv_heads, a.head_dim
+
+    def _qkv(self, layer: LayerStep, index: int, x, pro, st):
+        """[add +] norm -> QKV -> RoPE -> K/V into the cache slot; returns (q, sum, h2)."""
+        a, ops = layer.attention, self.ops
+        if a.qkv_int4 is not None and st.int4_separate_norm:
+            h, total, h2 = ops.int4_norm_prologue(x, *pro)
+            return self._qkv_rope(layer, index, h, st), total, h2
+        if not self._qkv_takes_norm(layer, st):
+            h, total, h2 = layer.separate_norms[0](x, pro[0], pro[1])
+            return self._qkv_rope(layer, index, h, st), total, h2
+        rope = self._rope_args(layer, index, st)
+        if a.qkv_int4 is not None:
+            lin = a.qkv_int4
+            return ops.int4_qkv_rope_cache(x, *pro, *lin.args(), *rope, a.interleaved, st.int4_splits[id(lin)],
+                                           st.int4_workspace)  # fmt: skip
+        return ops.norm_gemv_rope_cache(x, *pro, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)
+
+    def _qkv_acc(self, layer: LayerStep, index: int, x, pro, st) -> tuple:
+        """The int4 QKV projection behind its add + norm into its accumulator, for the attention to finish:
+        (the DeferredOut to pass as _attention's q, sum)."""
+        lin, d = layer.attention.qkv_int4, st.deferred[("qkv", index)]
+        args = (*lin.args(bias=False), st.int4_splits[id(lin)], st.int4_workspace, d.acc, d.clear)
+        if st.int4_separate_norm:
+            h, total, _ = self.ops.int4_norm_prologue(x, *pro)
+            self.ops.int4_gemv_acc(h, None, *args)
+            return d, total
+        total, _ = self.ops.int4_norm_gemv_acc(x, *pro, *args)
+        return d, total
+
+    def _qkv_rope(self, layer: LayerStep, index: int, h, st):
+        """QKV -> RoPE -> K/V into the cache slot from the norm's output h; returns q."""
+        a, ops = layer.attention, self.ops
+        rope = self._rope_args(layer, index, st)
+        if a.qkv_int4 is not None:
+            lin = a.qkv_int4
+            return ops.int4_qkv_rope_cache(h, *NO_PROLOGUE, *lin.args(), *rope, a.interleaved, st.int4_splits[id(lin)],
+                                           st.int4_workspace)[0]  # fmt: skip
+        if not st.cublas:
+            return ops.norm_gemv_rope_cache(h, *NO_PROLOGUE, a.qkv_weight, a.qkv_bias, *rope, a.interleaved)[0]
+        qkv = self._linear(h, a.qkv_weight, a.qkv_bias, "none", st)
+        return ops.rope_qkv_cache(qkv, *rope, a.interleaved)
+
+    def _qkv_mlp(self, layer: LayerStep, index: int, x, delta, delta2, st):
+        """GPT-NeoX int4 in one op: [adds +] both LayerNorms, QKV -> RoPE -> K/V into the cache from the first, the
+        MLP's input projection and activation from the second; returns (q, MLP hidden, sum)."""
+        a, lin = layer.attention, layer.qkv_mlp
+        norm, post_norm = layer.norms
+        pro = self._prologue(delta, delta2, norm, post_norm)
+        rope = self._rope_args(layer, index, st)
+        args = (*lin.args(), *rope, a.interleaved, len(a.qkv_int4.widths), layer.mlp_act, st.int4_splits[id(lin)],
+                st.int4_workspace)  # fmt: skip
+        if st.int4_separate_norm:  # both LayerNorms in front; the op's QKV tiles read h, its MLP tiles h2
+            h, total, h2 = self.ops.int4_norm_prologue(x, *pro)
+            q, hidden, _ = self.ops.int4_qkv_mlp_in(h, *NO_PROLOGUE, *args, h2)
+            return q, hidden, total
+        return self.ops.int4_qkv_mlp_in(x, *pro, *args)
+
+    def _attention(self, layer: LayerStep, q, st, index: int, project: bool = True):
+        """Attention over the cache and (with `project`) the output projection. q: the query [B, Hq, D], or the
+        QKV projection's DeferredOut (q and the current token's K/V still in its accumulator)."""
+        a = layer.attention
+        if isinstance(q, torch.Tensor):
+            out = self.ops.decode_attention(q, st.k[index], st.v[index], st.slot, st.pad, layer.scale, st.splits,
+                                            st.workspace)  # fmt: skip
+        else:
+            out = self.ops.decode_attention_qkv_acc(q.acc, q.bias_rows, st.cos, st.sin, st.slot, st.pad, st.k[index],
+                                                    st.v[index], a.num_heads, a.interleaved, layer.scale, st.splits,
+                                                    st.workspace)  # fmt: skip
+        return self._linear(out, a.out_weight, a.out_bias, "none", st, a.out_int4) if project else out
+
+    def _branch_mlp(self, layer: LayerStep, h, st):
+        """GPT-NeoX's MLP on h = ln2(x), on the branch stream where there is one: it then runs beside the attention
+        path until the layer joins the stream. h and the output stay referenced until after that join, so neither
+        stream reuses their memory while the other may still use it. With the layer's out pair, only the first
+        linear (its output projection is the out pair's second half)."""
+        m, stream, workspace = layer.mlp, self.branch_stream, st.int4_workspace
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # after the work queued so far
+            workspace = st.branch_int4_workspace
+        with torch.cuda.stream(stream):  # None: a no-op, the work stays on the current stream
+            inner = self._linear(h, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4, workspace)
+            if layer.out_pair is not None:
+                return inner
+            return self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4, workspace)
+
+    # ---- a layer, per residual kind --------------------------------------------------------------------------
+    def sequential_layer(self, layer: LayerStep, i: int, residual, delta, delta2, st) -> tuple:
+        """x -> (x + attn(norm(x))) handed on with mlp(post_norm(...)) as the next delta (LLaMA, Qwen2)."""
+        m = layer.mlp
+        norm, post_norm = layer.norms
+        pro = self._prologue(delta, delta2, norm)
+        if ("qkv", i) in st.deferred:
+            q, total = self._qkv_acc(layer, i, residual, pro, st)
+        else:
+            q, total, _ = self._qkv(layer, i, residual, pro, st)
+        residual = residual if delta is None else total
+        if ("attn_out", i) in st.deferred:
+            out = self._attention(layer, q, st, i, project=False)
+            attn, attn2 = self._accumulate("attn_out", i, out, None, layer.attention.out_int4, st)
+        else:
+            attn, attn2 = self._attention(layer, q, st, i), None
+        pro = self._prologue(attn, attn2, post_norm)
+        inner, residual, _ = self._norm_linear(
+            residual, pro, layer.separate_norms[1], m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4
+        )
+        if ("mlp_out", i) in st.deferred:
+            return (residual, *self._accumulate("mlp_out", i, inner, None, m.out_int4, st))
+        return residual, self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4), None
+
+    def parallel_layer(self, layer: LayerStep, i: int, residual, delta, delta2, st) -> tuple:
+        """x -> x + attn(ln1(x)) + mlp(ln2(x)), the two terms handed on as (delta, delta2) (GPT-NeoX)."""
+        m = layer.mlp
+        norm, post_norm = layer.norms
+        if layer.qkv_mlp is not None:  # int4: QKV and the MLP's input projection in one launch
+            q, mlp_out, total = self._qkv_mlp(layer, i, residual, delta, delta2, st)
+        elif self._qkv_takes_norm(layer, st):  # ln2(x) comes out of the QKV op as h2
+            q, total, h_mlp = self._qkv(layer, i, residual, self._prologue(delta, delta2, norm, post_norm), st)
+            mlp_out = self._branch_mlp(layer, h_mlp, st)
+        else:  # the norm kernel first, so that the MLP starts beside the QKV GEMV
+            h, total, h_mlp = layer.separate_norms[0](residual, delta, delta2)
+            mlp_out = self._branch_mlp(layer, h_mlp, st)
+            q = self._qkv_rope(layer, i, h, st)
+        residual = residual if delta is None else total
+        pair = layer.out_pair
+        attn = self._attention(layer, q, st, i, project=pair is None)
+        if layer.qkv_mlp is None and self.branch_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.branch_stream)
+        elif layer.qkv_mlp is not None and pair is None:
+            mlp_out = self._linear(mlp_out, m.out_weight, m.out_bias, "none", st, m.out_int4)
+        if pair is None:
+            return residual, attn, mlp_out
+        # Both output projections as one GEMV over [attention | MLP hidden] (layers/out_pair.py). With
+        # int4_qkv_mlp_in the MLP hidden was written before the attention began: the op's MLP slices may start
+        # streaming their weights while the attention runs (`early`).
+        early = layer.qkv_mlp is not None
+        if ("out", i) in st.deferred:
+            return (residual, *self._accumulate("out", i, attn, mlp_out, pair, st, early))
+        splits = st.int4_splits[id(pair)]
+        return residual, self.ops.int4_gemv_cat(attn, mlp_out, *pair.args(), splits, st.int4_workspace, early), None
+
+    # ---- the whole step ---------------------------------------------------------------------------------------
+    def layers_forward(self, x, st) -> tuple:
+        """Every layer of the step: (residual, delta, delta2) for the final add + norm."""
+        stream = (x, None, None)
+        layer_fn = self.parallel_layer if self.parallel else self.sequential_layer
+        for i, layer in enumerate(self.layers):
+            stream = layer_fn(layer, i, *stream, st)
+        return stream
+
+    def logits(self, st, x: torch.Tensor | None = None) -> torch.Tensor:
+        """The next-token logits [B, V] of the current tokens (st.tokens[:, slot]); their K/V land in the cache.
+        x: their embeddings [B, H] where next_token already looked them up (st.x), else they are looked up here."""
+        if x is None:
+            x = self.embed(st.tokens.index_select(1, st.slot).squeeze(1))
+        residual, delta, delta2 = self.layers_forward(x, st)
+        pro = self._prologue(delta, delta2, self.final_norm)
+        if delta is not None and delta.dtype == torch.int64:  # the last int4 projection left its sums unmet
+            h = self.ops.int4_norm_prologue(residual, *pro)[0]
+            return self._linear(h, self.lm_weight, self.lm_bias, "none", st)
+        # On a GPU the lm_head never takes the final norm as its prologue: its vocab / 8 blocks would each
+        # recompute the norm, which costs more than a norm kernel in front.
+        fuse = self.device.type != "cuda"
+        return self._norm_linear(
+            residual, pro, self.final_separate_norm, self.lm_weight, self.lm_bias, "none", st, fuse=fuse
+        )[0]
