@@ -33,7 +33,7 @@ DOC_CITATION = re.compile(r'\]\(([\w-]+\.md)\), "([^"]+)"')
 CODE_SUFFIXES = {".cu", ".cuh", ".h", ".cpp", ".py", ".sh"}
 CODE_FOLDERS = ("patcher", "kernels", "evals", "tests")
 # The words are split so that this file does not contain them.
-NARRATION = re.compile("ses" "sion|throw" "away", re.IGNORECASE)
+NARRATION = re.compile("session|throwaway", re.IGNORECASE)
 
 
 def expand(name: str) -> list[str]:
@@ -81,9 +81,7 @@ def test_named_paths_exist(doc):
     named = {m.group(1) for m in PATH.finditer(text)}
     missing = sorted(p for p in named if not (ROOT / p).exists() and not PLACEHOLDER.search(p))
     results = {n for m in RESULT_NAME.finditer(text) for n in expand(m.group(1)) if not n.startswith(".")}
-    missing += sorted(
-        f"evals/results/{n}" for n in results if not (RESULTS / n).exists() and not PLACEHOLDER.search(n)
-    )
+    missing += sorted(f"evals/results/{n}" for n in results if not (RESULTS / n).exists() and not PLACEHOLDER.search(n))
     assert not missing, f"{doc.relative_to(ROOT)} names files that do not exist: {missing}"
 
 
