@@ -9,21 +9,19 @@ untouched.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 MAX_SEGMENTS = 3
 TILE = 128  # output columns per block of the int4 kernels (whole heads when RoPE follows: tile_width)
-STAGE_BYTES = 32 * 1024  # limit of a block's shared x stage (kernels/launchers.h: kInt4StageBytes; stage_bytes)
+STAGE_BYTES = 32 * 1024  # limit of a block's shared x stage (kernels/int4/params.h: kInt4StageBytes; stage_bytes)
 GROUP_STAGE_BYTES = 40 * 1024  # limit of the tensor-core kernel's shared scales and zero points of one K slice
-TMA_STAGE_K = 256  # k per stage of the Hopper kernel (kernels/int4_tma.cuh): at most one row of partial sums each
-# Tile counters at the front of every workspace, the same number for every op (kernels/launchers.h: kInt4Counters):
+# Tile counters at the front of every workspace, the same number for every op (kernels/int4/params.h: kInt4Counters):
 # the ops of a decode step share one workspace, and an op with more tiles must not read another's partial sums as
 # its counters.
 COUNTERS = 4096
-# The decode attention's block (kernels/attention.cuh: kAttnWarps warps); the share of an op's blocks the split rule
+# The decode attention's block (kernels/attention/attention.cuh: kAttnWarps warps); the share of an op's blocks the split rule
 # keeps at least so that the attention's blocks fit beside them (splits_for: `beside`), unless the op is so small
 # (SMALL_OP_BYTES: about a microsecond of streaming at the H100's 3 TB/s, less than a block's fixed start and end)
 # that fewer blocks hardly slow it.
@@ -143,7 +141,7 @@ def side_by_side(first: Int4Linear, second: Int4Linear) -> Int4Linear | None:
 
 
 def tile_width(head_dim: int | None = None) -> int:
-    """Output columns per block, as kernels/int4.cu's int4_tile_width: 128, or with RoPE (head_dim given) the
+    """Output columns per block, as kernels/int4/int4.cu's int4_tile_width: 128, or with RoPE (head_dim given) the
     fewest whole heads that make whole warps of 32 columns, or one head where that would exceed 256 columns."""
     if head_dim is None:
         return TILE
@@ -159,12 +157,10 @@ def tiles(linear: Int4Linear, head_dim: int | None = None) -> int:
 
 
 def block_threads(tile_width: int) -> int:
-    """Threads of one int4 decode block, as the CUDA-core kernel (kernels/int4_gemv.cuh) picks them: 4 columns
+    """Threads of one int4 decode block, as the CUDA-core kernel (kernels/int4/int4_gemv.cuh) picks them: 4 columns
     per thread across the tile in whole eighths of a warp, runs of qweight rows in fours, within 256 threads.
-    The tensor-core kernel's column warps times runs (kernels/int4_mma.cuh) come to the same count for every
-    tile it takes, or with PATCHER_INT4_MMA_BLOCK=384 (MmaShape) 384 for 128-column tiles, whose launch bounds
-    still keep two blocks an SM, so the count of resident blocks is the same. 0 for a tile wider than 256
-    columns (heads over 256 wide: the kernels reject them)."""
+    The tensor-core kernel's column warps times runs (kernels/int4/int4_mma.cuh) come to the same count for every
+    tile it takes. 0 for a tile wider than 256 columns (heads over 256 wide: the kernels reject them)."""
     cols = math.ceil(math.ceil(tile_width / 4) / 8) * 8
     return cols * (256 // cols // 4 * 4)
 
@@ -243,13 +239,11 @@ def splits_limit(batch: int, linear: Int4Linear, dtype: torch.dtype, head_dim: i
 
 
 def tensor_cores(linear: Int4Linear, dtype: torch.dtype, head_dim: int | None = None) -> bool:
-    """Whether the tensor-core kernel takes the linear, as kernels/int4_gemv.cuh picks it (int4_mma.cuh:
-    mma_applies): fp16/bf16 activations, no act-order, groups of whole 32s, tiles of whole warps within 256 columns;
-    not under PATCHER_INT4_CUDA_CORES=1."""
+    """Whether the tensor-core kernel takes the linear, as kernels/int4/int4_gemv.cuh picks it (int4_mma.cuh:
+    mma_applies): fp16/bf16 activations, no act-order, groups of whole 32s, tiles of whole warps within 256 columns."""
     width = tile_width(head_dim)
     return (
         dtype in (torch.float16, torch.bfloat16)
-        and os.environ.get("PATCHER_INT4_CUDA_CORES") != "1"
         and not linear.act_order
         and linear.group_size % 32 == 0
         and width % 32 == 0
@@ -258,7 +252,7 @@ def tensor_cores(linear: Int4Linear, dtype: torch.dtype, head_dim: int | None = 
 
 
 def stage_bytes(batch: int, linear: Int4Linear, splits: int, dtype: torch.dtype, head_dim: int | None = None) -> int:
-    """Bytes of a block's shared x stage at `splits` K slices, as kernels/int4.cu's int4_stage_bytes: the
+    """Bytes of a block's shared x stage at `splits` K slices, as kernels/int4/int4.cu's int4_stage_bytes: the
     tensor-core kernel holds x in the 2-byte dtype, in whole 4-row steps of its slice; the CUDA-core kernel in
     fp32."""
     per_split = math.ceil(linear.in_features // 8 / splits)
@@ -268,7 +262,7 @@ def stage_bytes(batch: int, linear: Int4Linear, splits: int, dtype: torch.dtype,
 
 
 def group_stage_bytes(linear: Int4Linear, splits: int, head_dim: int | None = None) -> int:
-    """Shared memory the tensor-core kernel's scales and zero points of one K slice take, as kernels/int4.cu's
+    """Shared memory the tensor-core kernel's scales and zero points of one K slice take, as kernels/int4/int4.cu's
     int4_group_stage_bytes: slices of whole 4-row steps, each starting at a multiple of its span of k, so on a group
     boundary when the span is a multiple of the group size, else spanning at most two groups more."""
     if linear.act_order:
@@ -280,8 +274,6 @@ def group_stage_bytes(linear: Int4Linear, splits: int, head_dim: int | None = No
 
 
 def workspace_numel(batch: int, linear: Int4Linear, splits: int, head_dim: int | None = None) -> int:
-    """int32 elements of the workspace (COUNTERS counters, then fp32 partial sums), as kernels/int4_bindings.cpp
-    checks: rows of partial sums for `splits` K slices, or for the Hopper kernel one per block sharing a tile (at
-    most one per 256 k), whichever is more (kernels/int4.cu: int4_partial_rows)."""
-    rows = max(splits, linear.in_features // TMA_STAGE_K)
-    return COUNTERS + rows * batch * sum(linear.widths)
+    """int32 elements of the workspace as kernels/bindings_int4.cpp checks it: COUNTERS counters, then fp32 partial
+    sums, one row of [batch, sum of widths] per K slice."""
+    return COUNTERS + splits * batch * sum(linear.widths)
