@@ -320,48 +320,6 @@ std::tuple<Tensor, Tensor, Tensor> norm_gemv_rope_cache(const Tensor& x, const O
   return {q, pro.sum, pro.h2};
 }
 
-// The checks and parameters decode_attention and decode_attention_qkv_acc share: B rows of Hq query heads of D over
-// the caches; `like` gives the dtype and device. Returns the output [B, Hq * D] (p.out set).
-Tensor attention_params(patcher::DecodeAttentionParams& p, const Tensor& like, int64_t B, int64_t Hq, int64_t D,
-                        const Tensor& k_cache, const Tensor& v_cache, const Tensor& slot, const Tensor& pad,
-                        double scale, int64_t splits, Tensor& workspace, const char* op) {
-  TORCH_CHECK(D == 64 || D == 80 || D == 128, "patcher: ", op, " supports head_dim 64, 80 and 128, got ",
-              std::to_string(D));
-  TORCH_CHECK(k_cache.dim() == 4, "patcher: k_cache must be [batch, kv_heads, capacity, head_dim]");
-  const int64_t Hkv = k_cache.size(1);
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 8, "patcher: ", std::to_string(Hq), " query heads over ",
-              std::to_string(Hkv), " kv heads: need a multiple, at most 8 per kv head");
-  check_cache(k_cache, like, B, Hkv, D, "k_cache");
-  check_cache(v_cache, like, B, Hkv, D, "v_cache");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "patcher: k_cache and v_cache differ in shape");
-  check_index(slot, 1, like, "slot");
-  check_index(pad, B, like, "pad");
-  TORCH_CHECK(splits >= 1 && splits <= 16, "patcher: splits must be in 1..16, got ", std::to_string(splits));
-  const int64_t counters = (B * Hq + 63) / 64 * 64;
-  const int64_t needed = counters + B * Hq * splits * (D + 2);
-  TORCH_CHECK(workspace.is_cuda() && workspace.device() == like.device() && workspace.scalar_type() == at::kInt &&
-                  workspace.is_contiguous() && workspace.numel() >= needed,
-              "patcher: workspace must be a zeroed contiguous int32 CUDA tensor of at least ", std::to_string(needed),
-              " elements (patcher.ops.decode_attention_workspace)");
-  p.dtype = dtype_of(like);
-  p.batch = B;
-  p.num_q_heads = Hq;
-  p.num_kv_heads = Hkv;
-  p.head_dim = D;
-  p.capacity = k_cache.size(2);
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.slot = slot.data_ptr<int64_t>();
-  p.pad = pad.data_ptr<int64_t>();
-  p.scale = static_cast<float>(scale);
-  p.splits = static_cast<int32_t>(splits);
-  p.counters = workspace.data_ptr<int32_t>();
-  p.partials = reinterpret_cast<float*>(workspace.data_ptr<int32_t>() + counters);
-  Tensor out = at::empty({B, Hq * D}, like.options());
-  p.out = out.data_ptr();
-  return out;
-}
-
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slot,
                         const Tensor& pad, double scale, int64_t splits, Tensor& workspace) {
   TORCH_CHECK(q.is_cuda(), "patcher: q must be a CUDA tensor, got ", q.device());

@@ -1,4 +1,4 @@
-// The CUDA implementations of the GPTQ int4 ops (schemas: patcher/ops/int4.py; kernels: int4/), registered in
+// The CUDA implementations of the GPTQ int4 ops (schemas: patcher/ops/int4_ops.py; kernels: int4/), registered in
 // bindings.cpp.
 //
 // A GPTQ linear arrives as parallel lists (qweight, qzeros, scales, g_idx, bias), one entry per segment: the q, k
@@ -101,7 +101,7 @@ void attach_workspace(patcher::Int4Params& p, Tensor& workspace) {
 }
 
 // Whether p.splits K slices fit the kernels' shared memory: the x stage and the tensor-core kernel's scales and zero
-// points of a slice (launchers.h: kInt4StageBytes, kInt4GroupStageBytes).
+// points of a slice (int4/params.h: kInt4StageBytes, kInt4GroupStageBytes).
 bool splits_fit(const patcher::Int4Params& p) {
   return patcher::int4_stage_bytes(p) <= patcher::kInt4StageBytes &&
          patcher::int4_group_stage_bytes(p) <= patcher::kInt4GroupStageBytes;

@@ -1,6 +1,6 @@
 """GPTQ int4 kernels against their pure-torch references (GPU only), with the 2x rule of conftest.py.
 
-The float64 reference takes the checkpoint's exact weights, scales * (q - zero) (patcher/ops/reference.py:
+The float64 reference takes the checkpoint's exact weights, scales * (q - zero) (patcher/ops/int4_ops.py:
 int4_linear): the precise product of what the checkpoint means. The working-dtype reference (PyTorch's own error)
 rounds each weight to fp16 first, as HF's GPTQ linears do, and so do the CUDA-core kernel and the prefill path; the
 tensor-core kernel multiplies x by the exact q - zero and applies the scales to its fp32 sums, so its error is the
@@ -579,16 +579,15 @@ def test_int4_opcheck_and_bad_inputs(kernels):
         (4096, [2656], 32, "none"),  # 83 warps of columns: a last tile of 96
         (4096, [1024], 64, "gelu"),
         (2048, [3072], 256, "none"),
-        (2048, [512, 512], 512, "silu_mul"),  # a group over two stages
-        (1024, [4096, 4096], -1, "silu_mul"),  # one group; gate and up tiles finished by different blocks
-        (256, [32768], 128, "none"),  # one stage per tile: blocks finish several whole tiles alone
-        (4096, [128], 128, "none"),  # one tile shared by 16 blocks
+        (2048, [512, 512], 512, "silu_mul"),  # a group wider than a K slice
+        (1024, [4096, 4096], -1, "silu_mul"),  # one group
+        (256, [32768], 128, "none"),  # many tiles, a short K
+        (4096, [128], 128, "none"),  # one tile shared by every K slice
     ],
 )
-def test_int4_gemv_hopper_work_split(k, widths, group_size, activation, batch, dtype):
-    """Shapes for the Hopper kernel (kernels/int4_tma.cuh, run by test_hopper_kernel_switch; here the tensor-core
-    kernel takes them): every group size it takes, tiles cut short, runs of stages that end inside tiles, in several
-    tiles, or hold whole tiles."""
+def test_int4_gemv_work_split(k, widths, group_size, activation, batch, dtype):
+    """The tensor-core kernel at the K slices splits_for picks, over every group size it takes, tiles cut short, one
+    tile shared by many slices and many tiles of a short K."""
     lin = gptq_linear(k, widths, group_size, bias=activation == "gelu")
     splits = int4_ops.splits_for(batch, lin, torch.cuda.get_device_properties(0).multi_processor_count)
     workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits), dtype=torch.int32, device="cuda")
@@ -627,4 +626,3 @@ def test_int4_gemv_largest_group_stage(batch, dtype, kernels):
     assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0, "the tile counters must be left at zero"
     with pytest.raises(RuntimeError, match="splits_for"):
         kernels.int4_gemv(x, *pro, *lin.args(), "none", 1, workspace)
-

@@ -1,12 +1,11 @@
-// The online-softmax core of decode attention, shared by decode_attention.cu (its own kernel) and the int4
-// decode-step kernel (step.cuh): a block of 8 warps attends up to GMAX query heads of one kv head over a share of
-// the keys. Lane groups of D/8 lanes (padded to a power of two) each hold one key of a block step as 16-byte
-// vectors; a step scores kUnroll keys per group against the heads (fp32, scores in log2 units so that exp2 serves)
-// and folds them into a running softmax per head with one rescale per step. The groups merge by shuffles within a
-// warp and through shared memory across warps; with one share the block writes the output, otherwise each block
-// writes its partial (max, sum, weighted V) and the last block of the head group to finish, found with an atomic
-// counter that it resets, merges the partials. Softmax and the weighted sum are fp32; the output is rounded to the
-// dtype once.
+// The online-softmax core of decode attention (decode_attention.cu): a block of 8 warps attends up to GMAX query
+// heads of one kv head over a share of the keys. Lane groups of D/8 lanes (padded to a power of two) each hold one
+// key of a block step as 16-byte vectors; a step scores kUnroll keys per group against the heads (fp32, scores in
+// log2 units so that exp2 serves) and folds them into a running softmax per head with one rescale per step. The
+// groups merge by shuffles within a warp and through shared memory across warps; with one share the block writes the
+// output, otherwise each block writes its partial (max, sum, weighted V) and the last block of the head group to
+// finish, found with an atomic counter that it resets, merges the partials. Softmax and the weighted sum are fp32;
+// the output is rounded to the dtype once.
 #pragma once
 
 #include "attention/params.h"
@@ -38,9 +37,7 @@ struct AttnShared {
 };
 
 // Up to this many block steps of keys a (row, kv head) takes one share: the merge of several (partials written, an
-// atomic, the last block's reads) costs more than the steps it would spread. Measured on the H100 (fp16, batch 1,
-// decode_attention alone in a CUDA graph; Pythia-2.8B heads / Llama-3.1-8B heads, shares: time): 160 keys, 1: 3.84 /
-// 3.80 us, 3: 4.63 / 4.61; 256 keys, 1: 5.03 / 5.21, 4: 4.79 / 4.60; 1024 keys, 1: 16.0 / 18.5, 8: 7.9 / 6.9.
+// atomic, the last block's reads) costs more than the steps it would spread (docs/decode-fp16.md).
 constexpr int kAttnSingleShareSteps = 3;
 
 // The shares a (row, kv head) splits its `count` keys into: at most `splits`, none smaller than a block step, and one

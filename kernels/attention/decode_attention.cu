@@ -5,20 +5,17 @@
 // The number of shares actually used is decided in the kernel from the device-side `slot` (at most `splits`, and no
 // share smaller than one block step of keys), so one captured CUDA graph serves every step and context length, and
 // short contexts do not pay for merging many near-empty partials. (attention.cuh's core takes up to two heads a
-// block, for the step kernel; launch_head_dim says why this kernel takes one.)
+// block; launch_head_dim says why this kernel takes one.)
 //
-// Inside a block, the online softmax of attention.cuh (shared with the int4 step kernel): lane groups hold a key
+// Inside a block, the online softmax of attention.cuh: lane groups hold a key
 // each, the scores are fp32 scaled by HF's head_dim^-0.5, one share writes the output, several merge in the last
 // block to finish.
 //
 // Where the QKV projection hands its sums on unmet (int4_norm_gemv_acc into a fixed-point accumulator, so its K
 // slices never meet; FROM_ACC), this kernel finishes it for the heads it takes: it rounds q and the current token's
 // K/V as the projection's epilogue would, applies RoPE and writes K/V into the cache, so the QKV op ends when its
-// blocks have added their sums. The decode step's default for LLaMA/Qwen2 int4 (patcher/decode/runner.py:
-// defer_qkv). On the H100 the QKV op is ~3.8 us faster a launch and this kernel ~3.9 us slower than with q read
-// from memory (critical time, Llama-3.1-8B: 6.3 -> 10.2 us), where one L2 round trip was expected; int4 TPOT
-// Qwen2-1.5B 1.25-1.30 -> 1.18-1.20 ms, Llama-3.1-8B unchanged (docs/int4_decode.md, "The QKV sums finished by the
-// attention").
+// blocks have added their sums: the decode step's default for LLaMA/Qwen2 int4 (DecodeOptions.defer_qkv;
+// docs/decode-int4.md has what it saves).
 #include "attention/attention.cuh"
 #include "rope/rope.cuh"
 
@@ -30,22 +27,17 @@ constexpr int kMaxSplits = kAttnMaxSplits;
 // From this many working blocks (query heads x rows) on, the kernel that finishes the QKV sums is held to 128
 // registers a thread (no spills), so that its block fits an SM beside one block of the int4 QKV op before it (two
 // 256-thread blocks of 128 registers fill an SM); compiled freely it takes 150-160 and finds room only on an SM that
-// op has left. Measured on the H100 (int4 g128, fp16, batch 1, context 128-192, one call, interleaved; `python -m
-// evals.tpot --random-config MODEL --int4-random 128 --modes patched --new-tokens 64 --repeats 3 --no-profile`, ms,
-// free -> 128 registers): Llama-3.1-8B (32 heads) 2.355 / 2.359 -> 2.327 / 2.328, but Qwen2-1.5B (12 heads) 1.075 /
-// 1.073 -> 1.093 / 1.084. (Llama's --kernel-table, another call, beside a norm-kernel variant not taken: the
-// attention's critical time 6.2 -> 7.2 us a launch, the o_proj after it 5.8 -> 4.5.)
-// Where between 12 and 32 it turns, and how it goes at batch 2-8, was not measured. The int4 split rule places these
-// blocks beside the ops next to the attention by the same count (patcher/decode/runner.py: ATTENTION_HALF_SM_BLOCKS).
+// op has left. That paid for Llama-3.1-8B's 32 heads and cost for Qwen2-1.5B's 12 (docs/decode-int4.md). The int4
+// split rule places these blocks beside the ops next to the attention by the same count (patcher/ops/int4.py:
+// Beside).
 constexpr int64_t kAttnTwoPerSmHeads = 32;
 
 // One element of q or of the current token's K/V, made from the QKV accumulator (DecodeAttentionParams::qkv_acc):
 // round(round(sum) + bias), as finish_values forms the projection's output, then for q and k within the rotary dims
 // RoPE (rope.cuh: rope_value) with the partner dim d +- R/2 made the same way. Split in two so that everything but
 // the sums (bias, cos/sin: constants; pad: set before the first step) is read before the wait for the QKV kernel,
-// and the sums themselves in one batch after it: one round trip. (Each lane making its own 8 dims of every head,
-// with the table loads behind per-dim tests, took ~8 dependent round trips a head: attention 6.3 -> 13.7 us a
-// launch, Llama-3.1-8B; one element a thread with the loads after the wait, 9.4 us.)
+// and the sums themselves in one batch after it: one round trip (each lane making its own 8 dims of every head, with
+// the table loads behind per-dim tests, took ~8 dependent round trips a head).
 struct AccElement {
   const int64_t* sum;  // the element's sum; its partner's is at sum + partner
   int partner, d, R;
@@ -165,9 +157,7 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
   // The share's next block steps into L2, one bulk prefetch each for K and V: otherwise each comes from HBM after
   // the previous step's arithmetic. At most kAttnSingleShareSteps - 1 of them: all of a one-share context, and of a
   // long one no more than L2 keeps beside the weights streaming through it. The current token's row among them is
-  // harmless (L2 is where its write lands). Measured on the H100 (int4 g128 decode, context 128-192: three steps;
-  // --kernel-table, critical us a launch, one call): Llama-3.1-8B 10.24 -> 9.88, Qwen2-1.5B 6.32 -> 5.99,
-  // Pythia-2.8B 6.17 -> 5.54.
+  // harmless (L2 is where its write lands).
   if (threadIdx.x == 0 && hi > lo + kStep) {
     const int64_t from = lo + kStep, to = min(hi, from + (kAttnSingleShareSteps - 1) * kStep);
     const uint32_t bytes = static_cast<uint32_t>((to - from) * D * sizeof(T));
@@ -265,20 +255,13 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
 template <typename T, int D>
 cudaError_t launch_head_dim(const DecodeAttentionParams& p, cudaStream_t stream) {
   // One query head a block, also with GQA (Llama 4, Qwen2 6 heads a kv head): the blocks of a kv head read the same
-  // keys, mostly from L2, and each step of a block is half the dependent work of two heads. Two heads a block (the
-  // choice until session 30, made so that a short context would not be a long serial loop over heads in few blocks)
-  // measured slower on the H100 (int4 g128 decode, fp16, batch 1, context 128-192, one call, two rounds; `python -m
-  // evals.tpot --random-config MODEL --int4-random 128 --modes patched --new-tokens 64 --repeats 3`): Llama-3.1-8B
-  // 2.378 / 2.379 -> 2.341 / 2.345 ms, Qwen2-1.5B 1.109 -> 1.074; the attention's critical time 8.00 -> 6.15 us a
-  // launch (--kernel-table).
+  // keys, mostly from L2, and each step of a block is half the dependent work of two heads (two heads a block
+  // measured slower: docs/decode-int4.md).
   // The share is the slowest index, so the blocks of share 0, which every context has, are dispatched first, and
   // those of the shares a short context leaves empty (which read slot and exit) after them. With the share as the
   // fastest index every head's working block sat behind `splits - 1` empty ones: at 150-200 registers a thread (the
   // kernel that finishes the QKV sums, compiled freely) one block fits an SM, and those blocks find room only where
-  // the QKV kernel before has left an SM. Measured on the H100, at two heads a block (int4 g128 decode of the
-  // Llama-3.1-8B shape, context 128-192: one share, splits 16, so 240 of 256 blocks empty; `python -m evals.tpot
-  // --random-config llama-3.1-8b --int4-random 128 --modes patched --kernel-table`, one call, with the norm kernel's
-  // change of the same commit, 9a19b08): critical time 9.13 -> 7.90 us a launch.
+  // the QKV kernel before has left an SM.
   const dim3 grid(static_cast<unsigned>(p.num_q_heads), static_cast<unsigned>(p.batch),
                   static_cast<unsigned>(p.splits));
   if (p.qkv_acc && p.num_q_heads * p.batch >= kAttnTwoPerSmHeads)

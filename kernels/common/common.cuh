@@ -75,7 +75,7 @@ __device__ __forceinline__ Vec<T, N> vec_or_zero(const T* src, int64_t i) {
 // without overflow (int4_gemv_acc checks the K slices); every fp32 value of magnitude 2^-5 or more converts exactly
 // (its last mantissa bit is 2^-28 or coarser), so the sum is exact but for smaller terms' last bits and is rounded
 // once, when read (from_fixed). The clamp only matters past +-2^24: fp16 outputs overflow at 65504 before it; a bf16
-// output beyond it saturates there. A NaN sum comes out as -2^24. The reference mirrors both (patcher/ops/reference.py:
+// output beyond it saturates there. A NaN sum comes out as -2^24. The reference mirrors both (patcher/ops/int4_ops.py:
 // to_fixed, from_fixed).
 constexpr float kFixedScale = 268435456.f;  // 2^28
 constexpr float kFixedClamp = 16777216.f;   // 2^24

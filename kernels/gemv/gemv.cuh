@@ -221,9 +221,9 @@ __global__ void __launch_bounds__(kWarps * 32, NORM ? 5 : 1) gemv_kernel(const G
 
   // The first iteration's weights are loaded before griddepcontrol.wait: weights are never written by an earlier
   // kernel, so under programmatic dependent launch these loads overlap the previous kernel's tail, which is most
-  // of a small matrix's bytes. (An L2 prefetch of more weights here made large matrices slower on the H100,
-  // 79 -> 105 us for Llama's gate/up, as each warp's prefetch raced its own loads through L2; registers are read
-  // once.) Each iteration then uses its chunks and loads the next iteration's.
+  // of a small matrix's bytes. (An L2 prefetch of more weights here made large matrices slower: each warp's prefetch
+  // raced its own loads through L2; registers are read once.) Each iteration then uses its chunks and loads the next
+  // iteration's.
   const int64_t step = 32 * V;  // elements one warp-wide load covers
   int64_t k0 = k_begin + lane * V;
   Vec<T, V> w[UNROLL][NW];

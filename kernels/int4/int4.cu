@@ -30,17 +30,12 @@ __global__ void __launch_bounds__(256) int4_dequantize_kernel(const Int4DequantP
 // The int4 ops' add + norm prologue as a kernel of its own (int4_norm_prologue), one block a row: h = norm(x [+
 // deltas]) [batch, k], and sum and h2 where p.norm asks for them, staged exactly as the ops' prologue stages x. In
 // an op every block computes its rows' statistics over all of K from L2, so that prologue's reads grow with blocks x
-// rows; the decode step runs this kernel in front and the op reads h (patcher/decode/runner.py:
-// INT4_SEPARATE_NORM_MIN_BATCH says what it measured). 512 threads a row, 16 elements each (K <= 8192, as in the
-// ops): against 256 threads, int4 TPOT on the H100 (fp16, g128) Llama-3.1-8B 3.332 -> 3.206 ms at batch 4 and
-// 4.734 -> 4.664 at batch 8, Pythia-2.8B 1.554 -> 1.525 and 2.099 -> 2.029.
+// rows; the decode step runs this kernel in front and the op reads h (docs/decode-int4.md says from which batch on).
+// 512 threads a row, 16 elements each (K <= 8192, as in the ops), faster than 256 threads at batch 4 and 8.
 // fp16 rows of K <= 4096 take a narrow form: 8 elements a thread, held to 64 registers (56, no spills), so that the
 // block fits an SM beside one block of the int4 op before it (two of 128 registers fill an SM) and launches early;
-// the 16-element form takes 86 and finds room only on an SM that op has left. Measured on the H100 (int4 g128,
-// batch 1, context 128-192; in one process, the two forms interleaved, each round's difference in us a step;
-// evals/results/session33.txt, call L): Llama-3.1-8B -0.7 .. -6.1 (5 rounds), Pythia-2.8B -5.5 .. -9.8 (4),
-// Qwen2-1.5B -8.8 .. +4.9 (4). bf16 and fp32 keep the 16-element form (held to 64 registers they spill 6 and 16
-// bytes; not measured).
+// the 16-element form takes 86 and finds room only on an SM that op has left. bf16 and fp32 keep the 16-element form
+// (held to 64 registers they spill 6 and 16 bytes).
 constexpr int kNormPrologueThreads = 512, kNormPrologueElems = 16, kNormPrologueNarrowElems = 8;
 
 template <typename T, int ELEMS, int MIN_BLOCKS>
@@ -58,9 +53,7 @@ __global__ void __launch_bounds__(kNormPrologueThreads, MIN_BLOCKS) int4_norm_pr
   if (p.norm.h2) p.norm.h2 = static_cast<T*>(p.norm.h2) + b * p.k;
   T* out = h + b * p.k;
   // The norm's weights and biases before the wait: they are constant, and loaded after the statistics, as the ops
-  // do, they cost a round trip (L2 keeps little of them between steps) on the step's critical path. Measured on the
-  // H100 (Llama-3.1-8B shape, int4 g128, --kernel-table, with the attention grid's change of the same commit): 3.89
-  // -> 3.71 us critical a launch.
+  // do, they cost a round trip (L2 keeps little of them between steps) on the step's critical path.
   constexpr int V = 16 / sizeof(T), PER = ELEMS / V;
   NormVecs<T, V> early[PER];
 #pragma unroll

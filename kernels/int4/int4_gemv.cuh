@@ -3,7 +3,7 @@
 // 48 instantiations took 90 s of a first-use build. The entry points are in int4.cu.
 //
 // GPTQ int4 matrix-vector products for decode (1 to 8 rows of x), with the dequantization in the kernel, an
-// optional norm prologue (the residual add and RMSNorm/LayerNorm of the restructured stack) and a fused epilogue
+// optional norm prologue (the residual add and RMSNorm/LayerNorm in front of the linear) and a fused epilogue
 // (bias, GELU, SwiGLU, or RoPE with K/V written into the static cache). Two kernels share the work split and the
 // epilogues of int4_tile.cuh: the tensor-core kernel of int4_mma.cuh takes fp16/bf16 activations without act-order
 // (the common case); the CUDA-core kernel below takes the rest (fp32 activations, act-order, group sizes that are
@@ -14,7 +14,7 @@
 //
 // Arithmetic. Every weight is formed exactly as the reference forms it, round_fp16(s * (q - z)), then multiplied
 // with x in fp32. Without act-order a word's 8 nibbles share one group, and two weights are made per instruction:
-// dequantize_word (int4_tile.cuh) puts nibbles into fp16 mantissas, leaves q - zero exactly and applies the scale
+// dequantize_word (int4_dequant.cuh) puts nibbles into fp16 mantissas, leaves q - zero exactly and applies the scale
 // with the reference's one rounding. With act-order (g_idx a permutation of the groups) every k has
 // its own group, and the weights are formed one at a time: correct, and slower.
 #pragma once

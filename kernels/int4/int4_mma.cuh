@@ -113,7 +113,7 @@ inline bool mma_applies(const Int4Params& p) {
 }
 
 // -(zero) in the form dequantize_zeros subtracts, per column of a lane's 4: fp16 -(1024 + z) and -(64 + z)
-// (as int4_tile.cuh: group_dequant), bf16 -(128 + z) (bf16 steps by 1 from 128 to 256).
+// (as int4_dequant.cuh: group_dequant), bf16 -(128 + z) (bf16 steps by 1 from 128 to 256).
 struct ZeroTerms {
   uint32_t a[4], b[4];
 };
@@ -143,7 +143,7 @@ __device__ __forceinline__ uint32_t lop_or(uint32_t word, uint32_t mask, uint32_
 
 // The 8 weights of one word of column c as exact q - zero in T, as the pairs (k0,k4) (k1,k5) (k2,k6) (k3,k7).
 // fp16: nibbles at bit 0 of a byte land in 1024's mantissa (1024 + q), those at bit 4 as 1024 + 16q, brought to
-// 64 + q by a fused multiply by 1/16 (int4_tile.cuh: dequantize_word); bf16: each nibble shifted to bit 0 lands in
+// 64 + q by a fused multiply by 1/16 (int4_dequant.cuh: dequantize_word); bf16: each nibble shifted to bit 0 lands in
 // 128's mantissa. Subtracting (magic + zero) leaves q - zero exactly.
 template <typename T>
 __device__ __forceinline__ void dequantize_zeros(uint32_t word, const ZeroTerms& z, int c, uint32_t (&out)[4]) {

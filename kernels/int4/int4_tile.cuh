@@ -15,6 +15,7 @@
 // meet: rounding, bias and the residual add happen in that prologue.
 #pragma once
 #include "common/common.cuh"
+#include "int4/int4_dequant.cuh"
 #include "int4/params.h"
 #include "rope/rope.cuh"
 
@@ -108,75 +109,6 @@ __device__ __forceinline__ bool in_second(const Int4Params& p, const TileInfo& t
   return p.second > 0 && t.seg >= p.second;
 }
 
-__device__ __forceinline__ int zero_point(const Int4Segment& s, int64_t g, int64_t col, int offset) {
-  const uint32_t word = static_cast<uint32_t>(s.qzeros[g * (s.n / 8) + col / 8]);
-  return static_cast<int>((word >> (4 * (col % 8))) & 0xFu) + offset;
-}
-
-// The scales and zero points of one group for 4 adjacent columns (col % 4 == 0): one 8-byte load of scales and
-// one qzeros word (its 4 nibbles from (col % 8) on).
-struct GroupParams {
-  uint2 scales;
-  uint32_t zeros;
-};
-
-__device__ __forceinline__ GroupParams load_group(const Int4Segment& s, int64_t g, int64_t col) {
-  GroupParams out;
-  out.scales = *reinterpret_cast<const uint2*>(static_cast<const __half*>(s.scales) + g * s.n + col);
-  out.zeros = static_cast<uint32_t>(s.qzeros[g * (s.n / 8) + col / 8]) >> (4 * (col % 8));
-  return out;
-}
-
-// A group's parameters for 4 adjacent columns c as dequantize_word takes them, each in both halves of a half2: the
-// scale, -(1024 + zero) and -(64 + zero). Zero points are 0 .. 16, so both sums are exact in fp16 and their bit
-// patterns are written directly (at 1024 fp16 steps by 1, at 64 by 1/16, that is 16 units of the last place).
-struct Dequant {
-  __half2 scale[4], minus_z1024[4], minus_z64[4];
-};
-
-__device__ __forceinline__ __half2 bits_half2(uint32_t half_bits) {
-  const uint32_t both = half_bits | (half_bits << 16);
-  __half2 h;
-  memcpy(&h, &both, 4);
-  return h;
-}
-
-__device__ __forceinline__ Dequant group_dequant(const GroupParams& g, int zero_offset) {
-  Dequant d;
-  const __half* sh = reinterpret_cast<const __half*>(&g.scales);
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const uint32_t z = ((g.zeros >> (4 * c)) & 0xFu) + static_cast<uint32_t>(zero_offset);
-    d.scale[c] = __half2half2(sh[c]);
-    d.minus_z1024[c] = bits_half2(0xE400u + z);      // -(1024 + z)
-    d.minus_z64[c] = bits_half2(0xD400u + 16u * z);  // -(64 + z)
-  }
-  return d;
-}
-
-// (word & mask) | 0x64006400 in one instruction: the masked nibbles in the mantissas of two fp16 1024s.
-__device__ __forceinline__ __half2 nibbles_in_1024(uint32_t word, uint32_t mask) {
-  uint32_t bits;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(bits) : "r"(word), "r"(mask), "r"(0x64006400u));
-  __half2 h;
-  memcpy(&h, &bits, 4);
-  return h;
-}
-
-// The 8 weights of one word of column c (k0 .. k7), each round_fp16(scale * (q - zero)) as the reference forms it,
-// as the pairs (k0,k4) (k1,k5) (k2,k6) (k3,k7). Nibbles at bit 0 of a byte land in 1024's mantissa as 1024 + q,
-// those at bit 4 as 1024 + 16q, which a fused multiply by 1/16 brings to 64 + q. Subtracting 1024 + zero (or
-// 64 + zero) leaves q - zero exactly (small integers), so the multiply by the scale is the only rounding, as in the
-// reference. 13 instructions for 8 weights.
-__device__ __forceinline__ void dequantize_word(uint32_t word, const Dequant& d, int c, __half2 (&out)[4]) {
-  const __half2 sixteenth = __float2half2_rn(0.0625f);
-  const uint32_t high = word >> 8;  // k2, k3 | k6, k7 where k0, k1 | k4, k5 were
-  out[0] = __hmul2(__hadd2(nibbles_in_1024(word, 0x000F000Fu), d.minus_z1024[c]), d.scale[c]);
-  out[1] = __hmul2(__hfma2(nibbles_in_1024(word, 0x00F000F0u), sixteenth, d.minus_z64[c]), d.scale[c]);
-  out[2] = __hmul2(__hadd2(nibbles_in_1024(high, 0x000F000Fu), d.minus_z1024[c]), d.scale[c]);
-  out[3] = __hmul2(__hfma2(nibbles_in_1024(high, 0x00F000F0u), sixteenth, d.minus_z64[c]), d.scale[c]);
-}
-
 // A norm's weight and bias for one 16-byte vector of a row at k, and the second LayerNorm's where `second` (else
 // the first's again): `second_norm` takes the second LayerNorm's as the first (a tile of Int4Params::second).
 template <typename T, int V>
@@ -205,11 +137,8 @@ __device__ __forceinline__ NormVecs<T, V> norm_vecs(const Int4Params& p, bool se
 // computes the row statistics over all of K, from L2, and keeps its own slice), through the second LayerNorm's
 // weights for `second_norm` (a tile of Int4Params::second). Blocks of tile 0 write `sum` and `h2` (where asked
 // for) for their slice, so every element is written once. Each thread holds its share of a row in registers
-// (16-byte loads, all issued at once), so the statistics cost one pass of loads, not three dependent ones. Tried
-// and dropped: the norm weights and biases copied into shared memory before griddepcontrol.wait (one L2 round trip
-// fewer after it), measured on the H100 in one call against this (fp16, batch 1): no op faster (Llama-3.1-8B
-// norm+gate/up 35.0 -> 35.7-35.8 us, Pythia-2.8B fused LN+QKV 13.0 -> 13.2), int4 TPOT Pythia-2.8B 1.438 / 1.451 ->
-// 1.478 / 1.463 ms, Llama-3.1-8B 3.136 / 3.147 -> 3.196 / 3.198 (evals/results/norm_stage_2c784be.txt). `early`:
+// (16-byte loads, all issued at once), so the statistics cost one pass of loads, not three dependent ones. (The
+// norm weights and biases copied into shared memory before griddepcontrol.wait made no op faster.) `early`:
 // the norm parameters of this thread's vectors (norm_vecs for vector tid + j x threads), which the add + norm kernel
 // of its own loads into registers before its wait (int4_norm_prologue_kernel); the ops load them here.
 template <typename T, bool NORM, int NORM_ELEMS = kNormElems, typename Store>
@@ -293,9 +222,8 @@ __device__ void stage_x(const Int4Params& p, int64_t k0, int64_t len, bool write
         const int64_t k = v * V;
         if (k < k0 || k >= k0 + len) continue;  // another block's slice (slices are whole vectors: multiples of 8)
         // The parameters as 16-byte vectors, all loaded before the first store: scalar loads behind the writer's
-        // global stores (which may alias them, for all the compiler knows) waited one round trip each. Measured on the
-        // H100 (per-block timeline, Pythia-2.8B fused LN+QKV), the writing blocks staged x 1.7 us after the others;
-        // 0.2 us with the vectors.
+        // global stores (which may alias them, for all the compiler knows) waited one round trip each, and the
+        // writing blocks staged x well after the others.
         const bool second = writer && p.norm.h2;
         const NormVecs<T, V> nv = early ? early[j] : norm_vecs<T, V>(p, second_norm, second, k);
 #pragma unroll
@@ -415,8 +343,8 @@ __device__ void finish_values(const Int4Params& p, const TileInfo& t, float* fin
 // After the team's stores of its partial sums: whether this block is the last of tile group t to arrive (`expected`
 // arrivals), which then resets the group's counter. The stores are ordered before thread 0's arrival by the barrier;
 // the arrival releases them at GPU scope and acquires the other blocks' (whose arrivals came before it), and the
-// barrier after it passes that on to the team. One acq_rel atomic instead of a __threadfence in every thread before
-// the arrival and again in the last block (H100, fp16, batch 1: Pythia-2.8B dense 8.6 -> 8.2 us, mlp_in 12.2 -> 11.7).
+// barrier after it passes that on to the team: one acq_rel atomic, cheaper than a __threadfence in every thread
+// before the arrival and again in the last block.
 __device__ bool last_to_arrive(const Int4Params& p, const TileInfo& t, int expected, const Team& team) {
   __shared__ int s_last;
   team.sync();
@@ -441,10 +369,8 @@ __device__ void finish_from_partials(const Int4Params& p, const TileInfo& t, flo
     const float* sums = partial_at(p, n_total, 0, b, segment_offset(p, t.members == 2 ? m : t.seg) + t.col0 + c);
     const int64_t row_stride = p.batch * n_total;
     // The rows kPartialLoads at a time, each batch of loads issued before any is added (predicated, no exit test
-    // between them): added as they came, each row waited one L2 round trip behind the previous row's exit test.
-    // Measured on the H100 (per-block timeline, fp16, batch 1), the last block of a tile took 2-5 us from its arrival
-    // to its end (about 0.45 us a row, Pythia-2.8B mlp_out's 13 rows 5.2 us), the tail of every split op; batched,
-    // 2.3-3.9 us (the loads wait behind the next op's weight preloads): Pythia dense 8.2 -> 6.3 us an op.
+    // between them): added as they came, each row waited one L2 round trip behind the previous row's exit test, and
+    // that tail of every split op grew with its K slices.
     float v = 0.f;
     for (int row0 = 0; row0 < split.slots[m]; row0 += kPartialLoads) {
       float rows[kPartialLoads];

@@ -99,7 +99,7 @@ PATCHER_HOST_DEVICE inline int64_t segment_offset(const Int4Params& p, int s) {
 }
 // Tile counters at the front of an int4 workspace, the same number for every op: the decode step runs all its int4
 // ops on one workspace, each leaving its counters zero and its partial sums behind, so an op with more tiles than
-// another must not find that op's partial sums where its counters are (as when the region was sized per op).
+// another must not find that op's partial sums where its counters are.
 constexpr int64_t kInt4Counters = 4096;
 // Column tile width: 128, or for kInt4RopeCache the fewest whole heads that make whole warps (one head where that
 // exceeds 256 columns). The Python side (patcher/ops/int4.py) sizes the workspace with the same rule.
@@ -112,9 +112,7 @@ int64_t int4_tiles(const Int4Params& p);
 constexpr int64_t kInt4StageBytes = 32 * 1024;
 constexpr int64_t kInt4GroupStageBytes = 40 * 1024;
 // Bytes of a block's x stage at p.splits K slices: the tensor-core kernel holds x in the activations' 2-byte dtype,
-// in whole 4-row steps of its slice (int4_mma.cuh: mma_x_stage_bytes), the CUDA-core kernel in fp32. (The limit was
-// 8192 elements for both, which at 4-8 rows cut Llama-3.1-8B's gate/up and down into more K slices than the SMs hold
-// at once: patcher/ops/int4.py, splits_for, has what the 2-byte stage measured.)
+// in whole 4-row steps of its slice (int4_mma.cuh: mma_x_stage_bytes), the CUDA-core kernel in fp32.
 int64_t int4_stage_bytes(const Int4Params& p);
 // Shared memory the tensor-core kernel's scales and zero points of one K slice take (the split rule raises splits
 // until they fit kInt4GroupStageBytes); 0 with act-order. The Python side (patcher/ops/int4.py) mirrors it.

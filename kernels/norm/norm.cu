@@ -1,6 +1,6 @@
 // Fused residual add + RMSNorm / LayerNorm (one or two affine outputs), one row per block.
 //
-// Semantics (matching HF, see patcher/ops/reference.py):
+// Semantics (matching HF, see patcher/ops/norm.py):
 //   sum = round(x + delta)                         LLaMA/Qwen2 `residual + hidden_states` in the working dtype
 //   sum = round(round(delta2 + delta) + x)         GPT-NeoX parallel residual `mlp + attn + x`
 //   RMSNorm:   out = round(weight * round(sum * rsqrt(mean(sum^2) + eps)))      fp32 normalize, cast, scale

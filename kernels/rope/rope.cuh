@@ -1,5 +1,5 @@
-// RoPE on one token's fused QKV projection output, shared by rope.cu, the int4 QKV epilogue (int4_gemv.cuh) and
-// the dense QKV GEMV's epilogue (gemv.cu).
+// RoPE on one token's fused QKV projection output, shared by rope.cu, the int4 QKV epilogue (int4/int4_tile.cuh),
+// the dense QKV GEMV's epilogue (gemv/gemv.cuh) and the attention that finishes the QKV sums (attention/).
 #pragma once
 
 #include "common/common.cuh"

@@ -5,10 +5,10 @@
 //   finished[b] |= token[b] is one of eos
 //   tokens[b, slot + 1] = token[b];   x[b] = embed[token[b]] (the next step's input);   then slot += 1
 //
-// Why: torch's argmax of one long row is a multi-pass reduction (H100, fp16: 13.3 us a token for Pythia's 50304
-// logits, 28.7 us for Llama-3.1-8B's 128256), and the bookkeeping around it was four more small torch kernels (the
-// token read for the embedding, the embedding, the token write, the slot add). Here blocks of 4096 scores reduce
-// parts of the rows (from L2: the lm_head has just written them) and the last one to finish does the rest.
+// Why: torch's argmax of one long row is a multi-pass reduction (tens of us a token at a 128k vocabulary), and the
+// bookkeeping around it would be four more small torch kernels (the token read for the embedding, the embedding, the
+// token write, the slot add). Here blocks of 4096 scores reduce parts of the rows (from L2: the lm_head has just
+// written them) and the last one to finish does the rest.
 #include "common/common.cuh"
 #include "sampling/params.h"
 
@@ -17,8 +17,8 @@ namespace {
 
 constexpr int kNextTokenThreads = 256;
 constexpr int kNextTokenUnroll = 2;  // 16-byte loads in flight per thread
-// Each row is read by up to kNextTokenMaxParts blocks of about kNextTokenPartElems scores: one block a row took
-// ~10 us more than this for Llama's 128256 logits (one SM reading 256 KB).
+// Each row is read by up to kNextTokenMaxParts blocks of about kNextTokenPartElems scores: one block a row leaves one
+// SM reading a whole row (256 KB for a 128k vocabulary).
 constexpr int kNextTokenPartElems = kNextTokenThreads * kNextTokenUnroll * 8;
 
 // Whether (v, i) comes before (w, j) in torch.argmax's order: NaN before numbers, then the larger value, then the

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from . import activation, attention, gemv, int4_ops, norm, rope, sampling  # noqa: F401  (each defines its ops)
-from . import reference
+# Importing a family module defines its ops (library.define); `reference` looks them up by name.
+from . import activation, attention, gemv, int4_ops, norm, reference, rope, sampling  # noqa: F401
 from .attention import decode_attention_workspace
 from .build import ExtensionError
 from .library import REFERENCES

@@ -70,6 +70,9 @@ def load(device: torch.device | None = None) -> None:
             )
         src = kernels_dir()
         sources = sorted(src.rglob("*.cu")) + sorted(src.rglob("*.cpp"))
+        stems = [s.stem for s in sources]  # torch names each object file after its source's file name alone
+        if len(set(stems)) != len(stems):
+            raise ExtensionError(f"two CUDA sources under {src} share a file name: {sorted(stems)}")
         major, minor = torch.cuda.get_device_capability(device)
         arch = f"{major}.{minor}"
         digest = hashlib.sha256()

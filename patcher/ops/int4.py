@@ -21,10 +21,10 @@ GROUP_STAGE_BYTES = 40 * 1024  # limit of the tensor-core kernel's shared scales
 # the ops of a decode step share one workspace, and an op with more tiles must not read another's partial sums as
 # its counters.
 COUNTERS = 4096
-# The decode attention's block (kernels/attention/attention.cuh: kAttnWarps warps); the share of an op's blocks the split rule
-# keeps at least so that the attention's blocks fit beside them (splits_for: `beside`), unless the op is so small
-# (SMALL_OP_BYTES: about a microsecond of streaming at the H100's 3 TB/s, less than a block's fixed start and end)
-# that fewer blocks hardly slow it.
+# The decode attention's block (kernels/attention/attention.cuh: kAttnWarps warps); the share of an op's blocks the
+# split rule keeps at least so that the attention's blocks fit beside them (splits_for: `beside`), unless the op is
+# so small (SMALL_OP_BYTES: about a microsecond of streaming at 3 TB/s, less than a block's fixed start and end) that
+# fewer blocks hardly slow it.
 ATTENTION_THREADS = 256
 BESIDE_KEEP = 0.75
 SMALL_OP_BYTES = 4 << 20
@@ -178,29 +178,14 @@ def splits_for(
     at least 16 qweight rows per block; within the kernel's shared x stage (stage_bytes: the activations' `dtype`
     decides how many rows of x it holds; the fp32 default is the rule for any dtype, with more slices than fp16/bf16
     need). The launch bounds guarantee 2 blocks of 256 threads per SM (128 registers a thread), so a narrower block
-    (Pythia's tiles of two 80-wide heads: 160 threads) fits 512 // threads of them: 3, measured 18.3 -> 14.9 us for
-    Pythia's fused QKV on the H100.
-
-    The x stage held 8192 elements for every kernel before the tensor-core kernel's took 2-byte elements; at 8 rows
-    that cut Llama-3.1-8B's gate/up into 4 K slices (896 blocks) and down into 14. Measured on the H100 (int4 TPOT,
-    fp16, g128, one call, with int4_norm_prologue in front of the norm ops): Llama-3.1-8B 4.734 -> 3.881 ms at batch
-    8, 3.332 -> 2.967 at batch 4; Pythia-2.8B 2.099 -> 2.092 and 1.554 -> 1.398. Batch 1 takes the same slices.
+    (Pythia's tiles of two 80-wide heads: 160 threads) fits 512 // threads of them: 3.
 
     `beside`: the decode attention's blocks, where the op is the linear just before or just after it (Beside). Where
     the op's blocks fill the SMs, attention blocks that find no room wait for op blocks to end: before the attention
     (QKV), its blocks start late, with nothing loaded; after it (the output projection), the op's own blocks start
     only as attention blocks end, with no weights preloaded meanwhile. So the op takes fewer K slices where that
     leaves room for all of them, unless that costs more than a quarter of its blocks (BESIDE_KEEP) in an op of more
-    than SMALL_OP_BYTES. Measured on the H100 (int4 g128, fp16, context 128-192; `python -m evals.splits`: TPOT in
-    one process, the choices interleaved over 3-5 rounds, each round's difference; evals/results/session33.txt):
-    Llama-3.1-8B's QKV 5 -> 4 slices (240 -> 192 blocks, beside 32 attention blocks of half an SM) and o_proj 8 -> 7
-    (256 -> 224) -9 to -27 us at batch 1 (2.31 -> 2.29-2.30 ms), -5 to -47 at batch 2 (QKV 4, o_proj 6);
-    Pythia-2.8B's output pair 13 -> 11 (260 -> 220) -16 to -39 us (1.065 -> 1.04 ms); Qwen2-7B's o_proj 9 -> 7
-    (252 -> 196, beside 28 whole-SM blocks) -6 to -23 us; Qwen2-1.5B's QKV (1.6 MB) 12 -> 7 (192 -> 112 blocks, so
-    that its 12 whole-SM attention blocks find empty SMs) -41 to -61 us (1.07 -> 1.03 ms; 6 slices -16 to -38), where
-    10 and 8 slices (no SM, or 4, left empty) gained nothing. Against it: Pythia's QKV + MLP-input op (23.9 MB) at
-    2 slices instead of 3 (224 of its 336 narrow blocks) +12 to +36 us, Llama's QKV at 3 slices +15 to +40 us, and
-    Qwen2-7B's QKV (8.3 MB) at 5 slices, still too many to leave SMs empty, within the noise."""
+    than SMALL_OP_BYTES. docs/decode-int4.md has the measurements behind each of these choices."""
     rows = linear.in_features // 8
     threads = max(1, block_threads(tile_width(head_dim)))
     resident, width = 512 // threads, tiles(linear, head_dim)

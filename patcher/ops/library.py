@@ -12,7 +12,7 @@ loop state) mark it `Tensor(a!)` in their schema; all are safe to capture in CUD
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
