@@ -1,5 +1,5 @@
 // The CUDA implementations of the patcher:: torch ops, one m.impl per op at the end (schemas: patcher/ops/, one
-// module per op family; the int4 ops are in bindings_int4.cpp).
+// module per op family; the int4 ops' functions are in bindings_int4.h).
 //
 // Each op checks its inputs (device, dtype, shape, strides) with a clear message, allocates contiguous outputs,
 // fills a launcher struct and launches on the current stream. Inputs are never copied: a tensor whose layout a
@@ -14,6 +14,7 @@
 #include <string>
 #include <tuple>
 
+#include "bindings_int4.h"
 #include "glue.h"
 #include "activation/params.h"
 #include "attention/params.h"

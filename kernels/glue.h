@@ -1,6 +1,5 @@
-// The torch side of the kernels, shared by bindings.cpp (every op's registration, and the ops of the dense
-// families) and bindings_int4.cpp (the GPTQ int4 ops): input checks, which every op makes on device, dtype, shape and
-// strides with a clear message before it fills a launcher struct, and the int4 ops' declarations.
+// The torch side's input checks, shared by the ops of bindings.cpp and bindings_int4.h: every op checks device,
+// dtype, shape and strides with a clear message before it fills a launcher struct.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -268,50 +267,5 @@ inline Tensor attention_params(patcher::DecodeAttentionParams& p, const Tensor& 
   p.out = out.data_ptr();
   return out;
 }
-
-// The GPTQ int4 ops (bindings_int4.cpp), registered in bindings.cpp. A linear arrives as parallel lists, one entry
-// per segment.
-using TensorList = c10::ArrayRef<Tensor>;
-using OptTensorList = const c10::List<std::optional<Tensor>>&;
-Tensor int4_linear(const Tensor& x, TensorList qweight, TensorList qzeros, TensorList scales, TensorList g_idx,
-                   OptTensorList bias, int64_t group_size, bool act_order, int64_t zero_offset);
-std::tuple<Tensor, Tensor, Tensor> int4_gemv(const Tensor& x, const OptTensor& delta, const OptTensor& delta2,
-                                             const OptTensor& norm_weight, const OptTensor& norm_bias,
-                                             const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps,
-                                             bool rms, TensorList qweight, TensorList qzeros, TensorList scales,
-                                             TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order,
-                                             int64_t zero_offset, c10::string_view activation, int64_t splits,
-                                             Tensor& workspace);
-Tensor int4_gemv_cat(const Tensor& x, const Tensor& x2, TensorList qweight, TensorList qzeros, TensorList scales,
-                     TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order, int64_t zero_offset,
-                     int64_t splits, Tensor& workspace, bool x2_early);
-void int4_gemv_acc(const Tensor& x, const OptTensor& x2, TensorList qweight, TensorList qzeros, TensorList scales,
-                   TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order, int64_t zero_offset,
-                   int64_t splits, Tensor& workspace, Tensor& acc, const OptTensor& clear, bool x2_early);
-std::tuple<Tensor, Tensor> int4_norm_gemv_acc(const Tensor& x, const OptTensor& delta, const OptTensor& delta2,
-                                              const OptTensor& norm_weight, const OptTensor& norm_bias,
-                                              const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps,
-                                              bool rms, TensorList qweight, TensorList qzeros, TensorList scales,
-                                              TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order,
-                                              int64_t zero_offset, int64_t splits, Tensor& workspace, Tensor& acc,
-                                              const OptTensor& clear);
-std::tuple<Tensor, Tensor, Tensor> int4_norm_prologue(const Tensor& x, const OptTensor& delta, const OptTensor& delta2,
-                                                      const OptTensor& norm_weight, const OptTensor& norm_bias,
-                                                      const OptTensor& norm_weight2, const OptTensor& norm_bias2,
-                                                      double eps, bool rms);
-std::tuple<Tensor, Tensor, Tensor> int4_qkv_rope_cache(
-    const Tensor& x, const OptTensor& delta, const OptTensor& delta2, const OptTensor& norm_weight,
-    const OptTensor& norm_bias, const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps, bool rms,
-    TensorList qweight, TensorList qzeros, TensorList scales, TensorList g_idx, OptTensorList bias, int64_t group_size,
-    bool act_order, int64_t zero_offset, const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
-    Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, bool interleaved,
-    int64_t splits, Tensor& workspace);
-std::tuple<Tensor, Tensor, Tensor> int4_qkv_mlp_in(
-    const Tensor& x, const OptTensor& delta, const OptTensor& delta2, const OptTensor& norm_weight,
-    const OptTensor& norm_bias, const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps, bool rms,
-    TensorList qweight, TensorList qzeros, TensorList scales, TensorList g_idx, OptTensorList bias, int64_t group_size,
-    bool act_order, int64_t zero_offset, const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
-    Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, bool interleaved,
-    int64_t qkv_segments, c10::string_view activation, int64_t splits, Tensor& workspace, const OptTensor& x2);
 
 }  // namespace patcher_glue

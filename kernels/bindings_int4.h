@@ -1,8 +1,10 @@
-// The CUDA implementations of the GPTQ int4 ops (schemas: patcher/ops/int4_ops.py; kernels: int4/), registered in
-// bindings.cpp.
+// The CUDA implementations of the GPTQ int4 ops (schemas: patcher/ops/int4_ops.py; kernels: int4/), a part of
+// bindings.cpp, which includes it once and registers them.
 //
 // A GPTQ linear arrives as parallel lists (qweight, qzeros, scales, g_idx, bias), one entry per segment: the q, k
 // and v projections of a layer, or gate and up, read side by side as one output without a concatenated copy.
+#pragma once
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/matmul.h>
@@ -19,7 +21,11 @@
 #include "glue.h"
 #include "int4/params.h"
 
-namespace patcher_glue {
+namespace {
+
+using namespace patcher_glue;
+using TensorList = c10::ArrayRef<Tensor>;
+using OptTensorList = const c10::List<std::optional<Tensor>>&;
 
 // The segments' tensors, checked against x and against each other. Returns the input size K.
 int64_t fill_segments(const Tensor& x, TensorList qweight, TensorList qzeros, TensorList scales, TensorList g_idx,
@@ -476,4 +482,4 @@ Tensor int4_linear(const Tensor& x, TensorList qweight, TensorList qzeros, Tenso
   return out;
 }
 
-}  // namespace patcher_glue
+}  // namespace
