@@ -1,4 +1,4 @@
-// Input checks shared by the torch glue files (torch_bindings.cpp, int4_bindings.cpp): every op checks device,
+// The torch side's input checks, shared by the ops of bindings.cpp and bindings_int4.h: every op checks device,
 // dtype, shape and strides with a clear message before it fills a launcher struct.
 #pragma once
 
@@ -8,7 +8,10 @@
 #include <optional>
 #include <string>
 
-#include "launchers.h"
+#include "attention/params.h"
+#include "common/types.h"
+#include "norm/params.h"
+#include "rope/params.h"
 
 namespace patcher_glue {
 
@@ -16,9 +19,9 @@ using at::Tensor;
 using patcher::DType;
 using OptTensor = std::optional<Tensor>;
 
-// Numbers in error messages are formatted with std::to_string, never streamed: with torch 2.11 on the GPU machine,
-// streaming an integer into a TORCH_CHECK message crashed the process inside std::ostream::_M_insert<long>
-// (cuda-gdb backtrace), while messages made only of strings worked.
+// Numbers in error messages are formatted with std::to_string, never streamed: with torch 2.11, streaming an integer
+// into a TORCH_CHECK message crashed the process inside std::ostream::_M_insert<long>, while messages made only of
+// strings worked.
 inline std::string dims(c10::IntArrayRef values) {
   std::string text = "[";
   for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
@@ -221,6 +224,48 @@ inline Tensor rope_cache_target(patcher::RopeCacheParams& p, const Tensor& like,
   Tensor q = at::empty({B, num_q_heads, head_dim}, like.options());
   p.q = q.data_ptr();
   return q;
+}
+
+// The checks and parameters decode_attention and decode_attention_qkv_acc share: B rows of Hq query heads of D over
+// the caches; `like` gives the dtype and device. Returns the output [B, Hq * D] (p.out set).
+inline Tensor attention_params(patcher::DecodeAttentionParams& p, const Tensor& like, int64_t B, int64_t Hq,
+                               int64_t D, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slot,
+                               const Tensor& pad, double scale, int64_t splits, Tensor& workspace, const char* op) {
+  TORCH_CHECK(D == 64 || D == 80 || D == 128, "patcher: ", op, " supports head_dim 64, 80 and 128, got ",
+              std::to_string(D));
+  TORCH_CHECK(k_cache.dim() == 4, "patcher: k_cache must be [batch, kv_heads, capacity, head_dim]");
+  const int64_t Hkv = k_cache.size(1);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 8, "patcher: ", std::to_string(Hq), " query heads over ",
+              std::to_string(Hkv), " kv heads: need a multiple, at most 8 per kv head");
+  check_cache(k_cache, like, B, Hkv, D, "k_cache");
+  check_cache(v_cache, like, B, Hkv, D, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "patcher: k_cache and v_cache differ in shape");
+  check_index(slot, 1, like, "slot");
+  check_index(pad, B, like, "pad");
+  TORCH_CHECK(splits >= 1 && splits <= 16, "patcher: splits must be in 1..16, got ", std::to_string(splits));
+  const int64_t counters = (B * Hq + 63) / 64 * 64;
+  const int64_t needed = counters + B * Hq * splits * (D + 2);
+  TORCH_CHECK(workspace.is_cuda() && workspace.device() == like.device() && workspace.scalar_type() == at::kInt &&
+                  workspace.is_contiguous() && workspace.numel() >= needed,
+              "patcher: workspace must be a zeroed contiguous int32 CUDA tensor of at least ", std::to_string(needed),
+              " elements (patcher.ops.decode_attention_workspace)");
+  p.dtype = dtype_of(like);
+  p.batch = B;
+  p.num_q_heads = Hq;
+  p.num_kv_heads = Hkv;
+  p.head_dim = D;
+  p.capacity = k_cache.size(2);
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.slot = slot.data_ptr<int64_t>();
+  p.pad = pad.data_ptr<int64_t>();
+  p.scale = static_cast<float>(scale);
+  p.splits = static_cast<int32_t>(splits);
+  p.counters = workspace.data_ptr<int32_t>();
+  p.partials = reinterpret_cast<float*>(workspace.data_ptr<int32_t>() + counters);
+  Tensor out = at::empty({B, Hq * D}, like.options());
+  p.out = out.data_ptr();
+  return out;
 }
 
 }  // namespace patcher_glue

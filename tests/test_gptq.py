@@ -118,10 +118,10 @@ def test_split_rule_keeps_the_group_stage_within_the_kernel_limit():
     assert int4_ops.group_stage_bytes(act, 1) == 0  # act-order takes the CUDA-core kernel
 
 
-def test_split_rule_sizes_the_x_stage_by_the_kernel(monkeypatch):
-    """The split rule's x stage (kernels/int4.cu: int4_stage_bytes, 32 KB): the tensor-core kernel (fp16/bf16, no
-    act-order) holds x in 2 bytes an element, in whole 4-row steps of a slice; the CUDA-core kernel (fp32, act-order,
-    or PATCHER_INT4_CUDA_CORES=1) in 4. At 8 rows Llama-3.1-8B's gate/up then takes 2 K slices in fp16 and 4 in fp32,
+def test_split_rule_sizes_the_x_stage_by_the_kernel():
+    """The split rule's x stage (kernels/int4/int4.cu: int4_stage_bytes, 32 KB): the tensor-core kernel (fp16/bf16, no
+    act-order) holds x in 2 bytes an element, in whole 4-row steps of a slice; the CUDA-core kernel (fp32 or act-order)
+    in 4. At 8 rows Llama-3.1-8B's gate/up then takes 2 K slices in fp16 and 4 in fp32,
     its down 8 and 14; at one row both dtypes take the same slices."""
     meta = {"dtype": torch.int32, "device": "meta"}
 
@@ -139,8 +139,6 @@ def test_split_rule_sizes_the_x_stage_by_the_kernel(monkeypatch):
     assert int4_ops.stage_bytes(8, gate_up, 2, torch.float16) == int4_ops.STAGE_BYTES
     assert int4_ops.stage_bytes(8, linear(4096, [512], act_order=True), 2, torch.float16) == 2 * int4_ops.STAGE_BYTES
     assert int4_ops.stage_bytes(1, down, 3, torch.float16) == 600 * 8 * 2  # 597.3 rows a slice, in whole steps
-    monkeypatch.setenv("PATCHER_INT4_CUDA_CORES", "1")
-    assert int4_ops.splits_for(8, gate_up, 132, dtype=torch.float16) == 4
 
 
 def test_split_rule_leaves_room_for_the_attention():

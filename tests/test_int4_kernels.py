@@ -1,6 +1,6 @@
 """GPTQ int4 kernels against their pure-torch references (GPU only), with the 2x rule of conftest.py.
 
-The float64 reference takes the checkpoint's exact weights, scales * (q - zero) (patcher/ops/reference.py:
+The float64 reference takes the checkpoint's exact weights, scales * (q - zero) (patcher/ops/int4_ops.py:
 int4_linear): the precise product of what the checkpoint means. The working-dtype reference (PyTorch's own error)
 rounds each weight to fp16 first, as HF's GPTQ linears do, and so do the CUDA-core kernel and the prefill path; the
 tensor-core kernel multiplies x by the exact q - zero and applies the scales to its fp32 sums, so its error is the
@@ -9,16 +9,10 @@ Covered: group sizes 16/32/128/one group, act-order, GPTQ v1/v2 zero points, bat
 dequantize + cuBLAS path), odd widths and K, fp16/bf16/fp32 activations, every prologue (none, RMSNorm, add +
 RMSNorm, LayerNorm with one or two deltas and two outputs) and epilogue (none, GELU, SwiGLU, RoPE into the cache),
 K splits, heads of 64/72/80/128. fp16/bf16 without act-order take the tensor-core kernel (kernels/int4_mma.cuh) where
-the group size is a multiple of 32 and the heads tile into whole warps; the rest take the CUDA-core kernel. Switches
-in the environment move ops to the CUDA-core kernel or to the opt-in Hopper kernel (kernels/int4_tma.cuh, where K is
-whole stages of 256 and the groups and widths tile them), tested in processes of their own.
+the group size is a multiple of 32 and the heads tile into whole warps; the rest take the CUDA-core kernel.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -43,9 +37,9 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    from patcher.ops import KERNELS, extension
+    from patcher.ops import KERNELS, build
 
-    extension.load()
+    build.load()
     return KERNELS
 
 
@@ -585,16 +579,15 @@ def test_int4_opcheck_and_bad_inputs(kernels):
         (4096, [2656], 32, "none"),  # 83 warps of columns: a last tile of 96
         (4096, [1024], 64, "gelu"),
         (2048, [3072], 256, "none"),
-        (2048, [512, 512], 512, "silu_mul"),  # a group over two stages
-        (1024, [4096, 4096], -1, "silu_mul"),  # one group; gate and up tiles finished by different blocks
-        (256, [32768], 128, "none"),  # one stage per tile: blocks finish several whole tiles alone
-        (4096, [128], 128, "none"),  # one tile shared by 16 blocks
+        (2048, [512, 512], 512, "silu_mul"),  # a group wider than a K slice
+        (1024, [4096, 4096], -1, "silu_mul"),  # one group
+        (256, [32768], 128, "none"),  # many tiles, a short K
+        (4096, [128], 128, "none"),  # one tile shared by every K slice
     ],
 )
-def test_int4_gemv_hopper_work_split(k, widths, group_size, activation, batch, dtype):
-    """Shapes for the Hopper kernel (kernels/int4_tma.cuh, run by test_hopper_kernel_switch; here the tensor-core
-    kernel takes them): every group size it takes, tiles cut short, runs of stages that end inside tiles, in several
-    tiles, or hold whole tiles."""
+def test_int4_gemv_work_split(k, widths, group_size, activation, batch, dtype):
+    """The tensor-core kernel at the K slices splits_for picks, over every group size it takes, tiles cut short, one
+    tile shared by many slices and many tiles of a short K."""
     lin = gptq_linear(k, widths, group_size, bias=activation == "gelu")
     splits = int4_ops.splits_for(batch, lin, torch.cuda.get_device_properties(0).multi_processor_count)
     workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits), dtype=torch.int32, device="cuda")
@@ -633,43 +626,3 @@ def test_int4_gemv_largest_group_stage(batch, dtype, kernels):
     assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0, "the tile counters must be left at zero"
     with pytest.raises(RuntimeError, match="splits_for"):
         kernels.int4_gemv(x, *pro, *lin.args(), "none", 1, workspace)
-
-
-def _run_with_switch(variable: str, value: str = "1"):
-    """The fp16/bf16 matrix-vector tests (dtype0, dtype1) in a process of their own with `variable`=`value` (the
-    int4 kernel switches are read once per process)."""
-    if os.environ.get(variable) == value:
-        pytest.skip("this is the process the switch is tested in")
-    env = {**os.environ, variable: value}
-    selection = "(test_int4_gemv or test_int4_qkv or test_int4_linear) and (dtype0 or dtype1)"
-    # (test_int4_gemv takes in test_int4_gemv_cat, test_int4_qkv both ops of the attention prologue)
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selection],
-        env=env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout.splitlines()[-1]
-
-
-def test_cuda_core_kernel_switch():
-    """PATCHER_INT4_CUDA_CORES=1 keeps fp16/bf16 on the CUDA-core kernel, which then only runs fp32, act-order and
-    odd group sizes here."""
-    _run_with_switch("PATCHER_INT4_CUDA_CORES")
-
-
-def test_hopper_kernel_switch():
-    """PATCHER_INT4_TMA=1 puts the fp16/bf16 ops it takes on the Hopper kernel (on an H100/H200; elsewhere the switch
-    changes nothing and the same tests pass again)."""
-    _run_with_switch("PATCHER_INT4_TMA")
-
-
-@pytest.mark.parametrize("threads", ["256", "384"])
-def test_mma_block_switch(threads):
-    """PATCHER_INT4_MMA_BLOCK=256 / =384 run every op that can take both block shapes of the tensor-core kernel
-    (kernels/int4_mma.cuh: MmaShape, mma_wide) as that one, so each shape passes every test shape (the default is
-    256 for every op; the 384-thread shape runs only under the switch)."""
-    _run_with_switch("PATCHER_INT4_MMA_BLOCK", threads)

@@ -29,9 +29,9 @@ LAYOUTS = ["contiguous", "row-strided", "misaligned"]
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    from patcher.ops import extension
+    from patcher.ops import build
 
-    extension.load()
+    build.load()
     from patcher.ops import KERNELS
 
     return KERNELS

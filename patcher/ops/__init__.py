@@ -1,9 +1,11 @@
 """The fused ops, behind two interchangeable backends chosen once, at patch time.
 
-- `KERNELS`: the `patcher::` torch ops. CUDA tensors run the CUDA kernels of `kernels/` (built on first use);
-  CPU tensors run the pure-torch reference through the same dispatcher entry, which is how CPU tests exercise the
-  schemas, the fake kernels and torch.compile tracing.
-- `REFERENCE`: the pure-torch references of `reference.py`, called directly, on any device.
+Each op family module (norm, rope, activation, gemv, attention, sampling, int4_ops) defines its `patcher::` ops
+with `library.define`: schema, pure-torch reference and fake kernel together. From what they defined:
+- `KERNELS`: the `patcher::` torch ops. CUDA tensors run the CUDA kernels of `kernels/` (built on first use,
+  build.py); CPU tensors run the pure-torch reference through the same dispatcher entry, which is how CPU tests
+  exercise the schemas, the fake kernels and torch.compile tracing.
+- `REFERENCE`: the pure-torch references, called directly, on any device.
 
 Both expose the same functions with the same signatures, so the patched modules never branch on the backend.
 """
@@ -12,36 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from . import library as _library  # noqa: F401  (defines the patcher:: schemas)
-from . import reference
-from .extension import ExtensionError
+# Importing a family module defines its ops (library.define); `reference` looks them up by name.
+from . import activation, attention, gemv, int4_ops, norm, reference, rope, sampling  # noqa: F401
+from .attention import decode_attention_workspace
+from .build import ExtensionError
+from .library import REFERENCES
+from .sampling import next_token_workspace
 
-OP_NAMES = (
-    "rms_norm",
-    "add_rms_norm",
-    "layer_norm",
-    "dual_layer_norm",
-    "add_layer_norm",
-    "add_dual_layer_norm",
-    "rope_qkv",
-    "silu_and_mul",
-    "bias_gelu",
-    "gemv",
-    "norm_gemv",
-    "rope_qkv_cache",
-    "norm_gemv_rope_cache",
-    "decode_attention",
-    "decode_attention_qkv_acc",
-    "next_token",
-    "int4_linear",
-    "int4_gemv",
-    "int4_gemv_cat",
-    "int4_gemv_acc",
-    "int4_norm_gemv_acc",
-    "int4_norm_prologue",
-    "int4_qkv_rope_cache",
-    "int4_qkv_mlp_in",
-)
+OP_NAMES = tuple(REFERENCES)  # every patcher:: op, in definition order
 
 
 class Backend:
@@ -57,7 +37,7 @@ class Backend:
 
 
 KERNELS = Backend("kernels", {op: getattr(torch.ops.patcher, op).default for op in OP_NAMES})
-REFERENCE = Backend("reference", {op: getattr(reference, op) for op in OP_NAMES})
+REFERENCE = Backend("reference", dict(REFERENCES))
 
 BACKEND_CHOICES = ("auto", "kernels", "reference")
 
@@ -72,16 +52,13 @@ def backend_for(device: torch.device, requested: str = "auto") -> Backend:
     if requested == "reference" or (requested == "auto" and device.type != "cuda"):
         return REFERENCE
     if device.type == "cuda":
-        from . import extension
+        from . import build
 
-        extension.load(device)
+        build.load(device)
     elif device.type != "cpu":
         raise ExtensionError(f"the patcher:: kernels support CUDA and CPU tensors, not {device.type}")
     return KERNELS
 
-
-decode_attention_workspace = reference.decode_attention_workspace
-next_token_workspace = reference.next_token_workspace
 
 __all__ = [
     "KERNELS",

@@ -9,24 +9,22 @@ untouched.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 MAX_SEGMENTS = 3
 TILE = 128  # output columns per block of the int4 kernels (whole heads when RoPE follows: tile_width)
-STAGE_BYTES = 32 * 1024  # limit of a block's shared x stage (kernels/launchers.h: kInt4StageBytes; stage_bytes)
+STAGE_BYTES = 32 * 1024  # limit of a block's shared x stage (kernels/int4/params.h: kInt4StageBytes; stage_bytes)
 GROUP_STAGE_BYTES = 40 * 1024  # limit of the tensor-core kernel's shared scales and zero points of one K slice
-TMA_STAGE_K = 256  # k per stage of the Hopper kernel (kernels/int4_tma.cuh): at most one row of partial sums each
-# Tile counters at the front of every workspace, the same number for every op (kernels/launchers.h: kInt4Counters):
+# Tile counters at the front of every workspace, the same number for every op (kernels/int4/params.h: kInt4Counters):
 # the ops of a decode step share one workspace, and an op with more tiles must not read another's partial sums as
 # its counters.
 COUNTERS = 4096
-# The decode attention's block (kernels/attention.cuh: kAttnWarps warps); the share of an op's blocks the split rule
-# keeps at least so that the attention's blocks fit beside them (splits_for: `beside`), unless the op is so small
-# (SMALL_OP_BYTES: about a microsecond of streaming at the H100's 3 TB/s, less than a block's fixed start and end)
-# that fewer blocks hardly slow it.
+# The decode attention's block (kernels/attention/attention.cuh: kAttnWarps warps); the share of an op's blocks the
+# split rule keeps at least so that the attention's blocks fit beside them (splits_for: `beside`), unless the op is
+# so small (SMALL_OP_BYTES: about a microsecond of streaming at 3 TB/s, less than a block's fixed start and end) that
+# fewer blocks hardly slow it.
 ATTENTION_THREADS = 256
 BESIDE_KEEP = 0.75
 SMALL_OP_BYTES = 4 << 20
@@ -143,7 +141,7 @@ def side_by_side(first: Int4Linear, second: Int4Linear) -> Int4Linear | None:
 
 
 def tile_width(head_dim: int | None = None) -> int:
-    """Output columns per block, as kernels/int4.cu's int4_tile_width: 128, or with RoPE (head_dim given) the
+    """Output columns per block, as kernels/int4/int4.cu's int4_tile_width: 128, or with RoPE (head_dim given) the
     fewest whole heads that make whole warps of 32 columns, or one head where that would exceed 256 columns."""
     if head_dim is None:
         return TILE
@@ -159,12 +157,10 @@ def tiles(linear: Int4Linear, head_dim: int | None = None) -> int:
 
 
 def block_threads(tile_width: int) -> int:
-    """Threads of one int4 decode block, as the CUDA-core kernel (kernels/int4_gemv.cuh) picks them: 4 columns
+    """Threads of one int4 decode block, as the CUDA-core kernel (kernels/int4/int4_gemv.cuh) picks them: 4 columns
     per thread across the tile in whole eighths of a warp, runs of qweight rows in fours, within 256 threads.
-    The tensor-core kernel's column warps times runs (kernels/int4_mma.cuh) come to the same count for every
-    tile it takes, or with PATCHER_INT4_MMA_BLOCK=384 (MmaShape) 384 for 128-column tiles, whose launch bounds
-    still keep two blocks an SM, so the count of resident blocks is the same. 0 for a tile wider than 256
-    columns (heads over 256 wide: the kernels reject them)."""
+    The tensor-core kernel's column warps times runs (kernels/int4/int4_mma.cuh) come to the same count for every
+    tile it takes. 0 for a tile wider than 256 columns (heads over 256 wide: the kernels reject them)."""
     cols = math.ceil(math.ceil(tile_width / 4) / 8) * 8
     return cols * (256 // cols // 4 * 4)
 
@@ -182,29 +178,14 @@ def splits_for(
     at least 16 qweight rows per block; within the kernel's shared x stage (stage_bytes: the activations' `dtype`
     decides how many rows of x it holds; the fp32 default is the rule for any dtype, with more slices than fp16/bf16
     need). The launch bounds guarantee 2 blocks of 256 threads per SM (128 registers a thread), so a narrower block
-    (Pythia's tiles of two 80-wide heads: 160 threads) fits 512 // threads of them: 3, measured 18.3 -> 14.9 us for
-    Pythia's fused QKV on the H100.
-
-    The x stage held 8192 elements for every kernel before the tensor-core kernel's took 2-byte elements; at 8 rows
-    that cut Llama-3.1-8B's gate/up into 4 K slices (896 blocks) and down into 14. Measured on the H100 (int4 TPOT,
-    fp16, g128, one call, with int4_norm_prologue in front of the norm ops): Llama-3.1-8B 4.734 -> 3.881 ms at batch
-    8, 3.332 -> 2.967 at batch 4; Pythia-2.8B 2.099 -> 2.092 and 1.554 -> 1.398. Batch 1 takes the same slices.
+    (Pythia's tiles of two 80-wide heads: 160 threads) fits 512 // threads of them: 3.
 
     `beside`: the decode attention's blocks, where the op is the linear just before or just after it (Beside). Where
     the op's blocks fill the SMs, attention blocks that find no room wait for op blocks to end: before the attention
     (QKV), its blocks start late, with nothing loaded; after it (the output projection), the op's own blocks start
     only as attention blocks end, with no weights preloaded meanwhile. So the op takes fewer K slices where that
     leaves room for all of them, unless that costs more than a quarter of its blocks (BESIDE_KEEP) in an op of more
-    than SMALL_OP_BYTES. Measured on the H100 (int4 g128, fp16, context 128-192; `python -m evals.splits`: TPOT in
-    one process, the choices interleaved over 3-5 rounds, each round's difference; evals/results/session33.txt):
-    Llama-3.1-8B's QKV 5 -> 4 slices (240 -> 192 blocks, beside 32 attention blocks of half an SM) and o_proj 8 -> 7
-    (256 -> 224) -9 to -27 us at batch 1 (2.31 -> 2.29-2.30 ms), -5 to -47 at batch 2 (QKV 4, o_proj 6);
-    Pythia-2.8B's output pair 13 -> 11 (260 -> 220) -16 to -39 us (1.065 -> 1.04 ms); Qwen2-7B's o_proj 9 -> 7
-    (252 -> 196, beside 28 whole-SM blocks) -6 to -23 us; Qwen2-1.5B's QKV (1.6 MB) 12 -> 7 (192 -> 112 blocks, so
-    that its 12 whole-SM attention blocks find empty SMs) -41 to -61 us (1.07 -> 1.03 ms; 6 slices -16 to -38), where
-    10 and 8 slices (no SM, or 4, left empty) gained nothing. Against it: Pythia's QKV + MLP-input op (23.9 MB) at
-    2 slices instead of 3 (224 of its 336 narrow blocks) +12 to +36 us, Llama's QKV at 3 slices +15 to +40 us, and
-    Qwen2-7B's QKV (8.3 MB) at 5 slices, still too many to leave SMs empty, within the noise."""
+    than SMALL_OP_BYTES. docs/decode-int4.md has the measurements behind each of these choices."""
     rows = linear.in_features // 8
     threads = max(1, block_threads(tile_width(head_dim)))
     resident, width = 512 // threads, tiles(linear, head_dim)
@@ -243,13 +224,11 @@ def splits_limit(batch: int, linear: Int4Linear, dtype: torch.dtype, head_dim: i
 
 
 def tensor_cores(linear: Int4Linear, dtype: torch.dtype, head_dim: int | None = None) -> bool:
-    """Whether the tensor-core kernel takes the linear, as kernels/int4_gemv.cuh picks it (int4_mma.cuh:
-    mma_applies): fp16/bf16 activations, no act-order, groups of whole 32s, tiles of whole warps within 256 columns;
-    not under PATCHER_INT4_CUDA_CORES=1."""
+    """Whether the tensor-core kernel takes the linear, as kernels/int4/int4_gemv.cuh picks it (int4_mma.cuh:
+    mma_applies): fp16/bf16 activations, no act-order, groups of whole 32s, tiles of whole warps within 256 columns."""
     width = tile_width(head_dim)
     return (
         dtype in (torch.float16, torch.bfloat16)
-        and os.environ.get("PATCHER_INT4_CUDA_CORES") != "1"
         and not linear.act_order
         and linear.group_size % 32 == 0
         and width % 32 == 0
@@ -258,7 +237,7 @@ def tensor_cores(linear: Int4Linear, dtype: torch.dtype, head_dim: int | None = 
 
 
 def stage_bytes(batch: int, linear: Int4Linear, splits: int, dtype: torch.dtype, head_dim: int | None = None) -> int:
-    """Bytes of a block's shared x stage at `splits` K slices, as kernels/int4.cu's int4_stage_bytes: the
+    """Bytes of a block's shared x stage at `splits` K slices, as kernels/int4/int4.cu's int4_stage_bytes: the
     tensor-core kernel holds x in the 2-byte dtype, in whole 4-row steps of its slice; the CUDA-core kernel in
     fp32."""
     per_split = math.ceil(linear.in_features // 8 / splits)
@@ -268,7 +247,7 @@ def stage_bytes(batch: int, linear: Int4Linear, splits: int, dtype: torch.dtype,
 
 
 def group_stage_bytes(linear: Int4Linear, splits: int, head_dim: int | None = None) -> int:
-    """Shared memory the tensor-core kernel's scales and zero points of one K slice take, as kernels/int4.cu's
+    """Shared memory the tensor-core kernel's scales and zero points of one K slice take, as kernels/int4/int4.cu's
     int4_group_stage_bytes: slices of whole 4-row steps, each starting at a multiple of its span of k, so on a group
     boundary when the span is a multiple of the group size, else spanning at most two groups more."""
     if linear.act_order:
@@ -280,8 +259,6 @@ def group_stage_bytes(linear: Int4Linear, splits: int, head_dim: int | None = No
 
 
 def workspace_numel(batch: int, linear: Int4Linear, splits: int, head_dim: int | None = None) -> int:
-    """int32 elements of the workspace (COUNTERS counters, then fp32 partial sums), as kernels/int4_bindings.cpp
-    checks: rows of partial sums for `splits` K slices, or for the Hopper kernel one per block sharing a tile (at
-    most one per 256 k), whichever is more (kernels/int4.cu: int4_partial_rows)."""
-    rows = max(splits, linear.in_features // TMA_STAGE_K)
-    return COUNTERS + rows * batch * sum(linear.widths)
+    """int32 elements of the workspace as kernels/bindings_int4.cpp checks it: COUNTERS counters, then fp32 partial
+    sums, one row of [batch, sum of widths] per K slice."""
+    return COUNTERS + splits * batch * sum(linear.widths)

@@ -1,0 +1,468 @@
+// The CUDA implementations of the patcher:: torch ops, one m.impl per op at the end (schemas: patcher/ops/, one
+// module per op family; the int4 ops' functions are in bindings_int4.h).
+//
+// Each op checks its inputs (device, dtype, shape, strides) with a clear message, allocates contiguous outputs,
+// fills a launcher struct and launches on the current stream. Inputs are never copied: a tensor whose layout a
+// kernel can't read is rejected. Nothing here syncs with the host, so every op can be captured in a CUDA graph.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "bindings_int4.h"
+#include "glue.h"
+#include "activation/params.h"
+#include "attention/params.h"
+#include "gemv/params.h"
+#include "norm/params.h"
+#include "rope/params.h"
+#include "sampling/params.h"
+
+namespace {
+
+using namespace patcher_glue;
+
+// ---- norms ------------------------------------------------------------------------------------------------
+
+struct NormResult {
+  Tensor out, out2, sum;
+};
+
+NormResult run_norm(const Tensor& x, const Tensor* delta, const OptTensor& delta2, const Tensor& weight,
+                    const OptTensor& bias, const Tensor* weight2, const OptTensor& bias2, double eps, bool rms) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t hidden = x.size(-1);
+  patcher::NormParams p{};
+  p.dtype = dtype_of(x);
+  p.rows = hidden == 0 ? 0 : x.numel() / hidden;
+  p.hidden = hidden;
+  p.x = x.data_ptr();
+  p.x_stride = row_stride(x, "x");
+  NormResult r;
+  if (delta) {
+    check_like(*delta, x, "delta");
+    TORCH_CHECK(delta->sizes() == x.sizes(), "patcher: delta has shape ", dims(delta->sizes()), " but x has ",
+                dims(x.sizes()));
+    p.delta = delta->data_ptr();
+    p.delta_stride = row_stride(*delta, "delta");
+    if (delta2.has_value()) {
+      check_like(*delta2, x, "delta2");
+      TORCH_CHECK(delta2->sizes() == x.sizes(), "patcher: delta2 has shape ", dims(delta2->sizes()), " but x has ",
+                  dims(x.sizes()));
+      p.delta2 = delta2->data_ptr();
+      p.delta2_stride = row_stride(*delta2, "delta2");
+    }
+    r.sum = at::empty(x.sizes(), x.options());
+    p.sum = r.sum.data_ptr();
+  }
+  p.weight = vector_arg(weight, x, hidden, "weight");
+  p.bias = optional_vector_arg(bias, x, hidden, "bias");
+  r.out = at::empty(x.sizes(), x.options());
+  p.out = r.out.data_ptr();
+  if (weight2) {
+    p.weight2 = vector_arg(*weight2, x, hidden, "weight2");
+    p.bias2 = optional_vector_arg(bias2, x, hidden, "bias2");
+    r.out2 = at::empty(x.sizes(), x.options());
+    p.out2 = r.out2.data_ptr();
+  }
+  p.eps = static_cast<float>(eps);
+  p.rms = rms;
+  check_launch(patcher::launch_norm(p, c10::cuda::getCurrentCUDAStream()), "norm");
+  return r;
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  return run_norm(x, nullptr, std::nullopt, weight, std::nullopt, nullptr, std::nullopt, eps, true).out;
+}
+
+std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps) {
+  auto r = run_norm(x, &delta, std::nullopt, weight, std::nullopt, nullptr, std::nullopt, eps, true);
+  return {r.out, r.sum};
+}
+
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const OptTensor& bias, double eps) {
+  return run_norm(x, nullptr, std::nullopt, weight, bias, nullptr, std::nullopt, eps, false).out;
+}
+
+std::tuple<Tensor, Tensor> dual_layer_norm(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                           const Tensor& weight2, const OptTensor& bias2, double eps) {
+  auto r = run_norm(x, nullptr, std::nullopt, weight, bias, &weight2, bias2, eps, false);
+  return {r.out, r.out2};
+}
+
+std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& delta, const OptTensor& delta2,
+                                          const Tensor& weight, const OptTensor& bias, double eps) {
+  auto r = run_norm(x, &delta, delta2, weight, bias, nullptr, std::nullopt, eps, false);
+  return {r.out, r.sum};
+}
+
+std::tuple<Tensor, Tensor, Tensor> add_dual_layer_norm(const Tensor& x, const Tensor& delta, const OptTensor& delta2,
+                                                       const Tensor& weight, const OptTensor& bias,
+                                                       const Tensor& weight2, const OptTensor& bias2, double eps) {
+  auto r = run_norm(x, &delta, delta2, weight, bias, &weight2, bias2, eps, false);
+  return {r.out, r.out2, r.sum};
+}
+
+// ---- attention prologue -----------------------------------------------------------------------------------
+
+std::tuple<Tensor, Tensor, Tensor> rope_qkv(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
+                                            int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                                            bool interleaved) {
+  TORCH_CHECK(qkv.is_cuda(), "patcher: qkv must be a CUDA tensor, got ", qkv.device());
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  TORCH_CHECK(qkv.dim() == 3, "patcher: qkv must be [batch, tokens, width], got ", dims(qkv.sizes()));
+  TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && head_dim > 0 && num_q_heads % num_kv_heads == 0,
+              "patcher: bad head counts q ", std::to_string(num_q_heads), ", kv ", std::to_string(num_kv_heads),
+              ", head_dim ", std::to_string(head_dim));
+  TORCH_CHECK(!interleaved || num_q_heads == num_kv_heads,
+              "patcher: interleaved qkv needs as many kv heads as q heads");
+  const int64_t B = qkv.size(0), T = qkv.size(1);
+  TORCH_CHECK(qkv.size(2) == (num_q_heads + 2 * num_kv_heads) * head_dim, "patcher: qkv width ",
+              std::to_string(qkv.size(2)), " != (", std::to_string(num_q_heads), " + 2 x ",
+              std::to_string(num_kv_heads), ") x ", std::to_string(head_dim));
+  TORCH_CHECK(qkv.size(2) <= 1 || qkv.stride(2) == 1, "patcher: the last dimension of qkv must be contiguous");
+  for (const Tensor* t : {&cos, &sin}) {
+    const char* name = t == &cos ? "cos" : "sin";
+    check_like(*t, qkv, name);
+    TORCH_CHECK(t->dim() == 3 && (t->size(0) == B || t->size(0) == 1) && t->size(1) == T, "patcher: ", name,
+                " must be [", std::to_string(B), " or 1, ", std::to_string(T), ", rotary_dim], got ", dims(t->sizes()));
+    TORCH_CHECK(t->size(2) <= 1 || t->stride(2) == 1, "patcher: the last dimension of ", name, " must be contiguous");
+  }
+  TORCH_CHECK(cos.sizes() == sin.sizes(), "patcher: cos ", dims(cos.sizes()), " and sin ", dims(sin.sizes()),
+              " differ");
+  const int64_t rotary = cos.size(2);
+  TORCH_CHECK(rotary % 2 == 0 && rotary <= head_dim, "patcher: rotary_dim ", std::to_string(rotary),
+              " must be even and <= ", std::to_string(head_dim));
+
+  patcher::RopeQkvParams p{};
+  p.dtype = dtype_of(qkv);
+  p.batch = B;
+  p.tokens = T;
+  p.qkv = qkv.data_ptr();
+  p.qkv_stride_b = qkv.stride(0);
+  p.qkv_stride_t = qkv.stride(1);
+  p.cos = cos.data_ptr();
+  p.cos_stride_b = cos.size(0) == 1 ? 0 : cos.stride(0);
+  p.cos_stride_t = cos.stride(1);
+  p.sin = sin.data_ptr();
+  p.sin_stride_b = sin.size(0) == 1 ? 0 : sin.stride(0);
+  p.sin_stride_t = sin.stride(1);
+  p.rotary_dim = rotary;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.interleaved = interleaved;
+  Tensor q = at::empty({B, num_q_heads, T, head_dim}, qkv.options());
+  Tensor k = at::empty({B, num_kv_heads, T, head_dim}, qkv.options());
+  Tensor v = at::empty({B, num_kv_heads, T, head_dim}, qkv.options());
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  check_launch(patcher::launch_rope_qkv(p, c10::cuda::getCurrentCUDAStream()), "rope_qkv");
+  return {q, k, v};
+}
+
+// ---- activations ------------------------------------------------------------------------------------------
+
+Tensor silu_and_mul(const Tensor& x) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "patcher: silu_and_mul needs an even last dimension, got ",
+              dims(x.sizes()));
+  patcher::ActivationParams p{};
+  p.dtype = dtype_of(x);
+  p.cols = x.size(-1) / 2;
+  p.rows = p.cols == 0 ? 0 : x.numel() / x.size(-1);
+  p.x = x.data_ptr();
+  p.x_stride = row_stride(x, "x");
+  auto sizes = x.sizes().vec();
+  sizes.back() = p.cols;
+  Tensor out = at::empty(sizes, x.options());
+  p.out = out.data_ptr();
+  check_launch(patcher::launch_silu_and_mul(p, c10::cuda::getCurrentCUDAStream()), "silu_and_mul");
+  return out;
+}
+
+Tensor bias_gelu(const Tensor& x, const OptTensor& bias, bool tanh) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(x.dim() >= 1, "patcher: bias_gelu needs at least one dimension");
+  patcher::ActivationParams p{};
+  p.dtype = dtype_of(x);
+  p.cols = x.size(-1);
+  p.rows = p.cols == 0 ? 0 : x.numel() / p.cols;
+  p.x = x.data_ptr();
+  p.x_stride = row_stride(x, "x");
+  p.bias = optional_vector_arg(bias, x, p.cols, "bias");
+  Tensor out = at::empty(x.sizes(), x.options());
+  p.out = out.data_ptr();
+  check_launch(patcher::launch_bias_gelu(p, tanh, c10::cuda::getCurrentCUDAStream()), "bias_gelu");
+  return out;
+}
+
+// ---- decode path ------------------------------------------------------------------------------------------
+
+int32_t gemv_activation(c10::string_view activation) {
+  if (activation == "none") return patcher::kActNone;
+  if (activation == "gelu") return patcher::kActGelu;
+  if (activation == "gelu_tanh") return patcher::kActGeluTanh;
+  if (activation == "silu_mul") return patcher::kActSiluMul;
+  TORCH_CHECK(false, "patcher: gemv activation must be none, gelu, gelu_tanh or silu_mul, got ", activation);
+}
+
+// The checks and fields every decode GEMV shares: x [..., k] (1 to 8 rows), weight [rows, k], bias [rows].
+patcher::GemvParams gemv_params(const char* op, const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                int32_t act) {
+  check_like(weight, x, "weight");
+  TORCH_CHECK(weight.dim() == 2, "patcher: weight must be [out_features, in_features], got ", dims(weight.sizes()));
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1) && weight.size(1) > 0, "patcher: x ", dims(x.sizes()),
+              " does not match weight ", dims(weight.sizes()));
+  const int64_t rows_w = weight.size(0);
+  TORCH_CHECK(act != patcher::kActSiluMul || rows_w % 2 == 0, "patcher: silu_mul needs an even weight height");
+  patcher::GemvParams p{};
+  p.act = act;
+  p.dtype = dtype_of(x);
+  p.k = x.size(-1);
+  p.batch = x.numel() / p.k;
+  TORCH_CHECK(p.batch <= 8, "patcher: ", op, " takes at most 8 rows of x (decode); got ", std::to_string(p.batch),
+              ", use F.linear");
+  p.n = act == patcher::kActSiluMul ? rows_w / 2 : rows_w;
+  p.x = x.data_ptr();
+  p.x_stride = row_stride(x, "x");
+  p.w = weight.data_ptr();
+  p.w_stride = row_stride(weight, "weight");
+  p.bias = optional_vector_arg(bias, x, rows_w, "bias");
+  return p;
+}
+
+void launch_gemv_checked(const patcher::GemvParams& p, const char* op) {
+  const size_t smem = patcher::gemv_prologue_smem(p, false);
+  TORCH_CHECK(smem <= patcher::gemv_max_smem(), "patcher: ", op,
+              ": the norm prologue stages batch x in_features = ", std::to_string(p.batch * p.k),
+              " elements in shared memory, more than this GPU has (", std::to_string(patcher::gemv_max_smem()),
+              " bytes); use the separate norm op");
+  check_launch(patcher::launch_gemv(p, c10::cuda::getCurrentCUDAStream()), op);
+}
+
+Tensor gemv(const Tensor& x, const Tensor& weight, const OptTensor& bias, c10::string_view activation) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::GemvParams p = gemv_params("gemv", x, weight, bias, gemv_activation(activation));
+  auto sizes = x.sizes().vec();
+  sizes.back() = p.n;
+  Tensor out = at::empty(sizes, x.options());
+  p.out = out.data_ptr();
+  launch_gemv_checked(p, "gemv");
+  return out;
+}
+
+// gemv behind the optional norm prologue (x is then the residual stream): returns (out, sum, h2).
+std::tuple<Tensor, Tensor, Tensor> norm_gemv(const Tensor& x, const OptTensor& delta, const OptTensor& delta2,
+                                             const OptTensor& norm_weight, const OptTensor& norm_bias,
+                                             const OptTensor& norm_weight2, const OptTensor& norm_bias2, double eps,
+                                             bool rms, const Tensor& weight, const OptTensor& bias,
+                                             c10::string_view activation) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::GemvParams p = gemv_params("norm_gemv", x, weight, bias, gemv_activation(activation));
+  const Prologue pro =
+      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
+  auto sizes = x.sizes().vec();
+  sizes.back() = p.n;
+  Tensor out = at::empty(sizes, x.options());
+  p.out = out.data_ptr();
+  launch_gemv_checked(p, "norm_gemv");
+  return {out, pro.sum, pro.h2};
+}
+
+Tensor rope_qkv_cache(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const Tensor& slot, const Tensor& pad,
+                      Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                      bool interleaved) {
+  TORCH_CHECK(qkv.is_cuda(), "patcher: qkv must be a CUDA tensor, got ", qkv.device());
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  TORCH_CHECK(qkv.dim() == 2, "patcher: qkv must be [batch, width] (one token per row), got ", dims(qkv.sizes()));
+  TORCH_CHECK(qkv.size(1) <= 1 || qkv.stride(1) == 1, "patcher: the last dimension of qkv must be contiguous");
+  patcher::RopeCacheParams p{};
+  Tensor q = rope_cache_target(p, qkv, qkv.size(0), qkv.size(1), cos, sin, slot, pad, k_cache, v_cache, num_q_heads,
+                               num_kv_heads, head_dim, interleaved);
+  p.qkv = qkv.data_ptr();
+  p.qkv_stride = qkv.stride(0);
+  check_launch(patcher::launch_rope_qkv_cache(p, c10::cuda::getCurrentCUDAStream()), "rope_qkv_cache");
+  return q;
+}
+
+// The dense decode-step attention prologue in one kernel: [add +] norm, x @ W_qkv^T (+ bias), RoPE, K/V into the
+// cache. Returns (q, sum, h2).
+std::tuple<Tensor, Tensor, Tensor> norm_gemv_rope_cache(const Tensor& x, const OptTensor& delta,
+                                                        const OptTensor& delta2, const OptTensor& norm_weight,
+                                                        const OptTensor& norm_bias, const OptTensor& norm_weight2,
+                                                        const OptTensor& norm_bias2, double eps, bool rms,
+                                                        const Tensor& weight, const OptTensor& bias, const Tensor& cos,
+                                                        const Tensor& sin, const Tensor& slot, const Tensor& pad,
+                                                        Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads,
+                                                        int64_t num_kv_heads, int64_t head_dim, bool interleaved) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::GemvParams p = gemv_params("norm_gemv_rope_cache", x, weight, bias, patcher::kActRopeCache);
+  TORCH_CHECK(x.dim() == 2, "patcher: x must be [batch, hidden] (one token per row), got ", dims(x.sizes()));
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "patcher: norm_gemv_rope_cache needs an even head_dim");
+  const Prologue pro =
+      fill_prologue(p.norm, x, p.k, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms);
+  Tensor q = rope_cache_target(p.rope, x, p.batch, p.n, cos, sin, slot, pad, k_cache, v_cache, num_q_heads,
+                               num_kv_heads, head_dim, interleaved);
+  p.out = q.data_ptr();
+  launch_gemv_checked(p, "norm_gemv_rope_cache");
+  return {q, pro.sum, pro.h2};
+}
+
+Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slot,
+                        const Tensor& pad, double scale, int64_t splits, Tensor& workspace) {
+  TORCH_CHECK(q.is_cuda(), "patcher: q must be a CUDA tensor, got ", q.device());
+  const c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "patcher: q must be contiguous [batch, heads, head_dim], got ",
+              dims(q.sizes()));
+  patcher::DecodeAttentionParams p{};
+  Tensor out = attention_params(p, q, q.size(0), q.size(1), q.size(2), k_cache, v_cache, slot, pad, scale, splits,
+                                workspace, "decode_attention");
+  p.q = q.data_ptr();
+  check_launch(patcher::launch_decode_attention(p, c10::cuda::getCurrentCUDAStream()), "decode_attention");
+  return out;
+}
+
+// decode_attention with q and the current token's K/V taken from the QKV projection's accumulator (int4_norm_gemv_acc:
+// acc [B, (Hq + 2 Hkv) * D] int64), rounded, + bias_rows ([B, that width] in the caches' dtype, or None), RoPE'd;
+// K/V are written into the caches at slot, as rope_qkv_cache writes them.
+Tensor decode_attention_qkv_acc(const Tensor& acc, const OptTensor& bias_rows, const Tensor& cos, const Tensor& sin,
+                                const Tensor& slot, const Tensor& pad, Tensor& k_cache, Tensor& v_cache,
+                                int64_t num_q_heads, bool interleaved, double scale, int64_t splits,
+                                Tensor& workspace) {
+  TORCH_CHECK(k_cache.is_cuda(), "patcher: k_cache must be a CUDA tensor, got ", k_cache.device());
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  TORCH_CHECK(k_cache.dim() == 4, "patcher: k_cache must be [batch, kv_heads, capacity, head_dim]");
+  const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), D = k_cache.size(3);
+  const int64_t width = (num_q_heads + 2 * Hkv) * D;
+  TORCH_CHECK(acc.is_cuda() && acc.device() == k_cache.device() && acc.scalar_type() == at::kLong &&
+                  acc.is_contiguous() && acc.dim() == 2 && acc.size(0) == B && acc.size(1) == width,
+              "patcher: acc must be a contiguous int64 [", std::to_string(B), ", ", std::to_string(width),
+              "] tensor on ", k_cache.device(), ", got ", acc.scalar_type(), " ", dims(acc.sizes()));
+  patcher::DecodeAttentionParams p{};
+  Tensor out = attention_params(p, k_cache, B, num_q_heads, D, k_cache, v_cache, slot, pad, scale, splits, workspace,
+                                "decode_attention_qkv_acc");
+  // The tables, heads and layout as rope_qkv_cache takes them (no q: the kernel makes it from acc).
+  fill_rope_cache(p.rope, k_cache, B, width, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, Hkv, D, interleaved);
+  p.qkv_acc = acc.data_ptr<int64_t>();
+  if (bias_rows.has_value()) {
+    TORCH_CHECK(bias_rows->scalar_type() == k_cache.scalar_type() && bias_rows->device() == k_cache.device() &&
+                    bias_rows->is_contiguous() && bias_rows->sizes() == acc.sizes(),
+                "patcher: bias_rows must be a contiguous [", std::to_string(B), ", ", std::to_string(width),
+                "] tensor of the caches' dtype on their device");
+    p.qkv_bias = bias_rows->data_ptr();
+  }
+  check_launch(patcher::launch_decode_attention(p, c10::cuda::getCurrentCUDAStream()), "decode_attention_qkv_acc");
+  return out;
+}
+
+// A device tensor of the decode loop's state that check_index (int64 [n]) does not cover: the finished flags and the
+// 0-d pad id. On scores' device, of `type`, contiguous, `n` elements.
+void check_state(const Tensor& t, at::ScalarType type, int64_t n, const Tensor& like, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.device() == like.device(), "patcher: ", name, " must be on ", like.device());
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.numel() == n, "patcher: ", name,
+              " must be a contiguous ", c10::toString(type), " tensor of ", std::to_string(n), " element(s), got ",
+              t.scalar_type(), " ", dims(t.sizes()));
+}
+
+void next_token(const Tensor& scores, Tensor& tokens, Tensor& slot, Tensor& finished, const Tensor& eos,
+                const Tensor& pad_token, const OptTensor& embed_weight, Tensor& x, Tensor& workspace) {
+  TORCH_CHECK(scores.is_cuda(), "patcher: scores must be a CUDA tensor, got ", scores.device());
+  const c10::cuda::CUDAGuard guard(scores.device());
+  TORCH_CHECK(scores.dim() == 2 && scores.size(0) > 0 && scores.size(1) > 0,
+              "patcher: scores must be [batch, vocab], got ", dims(scores.sizes()));
+  const int64_t B = scores.size(0), V = scores.size(1);
+  TORCH_CHECK(B <= patcher::kNextTokenMaxBatch, "patcher: next_token takes at most ",
+              std::to_string(patcher::kNextTokenMaxBatch), " rows, got ", std::to_string(B));
+  TORCH_CHECK(V < (int64_t{1} << 30), "patcher: next_token takes a vocabulary below 2^30, got ", std::to_string(V));
+  TORCH_CHECK(tokens.is_cuda() && tokens.device() == scores.device() && tokens.scalar_type() == at::kLong &&
+                  tokens.dim() == 2 && tokens.size(0) == B && tokens.stride(1) == 1,
+              "patcher: tokens must be an int64 [", std::to_string(B), ", columns] tensor on ", scores.device(),
+              " with contiguous rows, got ", tokens.scalar_type(), " ", dims(tokens.sizes()));
+  check_index(slot, 1, scores, "slot");
+  check_state(finished, at::kBool, B, scores, "finished");
+  TORCH_CHECK(eos.dim() == 1 && eos.numel() <= 64, "patcher: eos must be a 1-D tensor of at most 64 ids");
+  check_index(eos, eos.numel(), scores, "eos");
+  check_state(pad_token, at::kLong, 1, scores, "pad_token");
+  const int64_t needed = patcher::next_token_workspace_size(B);
+  TORCH_CHECK(workspace.is_cuda() && workspace.device() == scores.device() && workspace.scalar_type() == at::kInt &&
+                  workspace.is_contiguous() && workspace.numel() >= needed,
+              "patcher: workspace must be a zeroed contiguous int32 tensor on ", scores.device(), " of at least ",
+              std::to_string(needed), " elements (patcher.ops.next_token_workspace)");
+  patcher::NextTokenParams p{};
+  p.dtype = dtype_of(scores);
+  p.batch = B;
+  p.vocab = V;
+  p.scores = scores.data_ptr();
+  p.scores_stride = row_stride(scores, "scores");
+  p.tokens = tokens.data_ptr<int64_t>();
+  p.tokens_stride = tokens.stride(0);
+  p.columns = tokens.size(1);
+  p.slot = slot.data_ptr<int64_t>();
+  p.finished = reinterpret_cast<uint8_t*>(finished.data_ptr<bool>());
+  p.eos = eos.data_ptr<int64_t>();
+  p.num_eos = static_cast<int32_t>(eos.numel());
+  p.pad_token = pad_token.data_ptr<int64_t>();
+  if (embed_weight.has_value()) {
+    const Tensor& e = *embed_weight;
+    TORCH_CHECK(e.dim() == 2 && e.is_contiguous() && e.size(0) >= V,
+                "patcher: embed_weight must be a contiguous [rows, ",
+                "hidden] tensor with at least as many rows as scores has columns (", std::to_string(V), "), got ",
+                dims(e.sizes()));
+    (void)dtype_of(e);  // float16, bfloat16 or float32
+    check_like(x, e, "x");
+    TORCH_CHECK(x.dim() == 2 && x.size(0) == B && x.size(1) == e.size(1) && x.is_contiguous(), "patcher: x must be ",
+                "a contiguous [", std::to_string(B), ", ", std::to_string(e.size(1)), "] tensor, got ",
+                dims(x.sizes()));
+    TORCH_CHECK(e.device() == scores.device(), "patcher: embed_weight is on ", e.device(), " but scores are on ",
+                scores.device());
+    p.embed = e.data_ptr();
+    p.embed_rows = e.size(0);
+    p.hidden = e.size(1);
+    p.embed_elem_bytes = e.element_size();
+    p.x = x.data_ptr();
+  }
+  p.workspace = workspace.data_ptr<int32_t>();
+  check_launch(patcher::launch_next_token(p, c10::cuda::getCurrentCUDAStream()), "next_token");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("layer_norm", &layer_norm);
+  m.impl("dual_layer_norm", &dual_layer_norm);
+  m.impl("add_layer_norm", &add_layer_norm);
+  m.impl("add_dual_layer_norm", &add_dual_layer_norm);
+  m.impl("rope_qkv", &rope_qkv);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("bias_gelu", &bias_gelu);
+  m.impl("gemv", &gemv);
+  m.impl("rope_qkv_cache", &rope_qkv_cache);
+  m.impl("norm_gemv", &norm_gemv);
+  m.impl("norm_gemv_rope_cache", &norm_gemv_rope_cache);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention_qkv_acc", &decode_attention_qkv_acc);
+  m.impl("next_token", &next_token);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int4_gemv", &int4_gemv);
+  m.impl("int4_gemv_cat", &int4_gemv_cat);
+  m.impl("int4_gemv_acc", &int4_gemv_acc);
+  m.impl("int4_norm_gemv_acc", &int4_norm_gemv_acc);
+  m.impl("int4_norm_prologue", &int4_norm_prologue);
+  m.impl("int4_qkv_rope_cache", &int4_qkv_rope_cache);
+  m.impl("int4_qkv_mlp_in", &int4_qkv_mlp_in);
+}

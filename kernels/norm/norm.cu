@@ -1,0 +1,108 @@
+// Fused residual add + RMSNorm / LayerNorm (one or two affine outputs), one row per block.
+//
+// Semantics (matching HF, see patcher/ops/norm.py):
+//   sum = round(x + delta)                         LLaMA/Qwen2 `residual + hidden_states` in the working dtype
+//   sum = round(round(delta2 + delta) + x)         GPT-NeoX parallel residual `mlp + attn + x`
+//   RMSNorm:   out = round(weight * round(sum * rsqrt(mean(sum^2) + eps)))      fp32 normalize, cast, scale
+//   LayerNorm: out = round((sum - mean) * rstd * weight + bias)                 nn.LayerNorm, fp32 inside
+// A dual LayerNorm (GPT-NeoX parallel residual: the input and post-attention norms read the same x) writes two
+// outputs from one pass; they share mean and variance, only the affine parameters differ.
+//
+// Memory traffic is one read of each input row and one write of each output: the row is re-read from L1/L2 in
+// the statistics and output passes (at most a few tens of KB per block), which keeps the kernel free of a
+// compile-time limit on the hidden size. LayerNorm uses two passes for the variance (mean first), as exact as
+// torch's Welford.
+#include "common/common.cuh"
+#include "norm/params.h"
+
+namespace patcher {
+namespace {
+
+template <typename T, int VEC, bool RMS>
+__global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
+  __shared__ float scratch[32];
+  griddep_wait();
+  griddep_launch_dependents();
+  const int64_t row = blockIdx.x;
+  const int64_t nvec = p.hidden / VEC;
+  const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+  const T* delta = p.delta ? static_cast<const T*>(p.delta) + row * p.delta_stride : nullptr;
+  const T* delta2 = p.delta2 ? static_cast<const T*>(p.delta2) + row * p.delta2_stride : nullptr;
+  T* sum = p.sum ? static_cast<T*>(p.sum) + row * p.hidden : nullptr;
+  // Later passes re-read the (rounded) sum from where pass 1 put it; each thread reads back only its own writes.
+  const T* s_row = delta ? sum : x;
+
+  // Pass 1: the residual sum, written out, and the first statistic.
+  float acc = 0.f;
+  for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+    float s[VEC];
+    load_vec<T, VEC>(s, x + i * VEC);
+    if (delta) {
+      add_residual<T, VEC>(s, delta + i * VEC, delta2 ? delta2 + i * VEC : nullptr);
+      store_vec<T, VEC>(sum + i * VEC, s);
+    }
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc += RMS ? s[k] * s[k] : s[k];
+  }
+  const float inv_n = 1.f / static_cast<float>(p.hidden);
+  acc = block_sum(acc, scratch);
+
+  const float2 stats = row_stats<T, VEC>(s_row, nvec, acc, inv_n, p.eps, RMS, scratch);
+  const float mean = stats.x, rstd = stats.y;
+
+  // Pass 3: the outputs.
+  T* out = static_cast<T*>(p.out) + row * p.hidden;
+  T* out2 = p.out2 ? static_cast<T*>(p.out2) + row * p.hidden : nullptr;
+  const T* weight = static_cast<const T*>(p.weight);
+  const T* bias = static_cast<const T*>(p.bias);
+  for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+    float s[VEC], y[VEC];
+    load_vec<T, VEC>(s, s_row + i * VEC);
+    const Vec<T, VEC> w = vec_or_zero<T, VEC>(weight, i * VEC), b = vec_or_zero<T, VEC>(bias, i * VEC);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) y[k] = norm_value<T>(s[k], mean, rstd, w.data[k], b.data[k], RMS);
+    store_vec<T, VEC>(out + i * VEC, y);
+    if (out2) {
+      const Vec<T, VEC> w2 = vec_or_zero<T, VEC>(static_cast<const T*>(p.weight2), i * VEC);
+      const Vec<T, VEC> b2 = vec_or_zero<T, VEC>(static_cast<const T*>(p.bias2), i * VEC);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) y[k] = norm_value<T>(s[k], mean, rstd, w2.data[k], b2.data[k], false);
+      store_vec<T, VEC>(out2 + i * VEC, y);
+    }
+  }
+}
+
+template <typename T, int VEC>
+cudaError_t launch_typed(const NormParams& p, cudaStream_t stream) {
+  const int64_t nvec = p.hidden / VEC;
+  const int threads = static_cast<int>(nvec >= 1024 ? 1024 : round_up(nvec, 32));
+  const dim3 grid(static_cast<unsigned>(p.rows));
+  if (p.rms) return launch_pdl(norm_kernel<T, VEC, true>, grid, dim3(threads), 0, stream, p);
+  return launch_pdl(norm_kernel<T, VEC, false>, grid, dim3(threads), 0, stream, p);
+}
+
+// 16-byte vectors need every row start 16-byte aligned: base pointers, row strides and the hidden size.
+template <typename T>
+bool can_vectorize(const NormParams& p) {
+  constexpr int vec = 16 / sizeof(T);
+  const void* pointers[] = {p.x, p.delta, p.delta2, p.weight, p.bias, p.weight2, p.bias2, p.out, p.out2, p.sum};
+  for (const void* ptr : pointers) {
+    if (ptr && !aligned16(ptr)) return false;
+  }
+  return p.hidden % vec == 0 && p.x_stride % vec == 0 && (!p.delta || p.delta_stride % vec == 0) &&
+         (!p.delta2 || p.delta2_stride % vec == 0);
+}
+
+}  // namespace
+
+cudaError_t launch_norm(const NormParams& p, cudaStream_t stream) {
+  if (p.rows == 0 || p.hidden == 0) return cudaSuccess;
+  if (p.rows > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  PATCHER_DISPATCH_DTYPE(p.dtype, T, {
+    if (can_vectorize<T>(p)) return launch_typed<T, 16 / sizeof(T)>(p, stream);
+    return launch_typed<T, 1>(p, stream);
+  });
+  return cudaSuccess;
+}
+
+}  // namespace patcher
