@@ -144,7 +144,7 @@ def case_decode_attention(batch, arch, dtype, ops, context):
 
 def case_next_token(batch, arch, dtype, ops, _variant):
     """The decode step's end: next_token (argmax, token write, slot advance, the next input's embedding) against
-    the torch ops it replaced (argmax, index_copy_, the slot add, the token read and the embedding lookup). The
+    the torch ops it replaces (argmax, index_copy_, the slot add, the token read and the embedding lookup). The
     logits are read where the lm_head left them (L2) on both sides; the slot grows by one per call, so the token
     table is wide enough for every call of the timing."""
     from patcher import random_models
@@ -227,11 +227,11 @@ def case_int4(batch, arch, dtype, ops, which):
 
 
 def case_int4_neox(batch, arch, dtype, ops, which):
-    """GPT-NeoX's merged int4 decode ops (g128) against the two launches each replaces, as the decode step ran them
-    before (patcher/decode/runner.py): "qkv_mlp", the adds, both LayerNorms, QKV with RoPE and the cache writes, and
-    the MLP's input projection with GELU in one launch (int4_qkv_mlp_in), against int4_qkv_rope_cache (writing the
-    second LayerNorm) then int4_gemv on it; "out_pair", both output projections as one GEMV over [attention | MLP
-    hidden] (int4_gemv_cat), against two int4_gemv."""
+    """GPT-NeoX's merged int4 decode ops (g128) against the two launches each replaces: "qkv_mlp", the adds, both
+    LayerNorms, QKV with RoPE and the cache writes, and the MLP's input projection with GELU in one launch
+    (int4_qkv_mlp_in), against int4_qkv_rope_cache (writing the second LayerNorm) then int4_gemv on it;
+    "out_pair", both output projections as one GEMV over [attention | MLP hidden] (int4_gemv_cat), against two
+    int4_gemv."""
     from patcher.ops import int4 as int4_ops
 
     H, inter, hq, hkv, D, _, _ = ARCHS[arch]

@@ -9,9 +9,8 @@ repeats). The first configuration is the split rule's; each round's difference a
 
 A configuration is `rule` or role=slices pairs, e.g. `qkv=5,out=8` (roles: qkv, out, mlp_in, mlp_out, qkv_mlp,
 out_pair, as DecodeRunner(int4_splits=...) takes them), and may also set the decode step's switches that DecodeRunner
-takes (RUNNER_OPTIONS: `defer_int4=0`, `defer_qkv=0` and `int4_separate_norm_batch=2`, the README's PATCHER_INT4_DEFER,
-PATCHER_INT4_DEFER_QKV and PATCHER_INT4_SEPARATE_NORM_BATCH for one runner; `merge_int4=0`, `fuse_next_token=0`), e.g.
-`defer_qkv=0` or `qkv=5,defer_qkv=0`. The tokens of each configuration are compared with the rule's: other K slices
+takes (RUNNER_OPTIONS: `defer_int4=0`, `defer_qkv=0`, `merge_int4=0`, `fuse_next_token=0`,
+`int4_separate_norm_batch=2`), e.g. `defer_qkv=0` or `qkv=5,defer_qkv=0`. The tokens of each configuration are compared with the rule's: other K slices
 round other fp32 partial sums, so logits may move in their last bits, and with random weights (flat distributions) a
 greedy token may flip and the rest of the sequence with it; a mismatch says to check the logits, not that the step is
 wrong.

@@ -13,18 +13,16 @@ Modes:
   patched-eager            patch_model(model), HF's generate loop and dynamic cache, our kernels in every layer
   patched                  patch_model(model) and plain generate: the default a user gets (the graph-captured
                            decode path when the model qualifies)
-  patched-step-kernel      the same with the layers of a GPTQ int4 model in one persistent kernel (Hopper; opt-in
-                           elsewhere: PATCHER_STEP_KERNEL=1)
-  patched-int4-unmerged    `patched` with a GPT-NeoX int4 model's five int4 kernels a layer, as before they ran as
-                           three (DecodeRunner(merge_int4=False)): the comparison for that change
+  patched-int4-unmerged    `patched` with a GPT-NeoX int4 model's five int4 kernels a layer instead of three
+                           (DecodeRunner(merge_int4=False))
   patched-torch-next-token `patched` with the step's end as torch ops (argmax, token write, slot add, embedding
                            lookup) instead of the next_token kernel (DecodeRunner(fuse_next_token=False))
-  patched-int4-meetings    `patched` with the int4 output projections' K slices meeting in the op, as before
-                           their sums went on unmet into the next op's prologue (DecodeRunner(defer_int4=False))
-  patched-int4-qkv-meeting `patched` with LLaMA/Qwen2's int4 QKV K slices meeting in the op, as before the attention
-                           finished its sums (DecodeRunner(defer_qkv=False))
-  patched-int4-norm-inside `patched` with each int4 op taking its add + norm as its prologue, as before the norm ran
-                           in front as its own kernel (DecodeRunner(int4_separate_norm_batch=9))
+  patched-int4-meetings    `patched` with the int4 output projections' K slices summed in the op instead of in the
+                           next op's prologue (DecodeRunner(defer_int4=False))
+  patched-int4-qkv-meeting `patched` with LLaMA/Qwen2's int4 QKV K slices summed in the op instead of by the
+                           attention (DecodeRunner(defer_qkv=False))
+  patched-int4-norm-inside `patched` with each int4 op taking its add + norm as its prologue instead of a separate
+                           norm kernel in front (DecodeRunner(int4_separate_norm_batch=9))
   patched-static-compiled  patch_model(model) + HF's static cache and auto-compile (torch.compile compatibility)
 
 With no model argument it runs Pythia-2.8B-shaped random weights on a GPU, a tiny model on a CPU.
@@ -44,7 +42,6 @@ from . import common
 
 GPU_MODES = ["hf-eager", "hf-static-compiled", "patched-eager", "patched", "patched-static-compiled"]  # the default
 RUNNER_MODES = {  # patched with a runner of other settings, for comparisons
-    "patched-step-kernel": {"use_step_kernel": True},
     "patched-int4-unmerged": {"merge_int4": False},
     "patched-torch-next-token": {"fuse_next_token": False},
     "patched-int4-meetings": {"defer_int4": False},
@@ -247,9 +244,6 @@ def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True)
 
             path = generate_path(model)
             row["decode_path"] = path.get("path")
-            if path.get("step_kernel") is not None:
-                row["step_kernel"] = path["step_kernel"]
-                row["step_kernel_reason"] = path.get("step_kernel_reason")
         if device.type == "cuda":
             row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
             if profile:
