@@ -43,7 +43,7 @@ def graph_time_us(calls: list, reps: int = 20) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m evals.ops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=common.prog("evals.ops"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--ops", default=None, help=f"comma-separated subset of {','.join([*CASES, *DECODE_CASES])}")
     parser.add_argument("--dtypes", default="fp32,fp16,bf16")

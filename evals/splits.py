@@ -91,7 +91,7 @@ def time_config(
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m evals.splits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=common.prog("evals.splits"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     common.add_model_args(parser)
     parser.add_argument("--configs", nargs="+", required=True, help=f"configurations to time against {RULE!r}")

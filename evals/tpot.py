@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import statistics
 import sys
 
@@ -328,7 +329,7 @@ KERNEL_COLUMNS = [
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m evals.tpot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=common.prog("evals.tpot"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     common.add_model_args(parser)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -359,6 +360,8 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.sweep_batch.split(",")] if args.sweep_batch else [args.batch]
     if min(batches) < 1:
         parser.error(f"batch sizes must be >= 1, got {batches}")
+    if (args.sweep_context or args.sweep_batch) and importlib.util.find_spec("matplotlib") is None:
+        parser.error("the sweeps are plotted with matplotlib: pip install 'fused-patcher[plots]'")
 
     model, _, name = common.load_model(args, device, dtype)
     model.generation_config.eos_token_id = None  # always generate exactly the requested number of tokens
