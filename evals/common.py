@@ -17,6 +17,13 @@ import torch
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def prog(module: str) -> str:
+    """The command as the user typed it, for usage lines and the JSON: a console script (`patcher-tpot`, installed
+    with the package, runs from any folder) or `python -m evals.tpot` (from the repository root)."""
+    script = Path(sys.argv[0]).name
+    return script if script.startswith("patcher-") else f"python -m {module}"
+
+
 def add_model_args(parser: argparse.ArgumentParser, default_random: str | None = None) -> None:
     group = parser.add_argument_group("model (one of)")
     group.add_argument("--model", help="hub id or local folder, loaded with AutoModelForCausalLM.from_pretrained")
@@ -98,7 +105,7 @@ def environment(device: torch.device, tool: str = "") -> dict:
         "transformers": transformers.__version__,
         "patcher": patcher.__version__,
         "device": str(device),
-        "command": " ".join(["python", "-m", tool, *sys.argv[1:]]) if tool else " ".join(sys.argv),
+        "command": " ".join([prog(tool), *sys.argv[1:]]) if tool else " ".join(sys.argv),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

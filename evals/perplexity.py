@@ -16,6 +16,7 @@ import argparse
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -25,8 +26,10 @@ from . import common
 
 def load_text(args) -> tuple[str, str]:
     if args.text_file:
-        with open(args.text_file, encoding="utf-8") as f:
-            return f.read(), args.text_file
+        path = Path(args.text_file)
+        if not path.is_file():
+            sys.exit(f"error: --text-file {path} not found")
+        return path.read_text(encoding="utf-8"), args.text_file
     try:
         from datasets import load_dataset
 
@@ -34,7 +37,7 @@ def load_text(args) -> tuple[str, str]:
     except Exception as e:  # noqa: BLE001  (no network, no datasets package, a hub error: all mean --text-file)
         sys.exit(
             f"error: could not load WikiText-2 through datasets ({type(e).__name__}: {e}); "
-            "pass --text-file PATH (e.g. ../shared/data/wikitext-2-raw-test.txt)"
+            "pass --text-file PATH (a UTF-8 text, e.g. WikiText-2's raw test split)"
         )
     return "\n\n".join(rows), "wikitext-2-raw-v1 test (datasets)"
 
@@ -89,7 +92,7 @@ def first_window_logits(model, ids, ctx, device) -> torch.Tensor:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m evals.perplexity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=common.prog("evals.perplexity"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     common.add_model_args(parser)
     parser.add_argument("--text-file", help="evaluate this text instead of WikiText-2 from datasets")

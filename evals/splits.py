@@ -8,10 +8,9 @@ CUDA graph) per configuration, TPOT as evals.tpot defines it ((time(generate N+1
 repeats). The first configuration is the split rule's; each round's difference against it is what to read.
 
 A configuration is `rule` or role=slices pairs, e.g. `qkv=5,out=8` (roles: qkv, out, mlp_in, mlp_out, qkv_mlp,
-out_pair, as DecodeRunner(int4_splits=...) takes them), and may also set the decode step's switches that DecodeRunner
-takes (RUNNER_OPTIONS: `defer_int4=0`, `defer_qkv=0` and `int4_separate_norm_batch=2`, the README's PATCHER_INT4_DEFER,
-PATCHER_INT4_DEFER_QKV and PATCHER_INT4_SEPARATE_NORM_BATCH for one runner; `merge_int4=0`, `fuse_next_token=0`), e.g.
-`defer_qkv=0` or `qkv=5,defer_qkv=0`. The tokens of each configuration are compared with the rule's: other K slices
+out_pair, as DecodeOptions.int4_splits takes them), and may also set the other fields of DecodeOptions (RUNNER_OPTIONS:
+on/off as 1/0, e.g. `defer_int4=0`, `merge_int4=0`, `parallel_branch=0`, or a number, e.g.
+`int4_separate_norm_batch=2`), e.g. `defer_qkv=0` or `qkv=5,defer_qkv=0`. The tokens of each configuration are compared with the rule's: other K slices
 round other fp32 partial sums, so logits may move in their last bits, and with random weights (flat distributions) a
 greedy token may flip and the rest of the sequence with it; a mismatch says to check the logits, not that the step is
 wrong.
@@ -22,27 +21,28 @@ wrong.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 
 import torch
 from tqdm import tqdm
 
+from patcher.decode import DecodeOptions
+
 from . import common
 
 RULE = "rule"
-# DecodeRunner's switches a configuration may set (name -> type): on/off as 1/0, or a batch size.
+# The DecodeOptions fields a configuration may set (name -> type): on/off as 1/0, or a whole number.
 RUNNER_OPTIONS = {
-    "defer_int4": bool,
-    "defer_qkv": bool,
-    "merge_int4": bool,
-    "fuse_next_token": bool,
-    "int4_separate_norm_batch": int,
+    f.name: {"bool": bool, "int": int}[f.type]
+    for f in dataclasses.fields(DecodeOptions)
+    if f.name not in ("int4_splits", "use_graphs")
 }
 
 
 def parse_config(text: str) -> tuple[dict[str, int], dict]:
-    """(K slices by role, DecodeRunner options): `rule` -> ({}, {}); `qkv=4,defer_qkv=0` -> ({"qkv": 4},
+    """(K slices by role, other DecodeOptions fields): `rule` -> ({}, {}); `qkv=4,defer_qkv=0` -> ({"qkv": 4},
     {"defer_qkv": False})."""
     if text == RULE:
         return {}, {}
@@ -60,7 +60,7 @@ def parse_config(text: str) -> tuple[dict[str, int], dict]:
             options[key] = value == "1"
         elif key in RUNNER_OPTIONS:
             if int(value) < 1:
-                raise ValueError(f"configuration {text!r}: {key} takes a batch size >= 1, got {value}")
+                raise ValueError(f"configuration {text!r}: {key} takes a whole number >= 1, got {value}")
             options[key] = int(value)
         else:
             splits[key] = int(value)
@@ -73,9 +73,9 @@ def time_config(
     """(TPOT ms, the tokens, the K slices of the first layer's int4 linears by role) with a fresh runner, built with
     `options` (RUNNER_OPTIONS)."""
     from patcher.decode import DecodeRunner, Sampling
-    from patcher.decode.runner import int4_roles
+    from patcher.decode.int4_plan import layer_roles
 
-    runner = DecodeRunner(model, int4_splits=splits, **(options or {}))
+    runner = DecodeRunner(model, DecodeOptions(int4_splits=splits, **(options or {})))
     mask = torch.ones_like(prompt)
 
     def generate(n):
@@ -86,13 +86,14 @@ def time_config(
     pairs = common.generation_pairs(generate, new_tokens, repeats, device, "evals.splits")
     tpots = [(tn - t1) / new_tokens * 1e3 for t1, tn in pairs]
     state = runner.states[prompt.shape[0]]
-    used = {role: state.int4_splits[id(lin)] for role, lin in int4_roles(runner.layers[0]).items() if lin is not None}
+    roles = layer_roles(runner.decode_step.layers[0])
+    used = {role: state.int4_splits[id(lin)] for role, lin in roles.items() if lin is not None}
     return statistics.median(tpots), tokens, used
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m evals.splits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=common.prog("evals.splits"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     common.add_model_args(parser)
     parser.add_argument("--configs", nargs="+", required=True, help=f"configurations to time against {RULE!r}")

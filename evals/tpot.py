@@ -13,18 +13,16 @@ Modes:
   patched-eager            patch_model(model), HF's generate loop and dynamic cache, our kernels in every layer
   patched                  patch_model(model) and plain generate: the default a user gets (the graph-captured
                            decode path when the model qualifies)
-  patched-step-kernel      the same with the layers of a GPTQ int4 model in one persistent kernel (Hopper; opt-in
-                           elsewhere: PATCHER_STEP_KERNEL=1)
-  patched-int4-unmerged    `patched` with a GPT-NeoX int4 model's five int4 kernels a layer, as before they ran as
-                           three (DecodeRunner(merge_int4=False)): the comparison for that change
+  patched-int4-unmerged    `patched` with a GPT-NeoX int4 model's five int4 kernels a layer instead of three
+                           (DecodeOptions(merge_int4=False))
   patched-torch-next-token `patched` with the step's end as torch ops (argmax, token write, slot add, embedding
-                           lookup) instead of the next_token kernel (DecodeRunner(fuse_next_token=False))
-  patched-int4-meetings    `patched` with the int4 output projections' K slices meeting in the op, as before
-                           their sums went on unmet into the next op's prologue (DecodeRunner(defer_int4=False))
-  patched-int4-qkv-meeting `patched` with LLaMA/Qwen2's int4 QKV K slices meeting in the op, as before the attention
-                           finished its sums (DecodeRunner(defer_qkv=False))
-  patched-int4-norm-inside `patched` with each int4 op taking its add + norm as its prologue, as before the norm ran
-                           in front as its own kernel (DecodeRunner(int4_separate_norm_batch=9))
+                           lookup) instead of the next_token kernel (DecodeOptions(fuse_next_token=False))
+  patched-int4-meetings    `patched` with the int4 output projections' K slices summed in the op instead of in the
+                           next op's prologue (DecodeOptions(defer_int4=False))
+  patched-int4-qkv-meeting `patched` with LLaMA/Qwen2's int4 QKV K slices summed in the op instead of by the
+                           attention (DecodeOptions(defer_qkv=False))
+  patched-int4-norm-inside `patched` with each int4 op taking its add + norm as its prologue instead of a separate
+                           norm kernel in front (DecodeOptions(int4_separate_norm_batch=9))
   patched-static-compiled  patch_model(model) + HF's static cache and auto-compile (torch.compile compatibility)
 
 With no model argument it runs Pythia-2.8B-shaped random weights on a GPU, a tiny model on a CPU.
@@ -34,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import statistics
 import sys
 
@@ -44,7 +43,6 @@ from . import common
 
 GPU_MODES = ["hf-eager", "hf-static-compiled", "patched-eager", "patched", "patched-static-compiled"]  # the default
 RUNNER_MODES = {  # patched with a runner of other settings, for comparisons
-    "patched-step-kernel": {"use_step_kernel": True},
     "patched-int4-unmerged": {"merge_int4": False},
     "patched-torch-next-token": {"fuse_next_token": False},
     "patched-int4-meetings": {"defer_int4": False},
@@ -202,9 +200,9 @@ def mode_setup(model, mode: str):
         patcher.patch_model(model)
         patcher.set_fast_generate(model, mode == "patched" or mode in RUNNER_MODES)
         if mode in RUNNER_MODES:
-            from patcher.decode import DecodeRunner
+            from patcher.decode import DecodeOptions, DecodeRunner
 
-            model._patcher_state.runner = DecodeRunner(model, **RUNNER_MODES[mode])
+            model._patcher_state.runner = DecodeRunner(model, DecodeOptions(**RUNNER_MODES[mode]))
     if mode.endswith("compiled"):
         model.__dict__.pop("_compiled_call", None)  # HF caches its compiled forward on the model
         torch._dynamo.reset()
@@ -247,9 +245,6 @@ def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True)
 
             path = generate_path(model)
             row["decode_path"] = path.get("path")
-            if path.get("step_kernel") is not None:
-                row["step_kernel"] = path["step_kernel"]
-                row["step_kernel_reason"] = path.get("step_kernel_reason")
         if device.type == "cuda":
             row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
             if profile:
@@ -334,7 +329,7 @@ KERNEL_COLUMNS = [
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m evals.tpot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=common.prog("evals.tpot"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     common.add_model_args(parser)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -365,6 +360,8 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.sweep_batch.split(",")] if args.sweep_batch else [args.batch]
     if min(batches) < 1:
         parser.error(f"batch sizes must be >= 1, got {batches}")
+    if (args.sweep_context or args.sweep_batch) and importlib.util.find_spec("matplotlib") is None:
+        parser.error("the sweeps are plotted with matplotlib: pip install 'fused-patcher[plots]'")
 
     model, _, name = common.load_model(args, device, dtype)
     model.generation_config.eos_token_id = None  # always generate exactly the requested number of tokens

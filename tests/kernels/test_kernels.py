@@ -15,11 +15,10 @@ from conftest import (
     check_op,
     max_err,
     prologue_args,
-    requires_cuda,
     rope_tables,
 )
 
-pytestmark = requires_cuda
+pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # tokens x hidden: covers tokens {1, 7, 83, 4096} and hidden {80, 640 (80k), 769, 2560, 5125}

@@ -12,7 +12,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import requires_cuda, smollm2_gguf, wikitext_path
+from conftest import smollm2_gguf, wikitext_path
+from streams import one_and_two_stream_tokens
 
 from patcher import patch_model, set_fast_generate, unpatch_model
 from patcher import random_models as rm
@@ -131,7 +132,7 @@ def test_calls_the_runner_does_not_handle_go_to_hf_with_a_reason():
 # ---- GPU ---------------------------------------------------------------------------------------------------------
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia", "tiny-qwen2", "tiny-neox-sequential"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_graph_replay_equals_eager_step(name, batch):
@@ -151,7 +152,7 @@ def test_graph_replay_equals_eager_step(name, batch):
     assert runner.states[batch].graph is graph and torch.equal(again, got)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia", "tiny-qwen2", "tiny-neox-sequential"])
 @pytest.mark.parametrize("fused_norms", [True, False])
 def test_cuda_runner_fp32_greedy_matches_hf(name, fused_norms):
@@ -168,17 +169,7 @@ def test_cuda_runner_fp32_greedy_matches_hf(name, fused_norms):
     assert torch.equal(got, expected)
 
 
-def one_and_two_stream_tokens(model, ids, mask, options: DecodeOptions = DecodeOptions()) -> dict:
-    """Greedy tokens of the graph-captured decode with GPT-NeoX's MLP on the main stream and on its branch stream."""
-    tokens = {}
-    for branch in (False, True):
-        runner = DecodeRunner(model, options.replace(parallel_branch=branch))
-        assert (runner.decode_step.branch_stream is not None) == branch
-        tokens[branch] = runner.generate(ids, mask, 40, Sampling(), eos=[], pad_token_id=0)
-    return tokens
-
-
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused_norms", [True, False])
 def test_mlp_branch_stream_changes_no_result(fused_norms):
     """GPT-NeoX's MLP on a second stream, beside the attention, only reorders work: the tokens equal those of the
@@ -193,7 +184,7 @@ def test_mlp_branch_stream_changes_no_result(fused_norms):
     assert torch.equal(tokens[True], tokens[False])
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_graph_sampling_reproducible_and_eos():
     model = rm.build("tiny-llama", dtype=torch.float16, device="cuda")
     patch_model(model)
@@ -223,7 +214,7 @@ def test_graph_sampling_reproducible_and_eos():
     assert torch.equal(got, eager)
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_ten_thousand_steps_without_memory_growth():
     model = rm.build("tiny-llama", dtype=torch.float16, device="cuda")
     model.config.max_position_embeddings = 20000
@@ -289,7 +280,7 @@ def first_divergences(expected, got) -> list[int]:
     return firsts
 
 
-@requires_cuda
+@pytest.mark.gpu
 @needs_smollm2
 def test_smollm2_fp32_greedy_identical_to_hf():
     """fp32: the graph path's greedy tokens equal HF's, all 20 x 128 (HF generates the 20 prompts as one batch,
@@ -302,7 +293,7 @@ def test_smollm2_fp32_greedy_identical_to_hf():
     assert first_divergences(expected, got) == [NEW_TOKENS] * len(prompts)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @needs_smollm2
 def test_smollm2_greedy_agrees_with_hf_eager():
     """fp16, 20 WikiText prompts x 128 tokens against HF eager generate (SDPA, dynamic cache), one prompt at a time.

@@ -23,14 +23,13 @@ from conftest import (
     max_err,
     poison_cuda_cache,
     prologue_args,
-    requires_cuda,
     rope_tables,
 )
 
 from patcher.gptq import format as fmt
 from patcher.ops import int4 as int4_ops
 
-pytestmark = requires_cuda
+pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FP32_LOGIT_ATOL, assert_within_torch_error, max_err, requires_cuda, smollm2_gguf, wikitext_path
+from conftest import FP32_LOGIT_ATOL, assert_within_torch_error, max_err, smollm2_gguf, wikitext_path
 
 from patcher import patch_model, unpatch_model
 
@@ -65,7 +65,7 @@ def test_fp32_greedy_generation(smollm2_fp32):
     assert torch.equal(got, expected), tokenizer.decode(got[0])
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_logits_on_wikitext(text_ids, dtype):
     model32, _ = load(torch.float32, "cuda")

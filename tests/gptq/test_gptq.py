@@ -13,7 +13,8 @@ import json
 
 import pytest
 import torch
-from conftest import FP32_LOGIT_ATOL, assert_within_torch_error, max_err, requires_cuda, smollm2_gguf, wikitext_path
+from conftest import FP32_LOGIT_ATOL, assert_within_torch_error, max_err, smollm2_gguf, wikitext_path
+from streams import one_and_two_stream_tokens
 
 from patcher import load_gptq, patch_model, unpatch_model
 from patcher import random_models as rm
@@ -608,7 +609,7 @@ def test_gptq_layers_the_kernels_cannot_read_are_left_with_a_reason(tmp_path):
     assert max_err(got, expected) <= FP32_LOGIT_ATOL
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-pythia"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("act_order", [False, True])
@@ -633,7 +634,7 @@ def test_int4_model_on_the_gpu(name, dtype, act_order, tmp_path):
         assert torch.equal(graph, eager)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia", "tiny-neox-sequential"])
 def test_int4_unmet_sums_on_the_gpu(name, tmp_path):
     """GPU: the graph-captured decode with the int4 output projections as int4_gemv_acc leaves the accumulators
@@ -662,7 +663,7 @@ def test_int4_unmet_sums_on_the_gpu(name, tmp_path):
         assert max_err(logits[defer], logits[False]) <= 1e-2 * max(1.0, logits[False].abs().max().item())
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("name,kwargs", [(name, kwargs) for name, kwargs, _ in NORM_IN_FRONT])
 def test_int4_norm_in_front_on_the_gpu(name, kwargs, tmp_path):
     """GPU: the graph-captured decode (batch 3) with each int4 op's add + norm as int4_norm_prologue in front gives,
@@ -687,13 +688,11 @@ def test_int4_norm_in_front_on_the_gpu(name, kwargs, tmp_path):
     assert max_err(logits[1], logits[0]) <= 1e-2 * max(1.0, logits[0].abs().max().item())
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_int4_mlp_branch_stream_changes_no_result(tmp_path):
     """int4 GPT-NeoX with its MLP on a second stream (with its own K-split workspace), the five-kernel step that
-    DecodeRunner(merge_int4=False) keeps: tokens equal the one-stream step's. (With the merged ops a layer runs on
+    DecodeOptions(merge_int4=False) keeps: tokens equal the one-stream step's. (With the merged ops a layer runs on
     one stream, and the runner makes no branch stream.)"""
-    from test_decode import one_and_two_stream_tokens
-
     model = gptq_model("tiny-pythia", tmp_path, False, dtype=torch.float16, device="cuda")
     model.generation_config.eos_token_id = None
     patch_model(model)
@@ -744,7 +743,7 @@ SMOLLM2_NEW_TOKENS = 16
 
 @needs_smollm2
 @pytest.mark.filterwarnings("ignore:patcher. generate uses transformers' loop")  # expected on the CPU
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_smollm2_int4_patched_matches_reference(device, smollm2_int4):
     """The trained SmolLM2 int4 g128, patched, against the same checkpoint unpatched (GPTQLinear: dequantize, then
     matmul), at batch 1 and 4: the prefill logits over prompt + generated tokens, and the logits of every decode step

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import FP32_LOGIT_ATOL, HAS_CUDA, assert_within_torch_error, max_err, requires_cuda
+from conftest import FP32_LOGIT_ATOL, assert_within_torch_error, max_err
 from safetensors.torch import load_file
 
 from patcher import PatchReport, UnsupportedModelError, is_patched, patch_model, unpatch_model
@@ -326,7 +326,7 @@ def _low_precision_case(name, dtype, batch=2, tokens=13):
     return model, ids, ref32, logits(model, ids)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", TINY)
 def test_cuda_logits_within_tolerance(name, dtype):
@@ -341,7 +341,7 @@ def test_cuda_logits_within_tolerance(name, dtype):
     assert torch.equal(logits(model, ids), hf_low)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia", "tiny-qwen2"])
 def test_cuda_graph_capture_of_a_decode_step(name):
     """One decode step of the patched model (HF static cache, our kernels) captured in a CUDA graph and replayed."""
@@ -378,7 +378,8 @@ def test_cuda_graph_capture_of_a_decode_step(name):
     assert torch.equal(out, eager)
 
 
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 @pytest.mark.parametrize("name", TINY)
 def test_model_split_over_two_gpus(name):
     """accelerate puts the embeddings and the first half of the layers on cuda:0, the rest with the final norm (and
@@ -416,11 +417,13 @@ def test_model_split_over_two_gpus(name):
 
 
 REAL_SIZE = pytest.mark.skipif(
-    not HAS_CUDA or not __import__("os").environ.get("PATCHER_REAL_SIZE"),
+    not __import__("os").environ.get("PATCHER_REAL_SIZE"),
     reason="real-size models: set PATCHER_REAL_SIZE=1 on a GPU with >= 40 GB",
 )
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
 @REAL_SIZE
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"])
