@@ -250,7 +250,7 @@ def test_splits_tool_on_a_tiny_int4_model(tmp_path, capsys, monkeypatch):
     backend: the timings mean nothing here, the bookkeeping does), and records the K slices each one ran and the
     runner options it set."""
     from evals import splits
-    from patcher.decode import DecodeRunner
+    from patcher.decode import DecodeOptions, DecodeRunner
 
     out = tmp_path / "splits.json"
     args = ["--random-config", "tiny-llama", "--int4-random", "32", "--device", "cpu", "--prompt-len", "8"]
@@ -259,9 +259,9 @@ def test_splits_tool_on_a_tiny_int4_model(tmp_path, capsys, monkeypatch):
     created = []
     original_init = DecodeRunner.__init__
 
-    def recording_init(self, model, **kwargs):
-        created.append(kwargs)
-        original_init(self, model, **kwargs)
+    def recording_init(self, model, options=None):
+        created.append(options)
+        original_init(self, model, options)
 
     monkeypatch.setattr(DecodeRunner, "__init__", recording_init)
     assert splits.main([*args, "--configs", *configs]) == 0
@@ -277,8 +277,8 @@ def test_splits_tool_on_a_tiny_int4_model(tmp_path, capsys, monkeypatch):
     both = rows[configs[3]]
     assert both["splits"] == {**rule, "out": 3}
     assert both["options"] == {"defer_int4": False, "int4_separate_norm_batch": 2}
-    assert created[:5] == [{"int4_splits": {}}] + [  # each runner built with its configuration, round after round
-        {"int4_splits": splits.parse_config(c)[0], **splits.parse_config(c)[1]} for c in configs
+    assert created[:5] == [DecodeOptions()] + [  # each runner built with its configuration, round after round
+        DecodeOptions(int4_splits=splits.parse_config(c)[0], **splits.parse_config(c)[1]) for c in configs
     ]
     for row in rows.values():
         assert len(row["tpot_ms_rounds"]) == len(row["diff_ms_rounds"]) == 2 and row["tpot_ms"] > 0
@@ -289,7 +289,7 @@ def test_splits_tool_on_a_tiny_int4_model(tmp_path, capsys, monkeypatch):
         ("qkv=x", "role=slices pairs"),
         ("qkv_mlp=2", "no int4 linear of role 'qkv_mlp'"),
         ("defer_qkv=2", "defer_qkv takes 0 or 1"),
-        ("int4_separate_norm_batch=0", "takes a batch size >= 1"),
+        ("int4_separate_norm_batch=0", "takes a whole number >= 1"),
     )
     for bad, message in bad_configs:
         with pytest.raises(SystemExit):
