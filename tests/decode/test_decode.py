@@ -297,6 +297,7 @@ def first_divergences(expected, got) -> list[int]:
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @needs_smollm2
 def test_smollm2_fp32_greedy_identical_to_hf():
     """fp32: the graph path's greedy tokens equal HF's, all 20 x 128 (HF generates the 20 prompts as one batch,
@@ -310,6 +311,7 @@ def test_smollm2_fp32_greedy_identical_to_hf():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @needs_smollm2
 def test_smollm2_greedy_agrees_with_hf_eager():
     """fp16, 20 WikiText prompts x 128 tokens against HF eager generate (SDPA, dynamic cache), one prompt at a time.
