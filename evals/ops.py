@@ -1,4 +1,4 @@
-"""Per-op benchmark: each fused op against the unfused PyTorch sequence it replaces: `python -m evals.ops` (GPU).
+"""Each fused op against the unfused PyTorch sequence it replaces (GPU): `patcher-ops` or `python -m evals.ops`.
 
 The unfused side is the HF modules' own code (LlamaRMSNorm after a residual add, two nn.LayerNorms after GPT-NeoX's
 three-way sum, apply_rotary_pos_emb on the split projection, act(gate) * up, F.linear for a decode GEMV, SDPA over

@@ -1,4 +1,4 @@
-"""Perplexity, patched against unpatched, side by side in one process: `python -m evals.perplexity`.
+"""Perplexity, patched against unpatched, in one process: `patcher-perplexity` or `python -m evals.perplexity`.
 
 The strided sliding window of HF's perplexity guide: windows of --ctx tokens every --stride tokens, each scoring
 only the tokens not scored before (the first ctx - stride tokens of a window are context). One run evaluates the

@@ -1,4 +1,4 @@
-"""Decode speed, patched against unpatched, side by side in one process: `python -m evals.tpot`.
+"""Decode speed, patched against unpatched, side by side in one process: `patcher-tpot` or `python -m evals.tpot`.
 
 TPOT (time per output token) excludes prefill: (time(generate N+1) - time(generate 1)) / N, after warm-up, with
 the GPU synchronized, median over repeats. Each mode also reports TTFT (generate 1), tokens/s, kernels per decode

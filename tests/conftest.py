@@ -29,6 +29,10 @@ SHARED = REPO.parent / "shared"
 HAS_CUDA = torch.cuda.is_available()
 
 
+def pytest_report_header(config):
+    return None if HAS_CUDA else "no CUDA device: the tests marked gpu are deselected"
+
+
 def pytest_collection_modifyitems(config, items):
     """Without a CUDA device, tests marked `gpu` are deselected (reported as one count, not as thousands of skips)."""
     if HAS_CUDA:

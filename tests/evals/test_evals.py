@@ -24,24 +24,9 @@ def text_file(tmp_path):
 
 def test_perplexity_tiny_random_model(tmp_path, text_file, capsys):
     out = tmp_path / "ppl.json"
-    code = perplexity.main(
-        [
-            "--random-config",
-            "tiny-llama",
-            "--text-file",
-            text_file,
-            "--max-tokens",
-            "3000",
-            "--ctx",
-            "256",
-            "--stride",
-            "128",
-            "--json",
-            str(out),
-            "--device",
-            "cpu",  # these are the CPU runs of the tools (the reference backend), on any machine
-        ]
-    )
+    args = ["--random-config", "tiny-llama", "--max-tokens", "3000", "--ctx", "256", "--stride", "128"]
+    # the CPU runs of the tools (the reference backend), on any machine
+    code = perplexity.main([*args, "--text-file", text_file, "--json", str(out), "--device", "cpu"])
     assert code == 0
     result = json.loads(out.read_text())
     assert result["tool"] == "evals.perplexity" and result["model"] == "tiny-llama"
@@ -70,22 +55,8 @@ def test_sliding_windows_score_every_token_once():
 
 def test_tpot_tiny_model_with_sweep_plot(tmp_path, capsys):
     out = tmp_path / "tpot.json"
-    code = tpot.main(
-        [
-            "--random-config",
-            "tiny-pythia",
-            "--new-tokens",
-            "8",
-            "--repeats",
-            "2",
-            "--sweep-context",
-            "16,32",
-            "--json",
-            str(out),
-            "--device",
-            "cpu",  # these are the CPU runs of the tools (the reference backend), on any machine
-        ]
-    )
+    args = ["--random-config", "tiny-pythia", "--new-tokens", "8", "--repeats", "2", "--sweep-context", "16,32"]
+    code = tpot.main([*args, "--json", str(out), "--device", "cpu"])
     assert code == 0
     result = json.loads(out.read_text())
     modes = {r["mode"] for r in result["results"]}
@@ -156,27 +127,12 @@ def test_tpot_rejects_compiled_modes_on_cpu():
         tpot.main(["--random-config", "tiny-llama", "--modes", "hf-static-compiled", "--device", "cpu"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(smollm2_gguf() is None or TEXT is None, reason="needs the SmolLM2 GGUF and WikiText")
 def test_perplexity_smollm2_on_a_wikitext_slice(tmp_path):
     out = tmp_path / "ppl.json"
-    code = perplexity.main(
-        [
-            "--gguf-file",
-            str(smollm2_gguf()),
-            "--text-file",
-            str(TEXT),
-            "--max-tokens",
-            "2048",
-            "--ctx",
-            "1024",
-            "--stride",
-            "512",
-            "--json",
-            str(out),
-            "--device",
-            "cpu",  # these are the CPU runs of the tools (the reference backend), on any machine
-        ]
-    )
+    args = ["--gguf-file", str(smollm2_gguf()), "--text-file", str(TEXT), "--max-tokens", "512", "--ctx", "256"]
+    code = perplexity.main([*args, "--stride", "128", "--json", str(out), "--device", "cpu"])
     assert code == 0
     result = json.loads(out.read_text())
     base, patched = result["results"]["unpatched"], result["results"]["patched"]

@@ -724,6 +724,7 @@ def wikitext_ids(path, rows: int, length: int) -> torch.Tensor:
     return torch.cat([tokenizer(line, return_tensors="pt").input_ids[:, :length] for line in lines])
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_smollm2_int4_g128(smollm2_int4):
     """The trained SmolLM2 packed to int4 g128: loads, matches its dequantized reference, and stays a language model."""
@@ -741,6 +742,7 @@ def test_smollm2_int4_g128(smollm2_int4):
 SMOLLM2_NEW_TOKENS = 16
 
 
+@pytest.mark.slow
 @needs_smollm2
 @pytest.mark.filterwarnings("ignore:patcher. generate uses transformers' loop")  # expected on the CPU
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

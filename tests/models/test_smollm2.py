@@ -13,9 +13,13 @@ from conftest import FP32_LOGIT_ATOL, assert_within_torch_error, max_err, smollm
 from patcher import patch_model, unpatch_model
 
 GGUF = smollm2_gguf()
-pytestmark = pytest.mark.skipif(
-    GGUF is None or wikitext_path() is None, reason="set PATCHER_SMOLLM2_GGUF (../shared/tools/get-smollm2.sh) to run"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        GGUF is None or wikitext_path() is None,
+        reason="set PATCHER_SMOLLM2_GGUF (../shared/tools/get-smollm2.sh) to run",
+    ),
+]
 
 
 def load(dtype, device="cpu"):
