@@ -368,8 +368,8 @@ def test_int4_gemv_acc_bad_inputs(kernels):
     with pytest.raises(RuntimeError, match="x2_early needs x2"):
         kernels.int4_gemv_acc(x, None, *lin.args(), 2, workspace, acc, None, True)
     with pytest.raises(RuntimeError, match="at most 2047 terms"):
-        kernels.int4_gemv_acc(torch.randn(1, 2**19, device="cuda").half(), None,
-                              *gptq_linear(2**19, [128], 128).args(), 1, workspace, acc[:1])  # fmt: skip
+        kernels.int4_gemv_acc(torch.randn(1, 2**16, device="cuda").half(), None,
+                              *gptq_linear(2**16, [128], 128).args(), 2048, workspace, acc[:1])  # fmt: skip
     # The dense GEMVs' prologue takes no accumulator.
     weight = torch.randn(64, 256, device="cuda").half()
     with pytest.raises(RuntimeError, match="dtype Long"):
