@@ -47,12 +47,14 @@ def expand(name: str) -> list[str]:
 
 
 def tracked_files() -> list[Path]:
-    """The files git tracks; every file under the root (but .git) where this is not a git checkout."""
+    """The files git tracks; where this is not a git checkout, every file under the root but those in hidden folders
+    (.git, and the untracked data and build folders a copy of the tree may carry)."""
     try:
         out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
         return [ROOT / p for p in out.decode().split("\0") if p]
     except (OSError, subprocess.CalledProcessError):
-        return [p for p in ROOT.rglob("*") if p.is_file() and ".git" not in p.parts]
+        files = (p for p in ROOT.rglob("*") if p.is_file())
+        return [p for p in files if not any(part.startswith(".") for part in p.relative_to(ROOT).parts[:-1])]
 
 
 def code_files() -> list[Path]:
