@@ -103,6 +103,21 @@ def check_op(op_name, args, exact_outputs=()):
     return got, low
 
 
+NORM_OPS = ("rms_norm", "add_rms_norm", "layer_norm", "dual_layer_norm", "add_layer_norm", "add_dual_layer_norm")
+
+
+def norm_args(op: str, x, d, d2, w, b, w2, b2) -> tuple:
+    """A norm op's arguments from the parts the norm tests make: x, the deltas, both norms' weights and biases."""
+    return {
+        "rms_norm": (x, w, 1e-6),
+        "add_rms_norm": (x, d, w, 1e-6),
+        "layer_norm": (x, w, b, 1e-5),
+        "dual_layer_norm": (x, w, b, w2, b2, 1e-5),
+        "add_layer_norm": (x, d, d2, w, b, 1e-5),
+        "add_dual_layer_norm": (x, d, d2, w, b, w2, b2, 1e-5),
+    }[op]
+
+
 # The norm prologues of the decode GEMVs (norm_gemv, norm_gemv_rope_cache, int4_gemv, int4_qkv_rope_cache).
 PROLOGUES = ["none", "rms", "add_rms", "layer", "add2_dual_layer"]
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
+    NORM_OPS,
     PROLOGUES,
     assert_within_torch_error,
     check_op,
     max_err,
+    norm_args,
     prologue_args,
     rope_tables,
 )
@@ -59,14 +61,7 @@ def test_norms(op, layout, shape, dtype):
     hidden = shape[-1]
     x, d, d2 = (make(shape, dtype, layout) for _ in range(3))
     w, b, w2, b2 = (make((hidden,), dtype, scale=0.5) + 1 for _ in range(4))
-    args = {
-        "rms_norm": (x, w, 1e-6),
-        "add_rms_norm": (x, d, w, 1e-6),
-        "layer_norm": (x, w, b, 1e-5),
-        "dual_layer_norm": (x, w, b, w2, b2, 1e-5),
-        "add_layer_norm": (x, d, d2, w, b, 1e-5),
-        "add_dual_layer_norm": (x, d, d2, w, b, w2, b2, 1e-5),
-    }[op]
+    args = norm_args(op, x, d, d2, w, b, w2, b2)
     sum_index = {"add_rms_norm": 1, "add_layer_norm": 1, "add_dual_layer_norm": 2}.get(op)
     check_op(op, args, exact_outputs=() if sum_index is None else (sum_index,))
 
@@ -127,13 +122,8 @@ def test_opcheck_on_cuda():
     x, d, w, b = make((5, 256), f16), make((5, 256), f16), make((256,), f16), make((256,), f16)
     qkv = make((2, 3, 12 * 64), f16)
     cs = make((1, 3, 32), f16)
-    samples = {
-        "rms_norm": (x, w, 1e-6),
-        "add_rms_norm": (x, d, w, 1e-6),
-        "layer_norm": (x, w, b, 1e-5),
-        "dual_layer_norm": (x, w, b, w, None, 1e-5),
-        "add_layer_norm": (x, d, d, w, b, 1e-5),
-        "add_dual_layer_norm": (x, d, None, w, b, w, b, 1e-5),
+    samples = {op: norm_args(op, x, d, None, w, b, w, None) for op in NORM_OPS}  # the optional second delta and bias
+    samples |= {
         "rope_qkv": (qkv, cs, cs, 6, 3, 64, False),
         "silu_and_mul": (make((5, 512), f16),),
         "bias_gelu": (x, b, True),

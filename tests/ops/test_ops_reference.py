@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import NORM_OPS, norm_args
 from transformers.activations import ACT2FN
 from transformers.models.gpt_neox import modeling_gpt_neox as neox
 from transformers.models.llama import modeling_llama as llama
@@ -97,13 +98,7 @@ def _samples():
     w, b, w2, b2 = rand(64), rand(64), rand(64), rand(64)
     qkv = rand(2, 3, (4 + 2 * 2) * 16)
     cos, sin = rand(1, 3, 8), rand(1, 3, 8)
-    return {
-        "rms_norm": (x, w, 1e-6),
-        "add_rms_norm": (x, d, w, 1e-6),
-        "layer_norm": (x, w, b, 1e-5),
-        "dual_layer_norm": (x, w, b, w2, b2, 1e-5),
-        "add_layer_norm": (x, d, d2, w, None, 1e-5),
-        "add_dual_layer_norm": (x, d, d2, w, b, w2, b2, 1e-5),
+    return {op: norm_args(op, x, d, d2, w, b, w2, b2) for op in NORM_OPS} | {
         "rope_qkv": (qkv, cos, sin, 4, 2, 16, False),
         "silu_and_mul": (rand(3, 5, 64),),
         "bias_gelu": (rand(3, 64), b, False),
