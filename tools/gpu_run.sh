@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks a change to the kernels or the decode path must pass on a CUDA machine, run from the repository root
-# (python3 there has the project installed, with pytest):
-#   tools/gpu_run.sh tests   build the CUDA kernels, then run the whole test suite (GPU tests included)
+# (python3 there has the project installed, with pytest and pytest-xdist):
+#   tools/gpu_run.sh tests [ARGS]  build the CUDA kernels, then run the test suite (GPU tests included), or the
+#                                  pytest selection ARGS; JOBS workers (default 15)
 #   tools/gpu_run.sh tpot    decode TPOT of the four model shapes the README reports, fp16 and GPTQ int4 (group size
 #                            128), random weights, one JSON file each
 # Logs and JSON files go to $OUT (default /tmp/patcher-out).
@@ -11,8 +12,14 @@ mkdir -p "$OUT"
 
 case "${1:-}" in
   tests)
-    python3 -c "from patcher.ops import build; build.load()"
-    python3 -m pytest -q -rf tests 2>&1 | tee "$OUT/tests.log"
+    shift
+    python3 -c "from patcher.ops import build; build.load()"   # once, before the workers start
+    # One line a test (-v), so that a run cut short still names what failed; pytest-xdist spreads the tests over
+    # the CPU cores (the GPU tests are small); extra arguments select a subset, e.g. tests/decode -m gpu.
+    python3 -m pytest -v -rfE -p no:randomly -n "${JOBS:-15}" "${@:-tests}" > "$OUT/tests.log" 2>&1 || status=$?
+    grep -E "FAILED|ERROR" "$OUT/tests.log" || true
+    tail -3 "$OUT/tests.log"
+    exit "${status:-0}"
     ;;
   tpot)
     for model in pythia-2.8b llama-3.1-8b qwen2-1.5b smollm2-135m; do
