@@ -1,11 +1,13 @@
 """`model.generate` of a patched model: the graph-captured decode path where it applies, HF's loop otherwise.
 
 patch_model sets this as the instance's `generate`. It decides per call, from the arguments alone (no trial
-run), whether the request is one the decode runner reproduces exactly: greedy or plain sampling (temperature,
-top-k, top-p), batch 1 to 8, token ids with a left-padded (or absent) attention mask, the model on one CUDA
-device with every layer patched. Anything else, beam search, a streamer, logits processors, scores in the
-output, repetition penalties and so on, goes to transformers' own `generate` unchanged (our fused kernels still
-run inside its forward), and the reason is recorded (`generate_path(model)`) and warned about once.
+run), whether the request is one the decode runner reproduces exactly: greedy or sampling (temperature, top-k,
+top-p, min-p) with the logits processors of processors.py (repetition_penalty, min_length, min_new_tokens,
+suppress_tokens, begin_suppress_tokens, forced BOS/EOS), batch 1 to 8, token ids with a left-padded (or absent)
+attention mask, the model on one CUDA device with every layer patched. Anything else (beam search, a streamer,
+logits processors or stopping criteria passed in, scores in the output, no_repeat_ngram_size, bad_words_ids, ...)
+goes to transformers' own `generate` unchanged (our fused kernels still run inside its forward), and the reason is
+recorded (`generate_path(model)`) and warned about once.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import warnings
 
 import torch
 
-from .runner import MAX_EOS_IDS, DecodeRunner, Sampling
+from .processors import Sampling
+from .runner import MAX_EOS_IDS, DecodeRunner
 
 MAX_BATCH = 8
 HEAD_DIMS = (64, 80, 128)
@@ -27,6 +30,14 @@ HANDLED = {
     "temperature",
     "top_k",
     "top_p",
+    "min_p",
+    "repetition_penalty",
+    "min_length",
+    "min_new_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "suppress_tokens",
+    "begin_suppress_tokens",
     "eos_token_id",
     "pad_token_id",
     "bos_token_id",
@@ -124,14 +135,10 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
     if len(eos) > MAX_EOS_IDS:
         return f"more than {MAX_EOS_IDS} EOS ids", {}
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-    sampling = Sampling(
-        do_sample=bool(config.do_sample),
-        temperature=float(config.temperature if config.temperature is not None else 1.0),
-        top_k=int(config.top_k or 0),
-        top_p=float(config.top_p if config.top_p is not None else 1.0),
-    )
-    if sampling.do_sample and sampling.temperature <= 0:
-        return "temperature <= 0", {}
+    try:
+        sampling = sampling_for(config, eos, model.get_output_embeddings().weight.shape[0])
+    except ValueError as e:
+        return str(e), {}
     return None, {
         "input_ids": input_ids,
         "attention_mask": attention_mask.to(input_ids.device),
@@ -140,6 +147,55 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
         "eos": eos,
         "pad_token_id": int(pad),
     }
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+def sampling_for(config, eos: list[int], vocab: int) -> Sampling:
+    """The call's logits processing as the runner takes it, from a prepared GenerationConfig; ValueError with the
+    reason where the runner does not reproduce it (HF's loop then runs it, or rejects it as HF does)."""
+    do_sample = bool(config.do_sample)
+    temperature = float(config.temperature if config.temperature is not None else 1.0)
+    if do_sample and temperature <= 0:
+        raise ValueError("temperature <= 0")
+    penalty = float(config.repetition_penalty if config.repetition_penalty is not None else 1.0)
+    if penalty <= 0:
+        raise ValueError(f"repetition_penalty {penalty} (must be > 0)")
+    if config.min_p is not None and not 0 <= config.min_p <= 1:
+        raise ValueError(f"min_p {config.min_p} (must be in [0, 1])")
+    token_ids = {
+        "suppress_tokens": _ids(config.suppress_tokens),
+        "begin_suppress_tokens": _ids(config.begin_suppress_tokens),
+        "forced_bos_token_id": _ids(config.forced_bos_token_id),
+        "forced_eos_token_id": _ids(config.forced_eos_token_id),
+    }
+    for name, ids in token_ids.items():
+        if any(not 0 <= i < vocab for i in ids):
+            raise ValueError(f"{name} {list(ids)} outside the vocabulary (0 .. {vocab - 1})")
+    sampled = {}
+    if do_sample:  # HF applies the warpers only when sampling
+        sampled = dict(
+            temperature=temperature,
+            top_k=int(config.top_k or 0),
+            top_p=float(config.top_p if config.top_p is not None else 1.0),
+            min_p=None if config.min_p is None else float(config.min_p),
+        )
+    return Sampling(
+        do_sample=do_sample,
+        repetition_penalty=penalty,
+        min_length=int(config.min_length or 0),
+        min_new_tokens=int(config.min_new_tokens or 0),
+        eos=tuple(eos),
+        forced_bos_token_id=token_ids["forced_bos_token_id"][0] if token_ids["forced_bos_token_id"] else None,
+        forced_eos_token_ids=token_ids["forced_eos_token_id"],
+        suppress_tokens=token_ids["suppress_tokens"],
+        begin_suppress_tokens=token_ids["begin_suppress_tokens"],
+        **sampled,
+    )
 
 
 def fast_generate(self, inputs=None, generation_config=None, **kwargs):

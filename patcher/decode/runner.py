@@ -2,7 +2,8 @@
 
     prefill      the patched model's own forward (fused kernels, HF's SDPA/flash) on the prompt; its K/V are copied
                  into the static cache, and the first token is chosen from its last logits
-    decode step  the embedding -> every layer (step.py) -> final add + norm -> lm_head -> (sampling warpers) ->
+    decode step  the embedding -> every layer (step.py) -> final add + norm -> lm_head -> logits processing and
+                 sampling (processors.py) ->
                  next_token: the token chosen, written after the current one, the position counter advanced and
                  the new token's embedding looked up for the next step, in one kernel
 
@@ -15,25 +16,16 @@ The runner owns the buffers (StepState), the capture and the token loop; DecodeS
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..ops import REFERENCE, decode_attention_workspace, next_token_workspace
 from .options import DecodeOptions
+from .processors import Processors, Sampling
 from .step import DecodeStep
 
 EOS_CHECK_EVERY = 16  # decode steps between host checks for "every row has finished"
 MIN_CAPACITY = 256
 MAX_EOS_IDS = 8
-
-
-@dataclass
-class Sampling:
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
 
 
 class StepState:
@@ -51,6 +43,10 @@ class StepState:
         self.finished = torch.zeros(batch, dtype=torch.bool, device=dev)
         self.eos = torch.full((MAX_EOS_IDS,), -1, dtype=torch.long, device=dev)  # EOS ids, -1 for unused entries
         self.pad_token = torch.zeros((), dtype=torch.long, device=dev)
+        # The call's lengths the logits processors compare with the sequence's (processors.py).
+        self.prompt_len = torch.zeros((), dtype=torch.long, device=dev)
+        self.begin_index = torch.zeros((), dtype=torch.long, device=dev)
+        self.max_length = torch.zeros((), dtype=torch.long, device=dev)
         self.x = torch.zeros(batch, step.hidden, dtype=step.dtype, device=dev)  # the current tokens' embeddings
         self.next_token_workspace = next_token_workspace(batch, dev)
         self.cublas = cuda and batch >= options.cublas_min_batch
@@ -73,6 +69,7 @@ class StepState:
         self.deferred = plan.deferred_outputs(batch)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_sampling: Sampling | None = None
+        self.processors: Processors | None = None
 
     @property
     def nbytes(self) -> int:
@@ -107,26 +104,11 @@ class DecodeRunner:
     def logits(self, st: StepState, x: torch.Tensor | None = None) -> torch.Tensor:
         return self.decode_step.logits(st, x)
 
-    @staticmethod
-    def scores(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-        """What next_token takes the argmax of: the logits (greedy), or for sampling, after HF's warpers in HF's
-        order (temperature, top-k, top-p), probs / E with E ~ Exp(1), whose argmax is a draw from probs (no host
-        sync, a graph-capturable RNG)."""
-        if not sampling.do_sample:
-            return logits
-        scores = logits.float()
-        if sampling.temperature != 1.0:
-            scores = scores / sampling.temperature
-        if 0 < sampling.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if sampling.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=False)
-            remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - sampling.top_p)
-            remove[..., -1:] = False
-            scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
-        probs = scores.softmax(dim=-1)
-        return probs / torch.empty_like(probs).exponential_(1.0)
+    def processors(self, st: StepState, sampling: Sampling) -> Processors:
+        """The state's logits processors for `sampling`, built (outside any capture) when it changes."""
+        if st.processors is None or st.processors.sampling != sampling:
+            st.processors = Processors(sampling, self.decode_step.lm_weight.shape[0], self.device)
+        return st.processors
 
     def next_token(self, scores: torch.Tensor, st: StepState) -> None:
         """The token after the current one from `scores` (pad for finished rows; EOS ids finish a row) written at
@@ -139,7 +121,7 @@ class DecodeRunner:
     def run_step(self, st: StepState, sampling: Sampling) -> None:
         """One decode step: logits, the token chosen, written and its embedding looked up."""
         x = st.x if self.decode_step.embed_weight is not None else None
-        self.next_token(self.scores(self.logits(st, x), sampling), st)
+        self.next_token(self.processors(st, sampling)(self.logits(st, x), st), st)
 
     # ---- CUDA graph -----------------------------------------------------------------------------------------
     def _capture(self, st: StepState, sampling: Sampling) -> None:
@@ -177,6 +159,7 @@ class DecodeRunner:
                 f"pad_token_id {pad_token_id} is outside the vocabulary (0 .. {vocab - 1}): finished rows continue "
                 "with it"
             )
+        self.processors(st, sampling)  # its constant masks, before any capture
         if self.use_graphs and (st.graph is None or st.graph_sampling != sampling):
             st.graph = None
             self._capture(st, sampling)
@@ -188,6 +171,11 @@ class DecodeRunner:
         if eos:
             st.eos[: len(eos)].copy_(torch.tensor(eos, dtype=torch.long))
         st.pad_token.fill_(pad_token_id)
+        st.prompt_len.fill_(T)
+        # HF suppresses begin_suppress_tokens at the prompt's length, one later where a forced BOS follows a
+        # one-token prompt.
+        st.begin_index.fill_(T + 1 if T == 1 and sampling.forced_bos_token_id is not None else T)
+        st.max_length.fill_(T + new_tokens)
         st.finished.zero_()
         st.pad.copy_((attention_mask == 0).sum(-1))
         st.tokens[:, :T].copy_(input_ids)
@@ -207,7 +195,7 @@ class DecodeRunner:
         last_logits = out.logits[:, -1]
         del out
         st.slot.fill_(T - 1)  # next_token writes the first new token at T and advances the slot to it
-        self.next_token(self.scores(last_logits, sampling), st)
+        self.next_token(self.processors(st, sampling)(last_logits, st), st)
 
         steps = new_tokens - 1
         for i in range(steps):

@@ -1,0 +1,132 @@
+"""Logits processing of the decode step on the GPU, in transformers' semantics and order, inside the captured graph.
+
+`generate` in transformers turns the generation config into a list of LogitsProcessors
+(`GenerationMixin._get_logits_processor`) and applies it to each step's logits, cast to float32, before the argmax
+(greedy) or the draw (sampling). The decode runner applies the same processing to the same float32 logits, in the
+same order, as tensor ops that need no host sync, so the step stays one graph replay:
+
+    repetition_penalty          every token of the row so far, prompt included, its left padding excluded (HF's
+                                prompt_ignore_length): score < 0 ? score * penalty : score / penalty
+    min_length, min_new_tokens  EOS ids at -inf while the sequence (or its new part) is shorter
+    forced_bos_token_id         at length 1, every token at -inf but BOS (0)
+    forced_eos_token_id         at max_length - 1, every token at -inf but those ids (0)
+    suppress_tokens             always -inf
+    begin_suppress_tokens       -inf at the first generated position
+    (sampling) temperature, top_k, top_p, min_p, then a draw
+
+Whatever depends on the call (the prompt length, max_length) is a device tensor of the StepState, set before the
+first step; the token ids and values are constants of `Sampling`, so a graph is captured once per Sampling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The logits processing and token choice of a generate call (transformers' names and defaults)."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    min_length: int = 0  # needs eos ids
+    min_new_tokens: int = 0  # needs eos ids
+    eos: tuple[int, ...] = ()  # the EOS ids min_length and min_new_tokens act on
+    forced_bos_token_id: int | None = None
+    forced_eos_token_ids: tuple[int, ...] = ()  # forced at max_length - 1
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()
+
+    @property
+    def processes(self) -> bool:
+        """Whether the logits are processed at all (else greedy is the argmax of the raw logits)."""
+        return self.do_sample or self != Sampling(do_sample=self.do_sample, eos=self.eos)
+
+
+class Processors:
+    """`Sampling` as tensor ops over one StepState's tokens; the constant masks are built here, before any capture
+    (a graph cannot copy host lists to the device)."""
+
+    def __init__(self, sampling: Sampling, vocab: int, device: torch.device):
+        self.sampling, self.vocab = sampling, vocab
+
+        def mask(ids) -> torch.Tensor:
+            m = torch.zeros(vocab, dtype=torch.bool, device=device)
+            if ids:
+                m[torch.tensor(list(ids), device=device)] = True
+            return m
+
+        self.eos_mask = mask(sampling.eos)
+        self.suppress_mask = mask(sampling.suppress_tokens)
+        self.begin_mask = mask(sampling.begin_suppress_tokens)
+        self.bos_row = None
+        if sampling.forced_bos_token_id is not None:
+            self.bos_row = torch.where(mask([sampling.forced_bos_token_id]), 0.0, -math.inf)
+        self.eos_row = torch.where(mask(sampling.forced_eos_token_ids), 0.0, -math.inf)
+
+    def __call__(self, logits: torch.Tensor, st) -> torch.Tensor:
+        """What next_token takes the argmax of, for the step whose current token is at st.slot: the logits
+        themselves where nothing processes them; else the processed float32 scores (greedy), or probs / E with
+        E ~ Exp(1), whose argmax is a draw from probs (sampling)."""
+        p = self.sampling
+        if not p.processes:
+            return logits
+        scores = logits.float()
+        length = st.slot + 1  # the sequence so far, as HF's input_ids.shape[-1]
+        if p.repetition_penalty != 1.0:
+            positions = torch.arange(st.tokens.shape[1], device=scores.device)
+            seen = (positions <= st.slot) & (positions >= st.pad[:, None])
+            ids = st.tokens.masked_fill(~seen, self.vocab).clamp(max=self.vocab)
+            hit = torch.zeros(scores.shape[0], self.vocab + 1, dtype=torch.bool, device=scores.device)
+            hit = hit.scatter(1, ids, True)[:, : self.vocab]
+            penalized = torch.where(scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty)
+            scores = torch.where(hit, penalized, scores)
+        if p.eos and p.min_length > 0:
+            scores = torch.where(self.eos_mask & (length < p.min_length), -math.inf, scores)
+        if p.eos and p.min_new_tokens > 0:
+            scores = torch.where(self.eos_mask & (length - st.prompt_len < p.min_new_tokens), -math.inf, scores)
+        if self.bos_row is not None:
+            scores = torch.where(length == 1, self.bos_row, scores)
+        if p.forced_eos_token_ids:
+            scores = torch.where(length == st.max_length - 1, self.eos_row, scores)
+        if p.suppress_tokens:
+            scores = scores.masked_fill(self.suppress_mask, -math.inf)
+        if p.begin_suppress_tokens:
+            scores = torch.where(self.begin_mask & (length == st.begin_index), -math.inf, scores)
+        if not p.do_sample:
+            return scores
+        return self.draw(self.warp(scores))
+
+    def warp(self, scores: torch.Tensor) -> torch.Tensor:
+        """HF's sampling warpers in HF's order: temperature, top-k, top-p, min-p."""
+        p = self.sampling
+        if p.temperature != 1.0:
+            scores = scores / p.temperature
+        if 0 < p.top_k:
+            kth = torch.topk(scores, min(p.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        if p.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=False)
+            remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - p.top_p)
+            remove[..., -1:] = False
+            scores = scores.masked_fill(remove.scatter(1, order, remove), -math.inf)
+        if p.min_p is not None:
+            probs = scores.softmax(dim=-1)
+            remove = probs < p.min_p * probs.amax(dim=-1, keepdim=True)
+            remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+            scores = scores.masked_fill(remove, -math.inf)
+        return scores
+
+    @staticmethod
+    def draw(scores: torch.Tensor) -> torch.Tensor:
+        """probs / E with E ~ Exp(1): its argmax is a draw from softmax(scores), with no host sync and a
+        graph-capturable RNG."""
+        probs = scores.softmax(dim=-1)
+        return probs / torch.empty_like(probs).exponential_(1.0)

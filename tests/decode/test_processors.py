@@ -1,0 +1,170 @@
+"""The decode runner's logits processing (patcher/decode/processors.py) against transformers' own processors.
+
+CPU: the processors on random logits and token histories give HF's scores exactly (the same float32 ops), at the
+lengths where each one switches on or off; the eager decode runner's greedy tokens equal HF's generate with the same
+arguments on tiny models; the instruct models' generation configs take the decode path. GPU: the same through the
+captured graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import warnings
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from patcher import patch_model
+from patcher import random_models as rm
+from patcher.decode import DecodeOptions, DecodeRunner
+from patcher.decode.generate import call_reason, generate_path
+from patcher.decode.processors import Processors
+
+EAGER = DecodeOptions(use_graphs=False)
+VOCAB = 512  # the tiny models' vocabulary
+
+# Each a set of generate arguments (greedy) the runner must reproduce.
+GREEDY_ARGS = [
+    {"repetition_penalty": 1.3},
+    {"repetition_penalty": 0.7},
+    {"min_new_tokens": 6, "eos_token_id": [7, 11]},
+    {"min_length": 20, "eos_token_id": 7},
+    {"suppress_tokens": [1, 2, 3, 300], "begin_suppress_tokens": [5, 9]},
+    {"forced_eos_token_id": 4},
+    {"repetition_penalty": 1.1, "min_new_tokens": 3, "eos_token_id": [7], "suppress_tokens": [8]},
+]
+SAMPLING_ARGS = [
+    {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.1},  # Qwen2-Instruct
+    {"do_sample": True, "temperature": 0.6, "top_p": 0.9},  # Llama-3.1-Instruct
+    {"do_sample": True, "min_p": 0.1, "temperature": 1.3},
+]
+
+
+def hf_processors(model, args: dict, ids, mask, new_tokens: int):
+    """transformers' own processor list for a generate call with `args`, as generate builds it."""
+    config, _ = model._prepare_generation_config(GenerationConfig(**args, max_new_tokens=new_tokens))
+    config.max_length = ids.shape[1] + new_tokens
+    model._prepare_special_tokens(config, device=ids.device)
+    return model._get_logits_processor(
+        config, input_ids_seq_length=ids.shape[1], device=ids.device, model_kwargs={"attention_mask": mask}
+    )
+
+
+def ours(model, args: dict, ids, mask, new_tokens: int):
+    """The runner's Processors for the same call, and the generate arguments call_reason prepared."""
+    reason, prepared = call_reason(model, GenerationConfig(**args, max_new_tokens=new_tokens),
+                                   {"input_ids": ids, "attention_mask": mask})  # fmt: skip
+    assert reason is None, reason
+    return Processors(prepared["sampling"], VOCAB, ids.device), prepared
+
+
+def state(tokens, pad, length: int, prompt_len: int, new_tokens: int, begin_index: int):
+    """The StepState fields the processors read, for the step whose sequence so far has `length` tokens."""
+    return types.SimpleNamespace(
+        tokens=tokens, slot=torch.tensor([length - 1]), pad=pad, prompt_len=torch.tensor(prompt_len),
+        begin_index=torch.tensor(begin_index), max_length=torch.tensor(prompt_len + new_tokens),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("args", GREEDY_ARGS + SAMPLING_ARGS, ids=lambda a: ",".join(a))
+def test_processors_give_hf_scores(args):
+    """At every length from the prompt's to max_length - 1, on logits with ties and negative and positive values:
+    our greedy scores equal HF's processors' exactly; with sampling, the warped scores before the draw equal HF's
+    warpers' (the draw itself differs: HF's multinomial against probs / Exp(1), the same distribution)."""
+    model = rm.build("tiny-llama")
+    g = torch.Generator().manual_seed(0)
+    batch, prompt, new_tokens = 3, 6, 12
+    mask = torch.ones(batch, prompt, dtype=torch.long)
+    mask[1, :2] = 0
+    tokens = torch.randint(0, 40, (batch, prompt + new_tokens + 1), generator=g)  # few ids: many repeats
+    pad = (mask == 0).sum(-1)
+    hf = hf_processors(model, args, tokens[:, :prompt], mask, new_tokens)
+    processors, _ = ours(model, args, tokens[:, :prompt], mask, new_tokens)
+    for length in range(prompt, prompt + new_tokens):
+        logits = torch.randn(batch, VOCAB, generator=g).mul(3).round(decimals=1)
+        st = state(tokens, pad, length, prompt, new_tokens, prompt)
+        expected = hf(tokens[:, :length], logits.clone())
+        if processors.sampling.do_sample:
+            got = processors.warp(_before_warpers(processors, logits, st))
+        else:
+            got = processors(logits, st)
+        assert torch.equal(got, expected), f"{args} at length {length}"
+
+
+def _before_warpers(processors, logits, st):
+    """The processors' scores with the warpers and the draw left out."""
+    greedy = Processors(dataclasses.replace(processors.sampling, do_sample=False), VOCAB, logits.device)
+    return greedy(logits, st)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-pythia"])
+@pytest.mark.parametrize("args", GREEDY_ARGS, ids=lambda a: ",".join(a))
+def test_runner_greedy_matches_hf_generate(name, args):
+    """fp32 on the CPU: the eager decode runner with HF's processing gives HF generate's greedy tokens, left-padded
+    rows included."""
+    model = rm.build(name)
+    model.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    new_tokens = 16
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                                  pad_token_id=0, **args)  # fmt: skip
+    patch_model(model)
+    _, prepared = ours(model, {"do_sample": False, "pad_token_id": 0, **args}, ids, mask, new_tokens)
+    got = DecodeRunner(model, EAGER).generate(**prepared)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1},
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [5, 6, 7]},
+    ],
+    ids=["qwen2-instruct", "llama-3.1-instruct"],
+)
+def test_instruct_generation_configs_take_the_decode_path(config):
+    """Qwen2-1.5B-Instruct's and Llama-3.1-8B-Instruct's generation configs set on a model: nothing in them sends
+    a call to HF's loop."""
+    model = rm.build("tiny-qwen2")
+    patch_model(model)
+    model.generation_config = GenerationConfig(**config)
+    ids = torch.randint(3, VOCAB, (1, 5))
+    reason, prepared = call_reason(model, None, {"input_ids": ids, "max_new_tokens": 4})
+    assert reason is None, reason
+    assert prepared["sampling"].do_sample and prepared["sampling"].top_p < 1
+
+
+def test_bad_processor_arguments_go_to_hf_with_the_reason():
+    model = rm.build("tiny-llama")
+    patch_model(model)
+    ids = torch.randint(3, VOCAB, (1, 5))
+    for args, message in (
+        ({"suppress_tokens": [VOCAB + 3]}, "outside the vocabulary"),
+        ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size"),
+    ):
+        reason, _ = call_reason(model, GenerationConfig(**args, max_new_tokens=3), {"input_ids": ids})
+        assert reason is not None and message in reason, reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("args", GREEDY_ARGS, ids=lambda a: ",".join(a))
+def test_graph_path_with_processors_matches_hf(args):
+    """GPU, fp32: generate takes the graph path with these arguments, and its greedy tokens equal HF's."""
+    model = rm.build("tiny-llama", device="cuda")
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(3, VOCAB, (2, 9), device="cuda")
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, pad_token_id=0, **args)
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+    patch_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        got = model.generate(ids, **kwargs)
+    assert generate_path(model)["path"] == "graph"
+    assert torch.equal(got, expected)
