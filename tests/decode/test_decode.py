@@ -109,14 +109,15 @@ def test_calls_the_runner_does_not_handle_go_to_hf_with_a_reason():
     ids = torch.randint(3, 200, (2, 5))
     assert call_reason(model, None, {"input_ids": ids, "max_new_tokens": 4})[0] is None
     assert call_reason(model, None, {"input_ids": ids, "do_sample": True, "top_p": 0.9})[0] is None
+    assert call_reason(model, None, {"input_ids": ids, "repetition_penalty": 1.2, "min_new_tokens": 3})[0] is None
     cases = {
         "num_beams": {"num_beams": 2},
-        "repetition_penalty": {"repetition_penalty": 1.2},
+        "no_repeat_ngram_size": {"no_repeat_ngram_size": 3},
         "streamer": {"streamer": object()},
         "output_scores": {"output_scores": True, "return_dict_in_generate": True},
         "batch 9": {"input_ids": torch.randint(3, 200, (9, 5))},
         "left padding": {"attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])},
-        "min_new_tokens": {"min_new_tokens": 3},
+        "bad_words_ids": {"bad_words_ids": [[5], [6, 7]]},
     }
     for expected, extra in cases.items():
         reason, _ = call_reason(model, None, {"input_ids": ids, "max_new_tokens": 4, **extra})
