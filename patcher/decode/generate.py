@@ -3,8 +3,8 @@
 patch_model sets this as the instance's `generate`. It decides per call, from the arguments alone (no trial
 run), whether the request is one the decode runner reproduces exactly: greedy or sampling (temperature, top-k,
 top-p, min-p) with the logits processors of processors.py (repetition_penalty, min_length, min_new_tokens,
-suppress_tokens, begin_suppress_tokens, forced BOS/EOS), batch 1 to 8, token ids with a left-padded (or absent)
-attention mask, the model on one CUDA device with every layer patched. Anything else (beam search, a streamer,
+suppress_tokens, begin_suppress_tokens, forced BOS/EOS), a streamer, batch 1 to 8, token ids with a left-padded
+(or absent) attention mask, the model on one CUDA device with every layer patched. Anything else (beam search,
 logits processors or stopping criteria passed in, scores in the output, no_repeat_ngram_size, bad_words_ids, ...)
 goes to transformers' own `generate` unchanged (our fused kernels still run inside its forward), and the reason is
 recorded (`generate_path(model)`) and warned about once.
@@ -54,7 +54,6 @@ HF_ONLY_ARGUMENTS = (
     "prefix_allowed_tokens_fn",
     "synced_gpus",
     "assistant_model",
-    "streamer",
     "negative_prompt_ids",
     "negative_prompt_attention_mask",
     "custom_generate",
@@ -99,6 +98,10 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
     for name in HF_ONLY_ARGUMENTS:
         if kwargs.get(name) is not None:
             return f"argument {name}", {}
+    kwargs = dict(kwargs)
+    streamer = kwargs.pop("streamer", None)
+    if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
+        return "a streamer without put() and end()", {}
     try:
         config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
         defaults = config._get_default_generation_params()
@@ -146,6 +149,7 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
         "sampling": sampling,
         "eos": eos,
         "pad_token_id": int(pad),
+        "streamer": streamer,
     }
 
 

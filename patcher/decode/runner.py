@@ -78,6 +78,50 @@ class StepState:
         return sum(t.numel() * t.element_size() for t in buffers)
 
 
+class TokenFeed:
+    """Hands each new token to a streamer (transformers' BaseStreamer: put, end) as it is made, without making the
+    GPU wait on Python: after each step is queued, its tokens are copied to pinned host memory asynchronously and
+    an event marks the copy; the host hands them on one step later, when the copy has long finished. As HF does, the
+    prompt comes first, then one [B] tensor a step (pad for finished rows), and the feed ends after the step in which
+    the last row produced an EOS id."""
+
+    def __init__(self, streamer, st: StepState, eos: list[int]):
+        self.streamer, self.st, self.eos = streamer, st, set(eos)
+        self.cuda = st.tokens.is_cuda
+        self.pending: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self.finished = torch.zeros(st.batch, dtype=torch.bool)
+        self.done = False
+
+    def prompt(self, input_ids: torch.Tensor) -> None:
+        self.streamer.put(input_ids.cpu())
+
+    def queue(self) -> None:
+        """After a step (or the prefill's token) is queued: copy its tokens out, and hand on the step before."""
+        tokens = self.st.tokens.index_select(1, self.st.slot).squeeze(1)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=self.cuda)
+        host.copy_(tokens, non_blocking=self.cuda)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((host, event))
+        self.flush(keep=1)
+
+    def flush(self, keep: int = 0) -> None:
+        while len(self.pending) > keep and not self.done:
+            host, event = self.pending.pop(0)
+            if event is not None:
+                event.synchronize()
+            self.streamer.put(host)
+            if self.eos:
+                self.finished |= torch.tensor([int(t) in self.eos for t in host.tolist()])
+                self.done = bool(self.finished.all())
+
+    def end(self) -> None:
+        self.flush()
+        self.streamer.end()
+
+
 class DecodeRunner:
     def __init__(self, model, options: DecodeOptions | None = None):
         options = DecodeOptions() if options is None else options
@@ -148,8 +192,10 @@ class DecodeRunner:
         sampling: Sampling,
         eos: list[int],
         pad_token_id: int,
+        streamer=None,
     ) -> torch.Tensor:
-        """prompt [B, T] (left-padded) -> [B, T + n] with n <= new_tokens (fewer if every row hit EOS)."""
+        """prompt [B, T] (left-padded) -> [B, T + n] with n <= new_tokens (fewer if every row hit EOS). `streamer`
+        (transformers' BaseStreamer) gets the prompt, then each step's tokens as they are made (TokenFeed)."""
         B, T = input_ids.shape
         st = self.state_for(B, T + new_tokens)
         has_eos = bool(eos)
@@ -179,6 +225,9 @@ class DecodeRunner:
         st.finished.zero_()
         st.pad.copy_((attention_mask == 0).sum(-1))
         st.tokens[:, :T].copy_(input_ids)
+        feed = None if streamer is None else TokenFeed(streamer, st, eos)
+        if feed is not None:
+            feed.prompt(input_ids)
 
         # Prefill with the patched model (fused kernels + HF attention), then move its K/V into the static cache.
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
@@ -196,16 +245,25 @@ class DecodeRunner:
         del out
         st.slot.fill_(T - 1)  # next_token writes the first new token at T and advances the slot to it
         self.next_token(self.processors(st, sampling)(last_logits, st), st)
+        if feed is not None:
+            feed.queue()
 
         steps = new_tokens - 1
         for i in range(steps):
+            if feed is not None and feed.done:  # the feed saw every row finish, a step behind
+                steps = i
+                break
             if st.graph is not None:
                 st.graph.replay()
             else:
                 self.run_step(st, sampling)
-            if has_eos and (i + 1) % EOS_CHECK_EVERY == 0 and bool(st.finished.all()):
+            if feed is not None:
+                feed.queue()
+            elif has_eos and (i + 1) % EOS_CHECK_EVERY == 0 and bool(st.finished.all()):
                 steps = i + 1
                 break
+        if feed is not None:
+            feed.end()
         length = T + 1 + steps
         tokens = st.tokens[:, :length].clone()
         if has_eos and bool(st.finished.all()):

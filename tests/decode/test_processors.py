@@ -168,3 +168,68 @@ def test_graph_path_with_processors_matches_hf(args):
         got = model.generate(ids, **kwargs)
     assert generate_path(model)["path"] == "graph"
     assert torch.equal(got, expected)
+
+
+class Recorder:
+    """A BaseStreamer that keeps what it is given."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended += 1
+
+
+@pytest.mark.parametrize("eos", [None, "early"])
+def test_streamer_gets_what_hf_gives_it(eos):
+    """The eager runner hands a streamer the prompt, then each step's tokens, and ends it, exactly as HF's generate
+    does; with an EOS id that every row reaches, both stop feeding after the step in which the last row finished."""
+    model = rm.build("tiny-llama")
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    args = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        free = model.generate(ids, attention_mask=mask, **args)
+    if eos == "early":  # a token each row makes, so that the rows finish at different steps
+        args["eos_token_id"] = [int(free[0, 9]), int(free[1, 12])]
+    hf = Recorder()
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, streamer=hf, **args)
+    patch_model(model)
+    streamer = Recorder()
+    reason, prepared = call_reason(model, GenerationConfig(**args), {"input_ids": ids, "attention_mask": mask,
+                                                                     "streamer": streamer})  # fmt: skip
+    assert reason is None, reason
+    got = DecodeRunner(model, EAGER).generate(**prepared)
+    assert torch.equal(got, expected)
+    assert (expected.shape[1] < ids.shape[1] + 24) == (eos == "early")
+    assert streamer.ended == hf.ended == 1
+    assert len(streamer.puts) == len(hf.puts) and all(torch.equal(a, b) for a, b in zip(streamer.puts, hf.puts))
+
+
+def test_streamer_without_its_methods_goes_to_hf():
+    model = rm.build("tiny-llama")
+    patch_model(model)
+    reason, _ = call_reason(model, None, {"input_ids": torch.ones(1, 3, dtype=torch.long), "streamer": object()})
+    assert "streamer" in reason
+
+
+@pytest.mark.gpu
+def test_graph_path_feeds_a_streamer_as_hf_does():
+    """GPU, fp32: a streamer keeps the call on the graph path and gets what HF's generate gives it."""
+    model = rm.build("tiny-qwen2", device="cuda")
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(3, VOCAB, (1, 9), device="cuda")
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0)
+    hf, ours_ = Recorder(), Recorder()
+    with torch.no_grad():
+        expected = model.generate(ids, streamer=hf, **kwargs)
+    patch_model(model)
+    got = model.generate(ids, streamer=ours_, **kwargs)
+    assert generate_path(model)["path"] == "graph"
+    assert torch.equal(got, expected)
+    assert len(ours_.puts) == len(hf.puts) and all(torch.equal(a, b) for a, b in zip(ours_.puts, hf.puts))
