@@ -3,11 +3,11 @@
 patch_model sets this as the instance's `generate`. It decides per call, from the arguments alone (no trial
 run), whether the request is one the decode runner reproduces exactly: greedy or sampling (temperature, top-k,
 top-p, min-p) with the logits processors of processors.py (repetition_penalty, min_length, min_new_tokens,
-suppress_tokens, begin_suppress_tokens, forced BOS/EOS), a streamer, batch 1 to 8, token ids with a left-padded
-(or absent) attention mask, the model on one CUDA device with every layer patched. Anything else (beam search,
-logits processors or stopping criteria passed in, scores in the output, no_repeat_ngram_size, bad_words_ids, ...)
-goes to transformers' own `generate` unchanged (our fused kernels still run inside its forward), and the reason is
-recorded (`generate_path(model)`) and warned about once.
+suppress_tokens, begin_suppress_tokens, forced BOS/EOS), a streamer, stop_strings and max_time, batch 1 to 8, token
+ids with a left-padded (or absent) attention mask, the model on one CUDA device with every layer patched. Anything
+else (beam search, logits processors or stopping criteria passed in, scores in the output, no_repeat_ngram_size,
+bad_words_ids, ...) goes to transformers' own `generate` unchanged (our fused kernels still run inside its forward),
+and the reason is recorded (`generate_path(model)`) and warned about once.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
 
 from .processors import Sampling
 from .runner import MAX_EOS_IDS, DecodeRunner
@@ -38,6 +39,8 @@ HANDLED = {
     "forced_eos_token_id",
     "suppress_tokens",
     "begin_suppress_tokens",
+    "stop_strings",
+    "max_time",
     "eos_token_id",
     "pad_token_id",
     "bos_token_id",
@@ -57,7 +60,6 @@ HF_ONLY_ARGUMENTS = (
     "negative_prompt_ids",
     "negative_prompt_attention_mask",
     "custom_generate",
-    "tokenizer",
 )
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -100,6 +102,7 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
             return f"argument {name}", {}
     kwargs = dict(kwargs)
     streamer = kwargs.pop("streamer", None)
+    tokenizer = kwargs.pop("tokenizer", None)
     if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
         return "a streamer without put() and end()", {}
     try:
@@ -138,6 +141,13 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
     if len(eos) > MAX_EOS_IDS:
         return f"more than {MAX_EOS_IDS} EOS ids", {}
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+    criteria = []  # the stopping criteria that read the tokens on the host (runner.TokenFeed)
+    if config.max_time is not None:
+        criteria.append(MaxTimeCriteria(max_time=config.max_time))
+    if config.stop_strings is not None:
+        if tokenizer is None:
+            return "stop_strings without a tokenizer", {}
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings))
     try:
         sampling = sampling_for(config, eos, model.get_output_embeddings().weight.shape[0])
     except ValueError as e:
@@ -150,6 +160,7 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
         "eos": eos,
         "pad_token_id": int(pad),
         "streamer": streamer,
+        "criteria": criteria,
     }
 
 

@@ -79,24 +79,31 @@ class StepState:
 
 
 class TokenFeed:
-    """Hands each new token to a streamer (transformers' BaseStreamer: put, end) as it is made, without making the
-    GPU wait on Python: after each step is queued, its tokens are copied to pinned host memory asynchronously and
-    an event marks the copy; the host hands them on one step later, when the copy has long finished. As HF does, the
-    prompt comes first, then one [B] tensor a step (pad for finished rows), and the feed ends after the step in which
-    the last row produced an EOS id."""
+    """The host's view of the tokens as they are made, for what needs them there: a streamer (transformers'
+    BaseStreamer: put, end) and stopping criteria that read the text (stop strings, max_time).
 
-    def __init__(self, streamer, st: StepState, eos: list[int]):
-        self.streamer, self.st, self.eos = streamer, st, set(eos)
+    The GPU never waits on Python: after each step is queued, its tokens are copied to pinned host memory
+    asynchronously and an event marks the copy; the host takes them one step later, when the copy has long finished.
+    As HF does, a streamer gets the prompt first, then one [B] tensor a step, pad for finished rows. A row the
+    criteria stop is finished on the device too; the token the device already made for it in the step after (the
+    one step of lag) becomes pad (where the call has EOS ids, as in HF), on the device and in what the streamer gets,
+    so the output is HF's. The feed is done after the step in which the last row finished, where HF stops."""
+
+    def __init__(self, st: StepState, input_ids: torch.Tensor, eos: list[int], pad_token_id: int, streamer=None,
+                 criteria=()):  # fmt: skip
+        self.st, self.eos, self.pad, self.streamer, self.criteria = st, set(eos), pad_token_id, streamer, criteria
         self.cuda = st.tokens.is_cuda
         self.pending: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self.history = [input_ids.cpu()]
+        self.length = input_ids.shape[1]  # tokens taken so far, prompt included
         self.finished = torch.zeros(st.batch, dtype=torch.bool)
+        self.stopped = torch.zeros(st.batch, dtype=torch.bool)  # finished by a criterion, not by EOS
         self.done = False
-
-    def prompt(self, input_ids: torch.Tensor) -> None:
-        self.streamer.put(input_ids.cpu())
+        if streamer is not None:
+            streamer.put(self.history[0])
 
     def queue(self) -> None:
-        """After a step (or the prefill's token) is queued: copy its tokens out, and hand on the step before."""
+        """After a step (or the prefill's token) is queued: copy its tokens out, and take the step before."""
         tokens = self.st.tokens.index_select(1, self.st.slot).squeeze(1)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=self.cuda)
         host.copy_(tokens, non_blocking=self.cuda)
@@ -105,21 +112,46 @@ class TokenFeed:
             event = torch.cuda.Event()
             event.record()
         self.pending.append((host, event))
-        self.flush(keep=1)
+        self.take(keep=1)
 
-    def flush(self, keep: int = 0) -> None:
+    def take(self, keep: int = 0) -> None:
         while len(self.pending) > keep and not self.done:
             host, event = self.pending.pop(0)
             if event is not None:
                 event.synchronize()
-            self.streamer.put(host)
+            host[self.stopped] = self.pad
+            self.history.append(host[:, None])
+            self.length += 1
+            if self.streamer is not None:
+                self.streamer.put(host)
             if self.eos:
                 self.finished |= torch.tensor([int(t) in self.eos for t in host.tolist()])
-                self.done = bool(self.finished.all())
+            if self.criteria:
+                ids = torch.cat(self.history, dim=1)
+                hit = torch.zeros_like(self.finished)
+                for criterion in self.criteria:
+                    hit |= criterion(ids, None).cpu()
+                self.stop(hit & ~self.finished)
+            self.done = bool(self.finished.all())
+
+    def stop(self, rows: torch.Tensor) -> None:
+        """Finishes `rows`. Where the call has EOS ids, HF pads finished rows: then they finish on the device as
+        well, and the token it made for them after this one becomes pad. Without EOS ids HF lets them run on."""
+        if not rows.any():
+            return
+        self.finished |= rows
+        if not self.eos:
+            return
+        self.stopped |= rows
+        on_device = rows.to(self.st.finished.device, non_blocking=True)
+        self.st.finished.logical_or_(on_device)
+        after = self.st.tokens[:, self.length]
+        after.copy_(torch.where(on_device, self.pad, after))
 
     def end(self) -> None:
-        self.flush()
-        self.streamer.end()
+        self.take()
+        if self.streamer is not None:
+            self.streamer.end()
 
 
 class DecodeRunner:
@@ -193,9 +225,11 @@ class DecodeRunner:
         eos: list[int],
         pad_token_id: int,
         streamer=None,
+        criteria=(),
     ) -> torch.Tensor:
-        """prompt [B, T] (left-padded) -> [B, T + n] with n <= new_tokens (fewer if every row hit EOS). `streamer`
-        (transformers' BaseStreamer) gets the prompt, then each step's tokens as they are made (TokenFeed)."""
+        """prompt [B, T] (left-padded) -> [B, T + n] with n <= new_tokens (fewer if every row finished). `streamer`
+        (transformers' BaseStreamer) gets the prompt, then each step's tokens as they are made; `criteria`
+        (transformers' StoppingCriteria that read the tokens: stop strings, max_time) finish rows (TokenFeed)."""
         B, T = input_ids.shape
         st = self.state_for(B, T + new_tokens)
         has_eos = bool(eos)
@@ -225,9 +259,9 @@ class DecodeRunner:
         st.finished.zero_()
         st.pad.copy_((attention_mask == 0).sum(-1))
         st.tokens[:, :T].copy_(input_ids)
-        feed = None if streamer is None else TokenFeed(streamer, st, eos)
-        if feed is not None:
-            feed.prompt(input_ids)
+        feed = None
+        if streamer is not None or criteria:
+            feed = TokenFeed(st, input_ids, eos, pad_token_id, streamer, tuple(criteria))
 
         # Prefill with the patched model (fused kernels + HF attention), then move its K/V into the static cache.
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
@@ -264,6 +298,8 @@ class DecodeRunner:
                 break
         if feed is not None:
             feed.end()
+            if feed.done:  # HF stops right after the step in which the last row finished
+                return st.tokens[:, : feed.length].clone()
         length = T + 1 + steps
         tokens = st.tokens[:, :length].clone()
         if has_eos and bool(st.finished.all()):

@@ -233,3 +233,94 @@ def test_graph_path_feeds_a_streamer_as_hf_does():
     assert generate_path(model)["path"] == "graph"
     assert torch.equal(got, expected)
     assert len(ours_.puts) == len(hf.puts) and all(torch.equal(a, b) for a, b in zip(ours_.puts, hf.puts))
+
+
+def char_tokenizer():
+    """A tokenizer over the tiny models' 512 ids: letters, digits and punctuation, then letter pairs."""
+    import itertools
+    import string
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(string.ascii_lowercase + string.digits + " .,!?")
+    pairs = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)]
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate((chars + pairs)[:VOCAB])}, merges=[]))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+@pytest.mark.parametrize("with_eos", [False, True])
+@pytest.mark.parametrize("with_streamer", [False, True])
+def test_stop_strings_stop_rows_as_hf_does(with_streamer, with_eos):
+    """stop_strings (with the tokenizer, as HF takes them): the eager runner finishes each row where HF's
+    StopStringCriteria does, pads it from there where the call has EOS ids (HF lets it run on where it has none),
+    and stops where HF stops; a streamer gets HF's tokens, pads included."""
+    model = rm.build("tiny-llama")
+    model.generation_config.eos_token_id = None
+    tokenizer = char_tokenizer()
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    args = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        free = model.generate(ids, attention_mask=mask, **args)
+    # a string each row makes at a different step: row 0's 4th new token, row 1's 9th
+    stops = [tokenizer.decode(free[0, 10:11]), tokenizer.decode(free[1, 14:16])]
+    args.update(stop_strings=stops, tokenizer=tokenizer)
+    if with_eos:
+        args["eos_token_id"] = 1  # a token neither row makes here
+    hf, streamer = Recorder(), Recorder()
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, streamer=hf if with_streamer else None, **args)
+    assert not (free[:, 7:16] == 1).any()
+    assert expected.shape[1] == 16 and (expected[0, 11:] == 0).all() == with_eos  # row 0 padded after its stop
+    patch_model(model)
+    kwargs = {"input_ids": ids, "attention_mask": mask, "streamer": streamer if with_streamer else None}
+    reason, prepared = call_reason(model, GenerationConfig(**{k: v for k, v in args.items() if k != "tokenizer"}),
+                                   {**kwargs, "tokenizer": tokenizer})  # fmt: skip
+    assert reason is None, reason
+    got = DecodeRunner(model, EAGER).generate(**prepared)
+    assert torch.equal(got, expected)
+    if with_streamer:
+        assert len(streamer.puts) == len(hf.puts) and all(torch.equal(a, b) for a, b in zip(streamer.puts, hf.puts))
+
+
+def test_max_time_stops_the_runner():
+    """max_time: the runner stops once the time is up (after at least one token), as HF's MaxTimeCriteria does."""
+    model = rm.build("tiny-llama")
+    model.generation_config.eos_token_id = None
+    patch_model(model)
+    ids = torch.randint(3, VOCAB, (1, 5))
+    reason, prepared = call_reason(model, GenerationConfig(max_new_tokens=200, max_time=0.0, pad_token_id=0),
+                                   {"input_ids": ids})  # fmt: skip
+    assert reason is None, reason
+    got = DecodeRunner(model, EAGER).generate(**prepared)
+    assert ids.shape[1] < got.shape[1] <= ids.shape[1] + 2
+
+
+def test_stop_strings_without_a_tokenizer_go_to_hf():
+    model = rm.build("tiny-llama")
+    patch_model(model)
+    reason, _ = call_reason(model, GenerationConfig(stop_strings=["x"], max_new_tokens=3),
+                            {"input_ids": torch.ones(1, 3, dtype=torch.long)})  # fmt: skip
+    assert reason == "stop_strings without a tokenizer"
+
+
+@pytest.mark.gpu
+def test_graph_path_with_stop_strings_matches_hf():
+    """GPU, fp32: stop strings with EOS ids keep the call on the graph path, and its tokens equal HF's."""
+    model = rm.build("tiny-llama", device="cuda")
+    model.generation_config.eos_token_id = None
+    tokenizer = char_tokenizer()
+    ids = torch.randint(3, VOCAB, (2, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        free = model.generate(ids, **kwargs)
+    kwargs.update(stop_strings=[tokenizer.decode(free[0, 10:11]), tokenizer.decode(free[1, 14:16])],
+                  tokenizer=tokenizer, eos_token_id=1)  # fmt: skip
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+    patch_model(model)
+    got = model.generate(ids, **kwargs)
+    assert generate_path(model)["path"] == "graph"
+    assert torch.equal(got, expected)
