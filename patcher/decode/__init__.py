@@ -1,7 +1,15 @@
 """The graph-captured decode path behind `model.generate` of a patched model."""
 
-from .generate import fast_generate, generate_path
+from .generate import decode_memory, fast_generate, generate_path, release_decode_memory
 from .options import DecodeOptions
 from .runner import DecodeRunner, Sampling
 
-__all__ = ["DecodeOptions", "DecodeRunner", "Sampling", "fast_generate", "generate_path"]
+__all__ = [
+    "DecodeOptions",
+    "DecodeRunner",
+    "Sampling",
+    "decode_memory",
+    "fast_generate",
+    "generate_path",
+    "release_decode_memory",
+]

@@ -12,6 +12,7 @@ and the reason is recorded (`generate_path(model)`) and warned about once.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -41,6 +42,7 @@ HANDLED = {
     "begin_suppress_tokens",
     "stop_strings",
     "max_time",
+    "num_return_sequences",
     "eos_token_id",
     "pad_token_id",
     "bos_token_id",
@@ -124,6 +126,11 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
         return f"model arguments {extra}", {}
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         return "inputs must be a 2-D tensor of token ids", {}
+    copies = int(config.num_return_sequences or 1)
+    if copies > 1:  # HF's _expand_inputs_for_generation: each prompt repeated in place
+        input_ids = input_ids.repeat_interleave(copies, dim=0)
+        if attention_mask is not None:
+            attention_mask = attention_mask.repeat_interleave(copies, dim=0)
     B, T = input_ids.shape
     if not 1 <= B <= MAX_BATCH:
         return f"batch {B} (the decode path takes 1 to {MAX_BATCH})", {}
@@ -213,6 +220,34 @@ def sampling_for(config, eos: list[int], vocab: int) -> Sampling:
     )
 
 
+_LOCK_CREATION = threading.Lock()
+
+
+def _generate_lock(state) -> threading.Lock:
+    """One lock a patched model: its decode runner's buffers serve one generate at a time."""
+    with _LOCK_CREATION:
+        if getattr(state, "generate_lock", None) is None:
+            state.generate_lock = threading.Lock()
+        return state.generate_lock
+
+
+def decode_memory(model) -> dict:
+    """What the decode path of a patched model holds: {"bytes": ..., "states": [{"batch", "capacity", "bytes"}]}."""
+    runner = model._patcher_state.runner
+    states = [] if runner is None else list(runner.states.values())
+    rows = [{"batch": s.batch, "capacity": s.capacity, "bytes": s.nbytes} for s in states]
+    return {"bytes": sum(r["bytes"] for r in rows), "states": rows}
+
+
+def release_decode_memory(model) -> None:
+    """Frees the static caches and CUDA graphs of a patched model's decode path (the next generate makes them
+    again)."""
+    state = model._patcher_state
+    with _generate_lock(state):
+        if state.runner is not None:
+            state.runner.release()
+
+
 def fast_generate(self, inputs=None, generation_config=None, **kwargs):
     """Replaces `generate` on a patched model instance (see the module docstring)."""
     state = self._patcher_state
@@ -232,8 +267,9 @@ def fast_generate(self, inputs=None, generation_config=None, **kwargs):
             )
         original = state.original_generate or type(self).generate.__get__(self)
         return original(generation_config=generation_config, **kwargs)
-    if state.runner is None:
-        state.runner = DecodeRunner(self)
-    tokens = state.runner.generate(**prepared)
+    with _generate_lock(state):
+        if state.runner is None:
+            state.runner = DecodeRunner(self)
+        tokens = state.runner.generate(**prepared)
     state.last_generate = {"path": "graph" if state.runner.use_graphs else "eager-runner", "reason": None}
     return tokens

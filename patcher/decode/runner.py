@@ -16,6 +16,8 @@ The runner owns the buffers (StepState), the capture and the token loop; DecodeS
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from ..ops import REFERENCE, decode_attention_workspace, next_token_workspace
@@ -164,18 +166,39 @@ class DecodeRunner:
         self.device = self.decode_step.device
         self.use_graphs = options.use_graphs and self.device.type == "cuda"
         self.next_token_ops = None if options.fuse_next_token else REFERENCE
-        self.states: dict[int, StepState] = {}  # batch size -> buffers (and graph), grown on demand
+        # batch size -> buffers (and graph), least recently used first. Their KV caches together stay within the
+        # largest one made so far, so memory is bounded by the largest call's shape, whatever the mix of shapes.
+        self.states: OrderedDict[int, StepState] = OrderedDict()
+        self.largest_cache = 0
+
+    def cache_bytes(self, batch: int, capacity: int) -> int:
+        step = self.decode_step
+        return 2 * step.num_layers * batch * step.num_kv_heads * capacity * step.head_dim * step.dtype.itemsize
 
     def state_for(self, batch: int, needed: int) -> StepState:
         state = self.states.get(batch)
-        if state is None or state.capacity < needed:
-            self.states.pop(batch, None)  # free the smaller cache (and its graph) first
-            capacity = max(MIN_CAPACITY, 1 << (needed - 1).bit_length())
-            state = self.states[batch] = StepState(self.decode_step, self.options, batch, capacity)
+        if state is not None and state.capacity >= needed:
+            self.states.move_to_end(batch)
+            return state
+        self.states.pop(batch, None)  # a smaller cache for this batch size (and its graph) goes first
+        capacity = max(MIN_CAPACITY, 1 << (needed - 1).bit_length())
+        size = self.cache_bytes(batch, capacity)
+        self.largest_cache = max(self.largest_cache, size)
+        held = sum(self.cache_bytes(s.batch, s.capacity) for s in self.states.values())
+        while self.states and held + size > self.largest_cache:
+            _, dropped = self.states.popitem(last=False)
+            held -= self.cache_bytes(dropped.batch, dropped.capacity)
+        state = self.states[batch] = StepState(self.decode_step, self.options, batch, capacity)
         return state
 
     def memory_bytes(self) -> int:
+        """The bytes of the static buffers held (KV caches, tokens, workspaces; the graphs' own pools not counted)."""
         return sum(s.nbytes for s in self.states.values())
+
+    def release(self) -> None:
+        """Drops every static cache and graph; the next generate makes what it needs again."""
+        self.states.clear()
+        self.largest_cache = 0
 
     def logits(self, st: StepState, x: torch.Tensor | None = None) -> torch.Tensor:
         return self.decode_step.logits(st, x)

@@ -1,0 +1,97 @@
+"""The decode path under real use: bounded memory over many shapes, memory released on request, expanded prompts
+for num_return_sequences, and concurrent callers (GPU)."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from patcher import patch_model
+from patcher import random_models as rm
+from patcher.decode import DecodeOptions, DecodeRunner, Sampling, decode_memory, release_decode_memory
+from patcher.decode.generate import call_reason
+from patcher.decode.runner import MIN_CAPACITY
+
+VOCAB = 512
+
+
+def capacity(needed: int) -> int:
+    return max(MIN_CAPACITY, 1 << (needed - 1).bit_length())
+
+
+def test_memory_stays_within_the_largest_shape():
+    """100 calls over 10 random (batch, prompt, new tokens) shapes: the static caches held never exceed the largest
+    one a call needed, and release() frees them all."""
+    model = rm.build("tiny-llama")
+    patch_model(model)
+    runner = DecodeRunner(model, DecodeOptions(use_graphs=False))
+    rng = random.Random(0)
+    shapes = [(rng.randint(1, 8), rng.randint(1, 300), rng.randint(1, 4)) for _ in range(10)]
+    largest = 0
+    for _ in range(100):
+        batch, prompt, new = rng.choice(shapes)
+        ids = torch.randint(3, VOCAB, (batch, prompt))
+        out = runner.generate(ids, torch.ones_like(ids), new, Sampling(), eos=[], pad_token_id=0)
+        assert out.shape == (batch, prompt + new)
+        largest = max(largest, runner.cache_bytes(batch, capacity(prompt + new)))
+        held = sum(runner.cache_bytes(s.batch, s.capacity) for s in runner.states.values())
+        assert held <= largest
+    assert len(runner.states) >= 1 and runner.memory_bytes() > 0
+    runner.release()
+    assert runner.memory_bytes() == 0 and not runner.states
+
+
+def test_decode_memory_report_and_release():
+    model = rm.build("tiny-qwen2")
+    patch_model(model)
+    assert decode_memory(model) == {"bytes": 0, "states": []}
+    model._patcher_state.runner = runner = DecodeRunner(model, DecodeOptions(use_graphs=False))
+    ids = torch.randint(3, VOCAB, (2, 5))
+    runner.generate(ids, torch.ones_like(ids), 3, Sampling(), eos=[], pad_token_id=0)
+    report = decode_memory(model)
+    assert report["states"] == [{"batch": 2, "capacity": MIN_CAPACITY, "bytes": runner.memory_bytes()}]
+    assert report["bytes"] > 0
+    release_decode_memory(model)
+    assert decode_memory(model)["bytes"] == 0
+
+
+def test_num_return_sequences_expands_the_prompts_as_hf_does():
+    model = rm.build("tiny-llama")
+    patch_model(model)
+    ids = torch.randint(3, VOCAB, (2, 5))
+    mask = torch.ones_like(ids)
+    mask[1, 0] = 0
+    config = GenerationConfig(do_sample=True, num_return_sequences=3, max_new_tokens=4)
+    reason, prepared = call_reason(model, config, {"input_ids": ids, "attention_mask": mask})
+    assert reason is None, reason
+    assert torch.equal(prepared["input_ids"], ids.repeat_interleave(3, 0))
+    assert torch.equal(prepared["attention_mask"], mask.repeat_interleave(3, 0))
+    reason, _ = call_reason(model, config, {"input_ids": torch.randint(3, VOCAB, (3, 5))})
+    assert "batch 9" in reason
+
+
+@pytest.mark.gpu
+def test_two_threads_generate_on_one_model():
+    """Two threads calling generate at once on one patched model both get their own sequential result."""
+    model = rm.build("tiny-llama", dtype=torch.float16, device="cuda")
+    model.generation_config.eos_token_id = None
+    patch_model(model)
+    prompts = [torch.randint(3, VOCAB, (b, 9), device="cuda") for b in (1, 3)]
+    kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=0)
+    expected = [model.generate(p, **kwargs) for p in prompts]
+    results = [None, None]
+
+    def run(i):
+        for _ in range(5):
+            results[i] = model.generate(prompts[i], **kwargs)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(r, e) for r, e in zip(results, expected))
