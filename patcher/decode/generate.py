@@ -3,11 +3,12 @@
 patch_model sets this as the instance's `generate`. It decides per call, from the arguments alone (no trial
 run), whether the request is one the decode runner reproduces exactly: greedy or sampling (temperature, top-k,
 top-p, min-p) with the logits processors of processors.py (repetition_penalty, min_length, min_new_tokens,
-suppress_tokens, begin_suppress_tokens, forced BOS/EOS), a streamer, stop_strings and max_time, batch 1 to 8, token
-ids with a left-padded (or absent) attention mask, the model on one CUDA device with every layer patched. Anything
-else (beam search, logits processors or stopping criteria passed in, scores in the output, no_repeat_ngram_size,
-bad_words_ids, ...) goes to transformers' own `generate` unchanged (our fused kernels still run inside its forward),
-and the reason is recorded (`generate_path(model)`) and warned about once.
+suppress_tokens, begin_suppress_tokens, forced BOS/EOS), a streamer, stop_strings and max_time, the dict output
+with scores and logits, batch 1 to 8, token ids with a left-padded (or absent) attention mask, the model on one
+CUDA device with every layer patched. Anything else (beam search, logits processors or stopping criteria passed in,
+attentions in the output, no_repeat_ngram_size, bad_words_ids, ...) goes to transformers' own `generate` unchanged
+(our fused kernels still run inside its forward), and the reason is recorded (`generate_path(model)`) and warned
+about once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import warnings
 
 import torch
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .processors import Sampling
 from .runner import MAX_EOS_IDS, DecodeRunner
@@ -43,6 +45,9 @@ HANDLED = {
     "stop_strings",
     "max_time",
     "num_return_sequences",
+    "return_dict_in_generate",
+    "output_scores",
+    "output_logits",
     "eos_token_id",
     "pad_token_id",
     "bos_token_id",
@@ -126,6 +131,11 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
         return f"model arguments {extra}", {}
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         return "inputs must be a 2-D tensor of token ids", {}
+    outputs = None  # what a dict output holds besides the sequences and the cache
+    if config.return_dict_in_generate:
+        if config.output_attentions or config.output_hidden_states:
+            return "attentions or hidden states in the output", {}
+        outputs = {"scores": bool(config.output_scores), "logits": bool(config.output_logits)}
     copies = int(config.num_return_sequences or 1)
     if copies > 1:  # HF's _expand_inputs_for_generation: each prompt repeated in place
         input_ids = input_ids.repeat_interleave(copies, dim=0)
@@ -168,6 +178,7 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
         "pad_token_id": int(pad),
         "streamer": streamer,
         "criteria": criteria,
+        "outputs": outputs,
     }
 
 
@@ -267,9 +278,21 @@ def fast_generate(self, inputs=None, generation_config=None, **kwargs):
             )
         original = state.original_generate or type(self).generate.__get__(self)
         return original(generation_config=generation_config, **kwargs)
+    outputs = prepared.pop("outputs")
+    keep = outputs is not None and (outputs["scores"] or outputs["logits"])
     with _generate_lock(state):
         if state.runner is None:
             state.runner = DecodeRunner(self)
-        tokens = state.runner.generate(**prepared)
+        result = state.runner.generate(**prepared, keep=keep)
+        tokens, scores, logits = result if keep else (result, None, None)
+        if outputs is not None:  # as HF returns it: the cache holds every position but the last token's
+            cache = state.runner.cache(tokens.shape[0], tokens.shape[1] - 1)
+    if outputs is not None:
+        tokens = GenerateDecoderOnlyOutput(
+            sequences=tokens,
+            scores=tuple(scores) if outputs["scores"] else None,
+            logits=tuple(logits) if outputs["logits"] else None,
+            cache=cache,
+        )
     state.last_generate = {"path": "graph" if state.runner.use_graphs else "eager-runner", "reason": None}
     return tokens

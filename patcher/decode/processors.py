@@ -71,12 +71,17 @@ class Processors:
             self.bos_row = torch.where(mask([sampling.forced_bos_token_id]), 0.0, -math.inf)
         self.eos_row = torch.where(mask(sampling.forced_eos_token_ids), 0.0, -math.inf)
 
-    def __call__(self, logits: torch.Tensor, st) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, st, keep: tuple | None = None) -> torch.Tensor:
         """What next_token takes the argmax of, for the step whose current token is at st.slot: the logits
         themselves where nothing processes them; else the processed float32 scores (greedy), or probs / E with
-        E ~ Exp(1), whose argmax is a draw from probs (sampling)."""
+        E ~ Exp(1), whose argmax is a draw from probs (sampling). `keep`: float32 [B, V] buffers (scores, logits)
+        that receive what HF's generate reports as the step's `scores` (processed and warped) and `logits`."""
         p = self.sampling
+        if keep is not None:
+            keep[1].copy_(logits)
         if not p.processes:
+            if keep is not None:
+                keep[0].copy_(logits)
             return logits
         scores = logits.float()
         length = st.slot + 1  # the sequence so far, as HF's input_ids.shape[-1]
@@ -100,9 +105,11 @@ class Processors:
             scores = scores.masked_fill(self.suppress_mask, -math.inf)
         if p.begin_suppress_tokens:
             scores = torch.where(self.begin_mask & (length == st.begin_index), -math.inf, scores)
-        if not p.do_sample:
-            return scores
-        return self.draw(self.warp(scores))
+        if p.do_sample:
+            scores = self.warp(scores)
+        if keep is not None:
+            keep[0].copy_(scores)
+        return self.draw(scores) if p.do_sample else scores
 
     def warp(self, scores: torch.Tensor) -> torch.Tensor:
         """HF's sampling warpers in HF's order: temperature, top-k, top-p, min-p."""

@@ -70,7 +70,8 @@ class StepState:
         self.branch_int4_workspace = torch.zeros(branch_size, dtype=torch.int32, device=dev)
         self.deferred = plan.deferred_outputs(batch)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.graph_sampling: Sampling | None = None
+        self.graph_sampling: tuple | None = None  # (Sampling, whether the graph keeps scores and logits)
+        self.kept: tuple | None = None  # float32 [B, V] scores and logits of the last step, where a call asks
         self.processors: Processors | None = None
 
     @property
@@ -191,6 +192,16 @@ class DecodeRunner:
         state = self.states[batch] = StepState(self.decode_step, self.options, batch, capacity)
         return state
 
+    def cache(self, batch: int, length: int):
+        """The K/V of the first `length` positions of the last generate of this batch size, as the DynamicCache HF's
+        generate returns (a copy)."""
+        from transformers import DynamicCache
+
+        st, cache = self.states[batch], DynamicCache(config=self.decode_step.config)
+        for i in range(self.decode_step.num_layers):
+            cache.update(st.k[i, :, :, :length].clone(), st.v[i, :, :, :length].clone(), i)
+        return cache
+
     def memory_bytes(self) -> int:
         """The bytes of the static buffers held (KV caches, tokens, workspaces; the graphs' own pools not counted)."""
         return sum(s.nbytes for s in self.states.values())
@@ -217,25 +228,26 @@ class DecodeRunner:
         ops.next_token(scores, st.tokens, st.slot, st.finished, st.eos, st.pad_token, embed_weight, st.x,
                        st.next_token_workspace)  # fmt: skip
 
-    def run_step(self, st: StepState, sampling: Sampling) -> None:
-        """One decode step: logits, the token chosen, written and its embedding looked up."""
+    def run_step(self, st: StepState, sampling: Sampling, keep: bool = False) -> None:
+        """One decode step: logits, the token chosen, written and its embedding looked up (and with `keep`, the
+        step's scores and logits in st.kept)."""
         x = st.x if self.decode_step.embed_weight is not None else None
-        self.next_token(self.processors(st, sampling)(self.logits(st, x), st), st)
+        self.next_token(self.processors(st, sampling)(self.logits(st, x), st, st.kept if keep else None), st)
 
     # ---- CUDA graph -----------------------------------------------------------------------------------------
-    def _capture(self, st: StepState, sampling: Sampling) -> None:
+    def _capture(self, st: StepState, sampling: Sampling, keep: bool) -> None:
         """Captures one step on the state's buffers. Runs before prefill: the warm-up's writes are overwritten."""
         rng = torch.cuda.get_rng_state(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.no_grad():
-            self.run_step(st, sampling)  # warm-up: allocator, lazy module state
+            self.run_step(st, sampling, keep)  # warm-up: allocator, lazy module state
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), torch.no_grad():
-            self.run_step(st, sampling)
+            self.run_step(st, sampling, keep)
         torch.cuda.set_rng_state(rng, self.device)
-        st.graph, st.graph_sampling = graph, sampling
+        st.graph, st.graph_sampling = graph, (sampling, keep)
 
     # ---- generate -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -249,10 +261,13 @@ class DecodeRunner:
         pad_token_id: int,
         streamer=None,
         criteria=(),
-    ) -> torch.Tensor:
+        keep: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, list, list]:
         """prompt [B, T] (left-padded) -> [B, T + n] with n <= new_tokens (fewer if every row finished). `streamer`
         (transformers' BaseStreamer) gets the prompt, then each step's tokens as they are made; `criteria`
-        (transformers' StoppingCriteria that read the tokens: stop strings, max_time) finish rows (TokenFeed)."""
+        (transformers' StoppingCriteria that read the tokens: stop strings, max_time) finish rows (TokenFeed). With
+        `keep`, also each generated token's scores and logits (float32 [B, V], as HF's output_scores and
+        output_logits report them): (tokens, scores, logits)."""
         B, T = input_ids.shape
         st = self.state_for(B, T + new_tokens)
         has_eos = bool(eos)
@@ -263,9 +278,13 @@ class DecodeRunner:
                 "with it"
             )
         self.processors(st, sampling)  # its constant masks, before any capture
-        if self.use_graphs and (st.graph is None or st.graph_sampling != sampling):
+        if keep and st.kept is None:
+            vocab = self.decode_step.lm_weight.shape[0]
+            st.kept = tuple(torch.empty(B, vocab, dtype=torch.float32, device=self.device) for _ in range(2))
+        if self.use_graphs and (st.graph is None or st.graph_sampling != (sampling, keep)):
             st.graph = None
-            self._capture(st, sampling)
+            self._capture(st, sampling, keep)
+        kept = ([], [])
         # Each step leaves the int4 accumulators as the next one needs them; one cut short (an exception in an eager
         # step) may not have, so every generate starts from zeros.
         for deferred in st.deferred.values():
@@ -301,7 +320,10 @@ class DecodeRunner:
         last_logits = out.logits[:, -1]
         del out
         st.slot.fill_(T - 1)  # next_token writes the first new token at T and advances the slot to it
-        self.next_token(self.processors(st, sampling)(last_logits, st), st)
+        self.next_token(self.processors(st, sampling)(last_logits, st, st.kept if keep else None), st)
+        if keep:
+            kept[0].append(st.kept[0].clone())
+            kept[1].append(st.kept[1].clone())
         if feed is not None:
             feed.queue()
 
@@ -313,7 +335,10 @@ class DecodeRunner:
             if st.graph is not None:
                 st.graph.replay()
             else:
-                self.run_step(st, sampling)
+                self.run_step(st, sampling, keep)
+            if keep:
+                kept[0].append(st.kept[0].clone())
+                kept[1].append(st.kept[1].clone())
             if feed is not None:
                 feed.queue()
             elif has_eos and (i + 1) % EOS_CHECK_EVERY == 0 and bool(st.finished.all()):
@@ -321,14 +346,16 @@ class DecodeRunner:
                 break
         if feed is not None:
             feed.end()
-            if feed.done:  # HF stops right after the step in which the last row finished
-                return st.tokens[:, : feed.length].clone()
-        length = T + 1 + steps
-        tokens = st.tokens[:, :length].clone()
-        if has_eos and bool(st.finished.all()):
-            # HF stops right after the step in which the last row finished.
-            generated = tokens[:, T:]
-            is_eos = (generated[..., None] == st.eos).any(-1)
-            first_eos = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), generated.shape[1] - 1)
-            tokens = tokens[:, : T + int(first_eos.max()) + 1]
-        return tokens
+        if feed is not None and feed.done:  # HF stops right after the step in which the last row finished
+            tokens = st.tokens[:, : feed.length].clone()
+        else:
+            tokens = st.tokens[:, : T + 1 + steps].clone()
+            if has_eos and bool(st.finished.all()):  # the same, read from the tokens
+                generated = tokens[:, T:]
+                is_eos = (generated[..., None] == st.eos).any(-1)
+                first_eos = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), generated.shape[1] - 1)
+                tokens = tokens[:, : T + int(first_eos.max()) + 1]
+        if not keep:
+            return tokens
+        n = tokens.shape[1] - T
+        return tokens, kept[0][:n], kept[1][:n]

@@ -95,3 +95,64 @@ def test_two_threads_generate_on_one_model():
     for t in threads:
         t.join()
     assert all(torch.equal(r, e) for r, e in zip(results, expected))
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_dict_output_with_scores_and_logits(sample, monkeypatch):
+    """return_dict_in_generate with output_scores and output_logits: the eager runner's output holds HF's sequences,
+    one float32 [B, V] score and logit tensor a generated token (HF's processed, warped scores; the raw logits), and
+    the cache of every position but the last token's. Greedy: the scores equal HF's within the patched logits'
+    fp32 rounding; sampling: the same shapes and a draw that reproduces with the seed."""
+    import patcher.decode.generate as gen
+
+    model = rm.build("tiny-llama")
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=5, do_sample=sample, pad_token_id=0, return_dict_in_generate=True,
+                  output_scores=True, output_logits=True, repetition_penalty=1.2)  # fmt: skip
+    if sample:
+        kwargs.update(temperature=0.8, top_k=30)
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+    patch_model(model)
+    # the CPU model takes the eager runner, as a GPU model takes the graph one
+    model._patcher_state.runner = DecodeRunner(model, DecodeOptions(use_graphs=False))
+    monkeypatch.setattr(gen, "model_reason", lambda model: None)
+    torch.manual_seed(0)
+    got = model.generate(ids, **kwargs)
+    assert gen.generate_path(model)["path"] == "eager-runner"
+    torch.manual_seed(0)
+    again = model.generate(ids, **kwargs)
+    assert type(got) is type(expected)
+    assert len(got.scores) == len(got.logits) == got.sequences.shape[1] - ids.shape[1] == 5
+    assert all(s.dtype == torch.float32 and s.shape == (2, VOCAB) for s in got.scores + got.logits)
+    assert got.cache.get_seq_length() == expected.cache.get_seq_length() == got.sequences.shape[1] - 1
+    if sample:
+        assert torch.equal(got.sequences, again.sequences)
+        assert all(torch.isinf(s).sum(-1).min() >= VOCAB - 30 for s in got.scores)  # top-k left 30 finite
+        return
+    assert torch.equal(got.sequences, expected.sequences)
+    for ours, theirs in zip(got.scores + got.logits, expected.scores + expected.logits):
+        assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    k_ours, k_hf = got.cache.layers[0].keys, expected.cache.layers[0].keys
+    assert torch.allclose(k_ours, k_hf, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_graph_path_dict_output_matches_hf():
+    """GPU, fp32: the dict output with scores and logits keeps the call on the graph path, with HF's sequences and
+    scores within the patched logits' rounding."""
+    model = rm.build("tiny-qwen2", device="cuda")
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(3, VOCAB, (2, 6), device="cuda")
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_scores=True, output_logits=True)  # fmt: skip
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+    patch_model(model)
+    got = model.generate(ids, **kwargs)
+    from patcher.decode import generate_path
+
+    assert generate_path(model)["path"] == "graph"
+    assert torch.equal(got.sequences, expected.sequences)
+    assert all(torch.allclose(a, b, atol=1e-3, rtol=1e-3) for a, b in zip(got.scores, expected.scores))
