@@ -4,15 +4,16 @@ patch_model sets this as the instance's `generate`. It decides per call, from th
 run), whether the request is one the decode runner reproduces exactly: greedy or sampling (temperature, top-k,
 top-p, min-p) with the logits processors of processors.py (repetition_penalty, min_length, min_new_tokens,
 suppress_tokens, begin_suppress_tokens, forced BOS/EOS), a streamer, stop_strings and max_time, the dict output
-with scores and logits, batch 1 to 8, token ids with a left-padded (or absent) attention mask, the model on one
-CUDA device with every layer patched. Anything else (beam search, logits processors or stopping criteria passed in,
-attentions in the output, no_repeat_ngram_size, bad_words_ids, ...) goes to transformers' own `generate` unchanged
-(our fused kernels still run inside its forward), and the reason is recorded (`generate_path(model)`) and warned
-about once.
+with scores and logits, the caller's own logits processors (run between graph replays), batch 1 to 8, token ids
+with a left-padded (or absent) attention mask, the model on one CUDA device with every layer patched. Anything else
+(beam search, stopping criteria passed in, attentions in the output, no_repeat_ngram_size, bad_words_ids, ...)
+goes to transformers' own `generate` unchanged (our fused kernels still run inside its forward), and the reason is
+recorded (`generate_path(model)`) and warned about once.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 
@@ -59,7 +60,6 @@ HANDLED = {
     "decoder_start_token_id",
 }
 HF_ONLY_ARGUMENTS = (
-    "logits_processor",
     "stopping_criteria",
     "prefix_allowed_tokens_fn",
     "synced_gpus",
@@ -108,6 +108,7 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
         if kwargs.get(name) is not None:
             return f"argument {name}", {}
     kwargs = dict(kwargs)
+    own_processors = kwargs.pop("logits_processor", None) or None
     streamer = kwargs.pop("streamer", None)
     tokenizer = kwargs.pop("tokenizer", None)
     if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
@@ -150,6 +151,16 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
         (attention_mask[:, -1] == 1).all() & (attention_mask.diff(dim=-1) >= 0).all()
     ):
         return "the attention mask is not left padding", {}
+    if own_processors is not None:
+        # HF puts a caller's processor of a type the config also makes in that one's place; here the caller's run
+        # after ours (as HF runs the others: after its own, before the warpers), so such a call goes to HF's loop.
+        greedy = copy.copy(config)
+        greedy.do_sample = False  # the processors without the warpers, which HF adds after the caller's
+        made = model._get_logits_processor(greedy, input_ids_seq_length=T, device=input_ids.device,
+                                           model_kwargs={"attention_mask": attention_mask})  # fmt: skip
+        both = sorted({type(p).__name__ for p in made} & {type(p).__name__ for p in own_processors})
+        if both:
+            return f"logits_processor of a type the generation config also makes ({', '.join(both)})", {}
     new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - T
     if new_tokens is None or new_tokens < 1:
         return "no new tokens requested", {}
@@ -179,6 +190,7 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
         "streamer": streamer,
         "criteria": criteria,
         "outputs": outputs,
+        "extra": own_processors,
     }
 
 
@@ -278,13 +290,12 @@ def fast_generate(self, inputs=None, generation_config=None, **kwargs):
             )
         original = state.original_generate or type(self).generate.__get__(self)
         return original(generation_config=generation_config, **kwargs)
-    outputs = prepared.pop("outputs")
-    keep = outputs is not None and (outputs["scores"] or outputs["logits"])
+    outputs = prepared["outputs"]
     with _generate_lock(state):
         if state.runner is None:
             state.runner = DecodeRunner(self)
-        result = state.runner.generate(**prepared, keep=keep)
-        tokens, scores, logits = result if keep else (result, None, None)
+        result = state.runner.generate(**prepared)
+        tokens, scores, logits = result if isinstance(result, tuple) else (result, None, None)
         if outputs is not None:  # as HF returns it: the cache holds every position but the last token's
             cache = state.runner.cache(tokens.shape[0], tokens.shape[1] - 1)
     if outputs is not None:

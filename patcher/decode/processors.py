@@ -71,15 +71,17 @@ class Processors:
             self.bos_row = torch.where(mask([sampling.forced_bos_token_id]), 0.0, -math.inf)
         self.eos_row = torch.where(mask(sampling.forced_eos_token_ids), 0.0, -math.inf)
 
-    def __call__(self, logits: torch.Tensor, st, keep: tuple | None = None) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, st, keep: tuple | None = None, extra=None, input_ids=None):
         """What next_token takes the argmax of, for the step whose current token is at st.slot: the logits
         themselves where nothing processes them; else the processed float32 scores (greedy), or probs / E with
         E ~ Exp(1), whose argmax is a draw from probs (sampling). `keep`: float32 [B, V] buffers (scores, logits)
-        that receive what HF's generate reports as the step's `scores` (processed and warped) and `logits`."""
+        that receive what HF's generate reports as the step's `scores` (processed and warped) and `logits`.
+        `extra`: the caller's own LogitsProcessorList, run as HF runs it, after these processors and before the
+        warpers, on `input_ids` (the sequences so far)."""
         p = self.sampling
         if keep is not None:
             keep[1].copy_(logits)
-        if not p.processes:
+        if not p.processes and extra is None:
             if keep is not None:
                 keep[0].copy_(logits)
             return logits
@@ -105,6 +107,8 @@ class Processors:
             scores = scores.masked_fill(self.suppress_mask, -math.inf)
         if p.begin_suppress_tokens:
             scores = torch.where(self.begin_mask & (length == st.begin_index), -math.inf, scores)
+        if extra is not None:
+            scores = extra(input_ids, scores)
         if p.do_sample:
             scores = self.warp(scores)
         if keep is not None:

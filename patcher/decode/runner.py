@@ -70,7 +70,8 @@ class StepState:
         self.branch_int4_workspace = torch.zeros(branch_size, dtype=torch.int32, device=dev)
         self.deferred = plan.deferred_outputs(batch)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.graph_sampling: tuple | None = None  # (Sampling, whether the graph keeps scores and logits)
+        self.graph_sampling: tuple | None = None  # (Sampling, keeps scores and logits, only the model's part)
+        self.step_logits: torch.Tensor | None = None  # the model's part's output, where the caller has processors
         self.kept: tuple | None = None  # float32 [B, V] scores and logits of the last step, where a call asks
         self.processors: Processors | None = None
 
@@ -234,20 +235,40 @@ class DecodeRunner:
         x = st.x if self.decode_step.embed_weight is not None else None
         self.next_token(self.processors(st, sampling)(self.logits(st, x), st, st.kept if keep else None), st)
 
+    def model_step(self, st: StepState) -> None:
+        """The model's part of a step alone, its logits into st.step_logits: where the caller's own logits
+        processors run between graph replays."""
+        x = st.x if self.decode_step.embed_weight is not None else None
+        st.step_logits.copy_(self.logits(st, x))
+
+    def choose(self, st: StepState, sampling: Sampling, logits, keep: bool, extra, length: int) -> None:
+        """The token after the first `length` tokens from `logits`, through our processors and the caller's."""
+        processors = self.processors(st, sampling)
+        self.next_token(processors(logits, st, st.kept if keep else None, extra, st.tokens[:, :length]), st)
+
     # ---- CUDA graph -----------------------------------------------------------------------------------------
-    def _capture(self, st: StepState, sampling: Sampling, keep: bool) -> None:
-        """Captures one step on the state's buffers. Runs before prefill: the warm-up's writes are overwritten."""
+    def _capture(self, st: StepState, mode: tuple) -> None:
+        """Captures one step on the state's buffers, for mode (sampling, keep, split): with split only the model's
+        part (model_step). Runs before prefill: the warm-up's writes are overwritten."""
+        sampling, keep, split = mode
+
+        def step():
+            if split:
+                self.model_step(st)
+            else:
+                self.run_step(st, sampling, keep)
+
         rng = torch.cuda.get_rng_state(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.no_grad():
-            self.run_step(st, sampling, keep)  # warm-up: allocator, lazy module state
+            step()  # warm-up: allocator, lazy module state
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), torch.no_grad():
-            self.run_step(st, sampling, keep)
+            step()
         torch.cuda.set_rng_state(rng, self.device)
-        st.graph, st.graph_sampling = graph, (sampling, keep)
+        st.graph, st.graph_sampling = graph, mode
 
     # ---- generate -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -261,14 +282,20 @@ class DecodeRunner:
         pad_token_id: int,
         streamer=None,
         criteria=(),
-        keep: bool = False,
+        outputs: dict | None = None,
+        extra=None,
     ) -> torch.Tensor | tuple[torch.Tensor, list, list]:
-        """prompt [B, T] (left-padded) -> [B, T + n] with n <= new_tokens (fewer if every row finished). `streamer`
-        (transformers' BaseStreamer) gets the prompt, then each step's tokens as they are made; `criteria`
-        (transformers' StoppingCriteria that read the tokens: stop strings, max_time) finish rows (TokenFeed). With
-        `keep`, also each generated token's scores and logits (float32 [B, V], as HF's output_scores and
-        output_logits report them): (tokens, scores, logits)."""
+        """prompt [B, T] (left-padded) -> [B, T + n] with n <= new_tokens (fewer if every row finished).
+
+        streamer: transformers' BaseStreamer; it gets the prompt, then each step's tokens as they are made.
+        criteria: transformers' StoppingCriteria that read the tokens (stop strings, max_time); they finish rows.
+        outputs: {"scores": bool, "logits": bool}; where either is asked for, the result is (tokens, scores,
+            logits) with each generated token's float32 [B, V] scores and logits, as HF's output_scores and
+            output_logits report them.
+        extra: the caller's own LogitsProcessorList; the graph then covers the model's part of each step, and the
+            token's choice runs after each replay."""
         B, T = input_ids.shape
+        keep = outputs is not None and (outputs.get("scores", False) or outputs.get("logits", False))
         st = self.state_for(B, T + new_tokens)
         has_eos = bool(eos)
         vocab = self.decode_step.embed.weight.shape[0]
@@ -281,9 +308,14 @@ class DecodeRunner:
         if keep and st.kept is None:
             vocab = self.decode_step.lm_weight.shape[0]
             st.kept = tuple(torch.empty(B, vocab, dtype=torch.float32, device=self.device) for _ in range(2))
-        if self.use_graphs and (st.graph is None or st.graph_sampling != (sampling, keep)):
+        split = extra is not None
+        if split and st.step_logits is None:
+            st.step_logits = torch.empty(B, self.decode_step.lm_weight.shape[0], dtype=self.decode_step.dtype,
+                                         device=self.device)  # fmt: skip
+        mode = (sampling, keep, split)
+        if self.use_graphs and (st.graph is None or st.graph_sampling != mode):
             st.graph = None
-            self._capture(st, sampling, keep)
+            self._capture(st, mode)
         kept = ([], [])
         # Each step leaves the int4 accumulators as the next one needs them; one cut short (an exception in an eager
         # step) may not have, so every generate starts from zeros.
@@ -320,7 +352,7 @@ class DecodeRunner:
         last_logits = out.logits[:, -1]
         del out
         st.slot.fill_(T - 1)  # next_token writes the first new token at T and advances the slot to it
-        self.next_token(self.processors(st, sampling)(last_logits, st, st.kept if keep else None), st)
+        self.choose(st, sampling, last_logits, keep, extra, T)
         if keep:
             kept[0].append(st.kept[0].clone())
             kept[1].append(st.kept[1].clone())
@@ -334,8 +366,12 @@ class DecodeRunner:
                 break
             if st.graph is not None:
                 st.graph.replay()
+            elif split:
+                self.model_step(st)
             else:
                 self.run_step(st, sampling, keep)
+            if split:  # the step's input was the token at T + i
+                self.choose(st, sampling, st.step_logits, keep, extra, T + i + 1)
             if keep:
                 kept[0].append(st.kept[0].clone())
                 kept[1].append(st.kept[1].clone())

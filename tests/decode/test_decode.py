@@ -114,7 +114,7 @@ def test_calls_the_runner_does_not_handle_go_to_hf_with_a_reason():
         "num_beams": {"num_beams": 2},
         "no_repeat_ngram_size": {"no_repeat_ngram_size": 3},
         "streamer": {"streamer": object()},
-        "output_scores": {"output_scores": True, "return_dict_in_generate": True},
+        "attentions or hidden states": {"output_attentions": True, "return_dict_in_generate": True},
         "batch 9": {"input_ids": torch.randint(3, 200, (9, 5))},
         "left padding": {"attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])},
         "bad_words_ids": {"bad_words_ids": [[5], [6, 7]]},

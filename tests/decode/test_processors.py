@@ -324,3 +324,57 @@ def test_graph_path_with_stop_strings_matches_hf():
     got = model.generate(ids, **kwargs)
     assert generate_path(model)["path"] == "graph"
     assert torch.equal(got, expected)
+
+
+class Boost:
+    """A caller's own LogitsProcessor: adds 5 to the score of the token after the last one (mod the vocabulary)."""
+
+    def __call__(self, input_ids, scores):
+        return scores.scatter_add(1, (input_ids[:, -1:] + 1) % scores.shape[1], torch.full_like(scores[:, :1], 5.0))
+
+
+@pytest.mark.parametrize("args", [{}, {"repetition_penalty": 1.2}], ids=["alone", "with-penalty"])
+def test_callers_logits_processor_runs_as_hf_runs_it(args):
+    """A LogitsProcessor passed to generate: the eager runner applies it after its own processors, on the
+    sequences so far, and gives HF's greedy tokens; a processor of a type the config also makes (HF runs it in that
+    one's place) goes to HF's loop with the reason."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    model = rm.build("tiny-llama")
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, **args)
+    extra = LogitsProcessorList([Boost()])
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, logits_processor=extra, **kwargs)
+        plain = model.generate(ids, attention_mask=mask, **kwargs)
+    assert not torch.equal(expected, plain)  # the processor changes the tokens
+    patch_model(model)
+    reason, prepared = call_reason(model, GenerationConfig(**kwargs), {"input_ids": ids, "attention_mask": mask,
+                                                                       "logits_processor": extra})  # fmt: skip
+    assert reason is None, reason
+    got = DecodeRunner(model, EAGER).generate(**prepared)
+    assert torch.equal(got, expected)
+    clash = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)])
+    reason, _ = call_reason(model, GenerationConfig(max_new_tokens=3, repetition_penalty=1.2),
+                            {"input_ids": ids, "logits_processor": clash})  # fmt: skip
+    assert reason is not None and "RepetitionPenaltyLogitsProcessor" in reason, reason
+
+
+@pytest.mark.gpu
+def test_graph_path_with_callers_logits_processor_matches_hf():
+    """GPU, fp32: the caller's processor runs between replays of the model's graph; tokens equal HF's."""
+    from transformers import LogitsProcessorList
+
+    model = rm.build("tiny-llama", device="cuda")
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(3, VOCAB, (2, 7), device="cuda")
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                  logits_processor=LogitsProcessorList([Boost()]))  # fmt: skip
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+    patch_model(model)
+    got = model.generate(ids, **kwargs)
+    assert generate_path(model)["path"] == "graph"
+    assert torch.equal(got, expected)
