@@ -3,9 +3,11 @@
 patch_model sets this as the instance's `generate`. It decides per call, from the arguments alone (no trial
 run), whether the request is one the decode runner reproduces exactly: greedy or plain sampling (temperature,
 top-k, top-p), batch 1 to 8, token ids with a left-padded (or absent) attention mask, the model on one CUDA
-device with every layer patched. Anything else, beam search, a streamer, logits processors, scores in the
-output, repetition penalties and so on, goes to transformers' own `generate` unchanged (our fused kernels still
-run inside its forward), and the reason is recorded (`generate_path(model)`) and warned about once.
+device with every layer patched and planned, no hooks on its modules. Anything else, beam search, a streamer,
+logits processors, scores in the output, repetition penalties and so on, goes to transformers' own `generate`
+unchanged (our fused kernels still run inside its forward), and the reason is recorded (`generate_path(model)`)
+and warned about once. Each call first checks the weights (PatchState.check_weights): where they changed since
+the last call, the runner with its caches and captured graphs is dropped and rebuilt from the current plans.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import warnings
 
 import torch
 
+from ..layers.guard import user_hooks
 from .runner import MAX_EOS_IDS, DecodeRunner, Sampling
 
 MAX_BATCH = 8
@@ -63,6 +66,15 @@ def model_reason(model) -> str | None:
     report = state.report
     if report.unpatched:
         return f"{len(report.unpatched)} module(s) are not patched ({report.unpatched[0].name})"
+    unplanned = state.unplanned()
+    if unplanned:
+        name, reason = next(iter(unplanned.items()))
+        return f"{len(unplanned)} patched module(s) run HF's forward now ({name}: {reason})"
+    hooked = next((name for name, m in model.named_modules() if user_hooks(m)), None)
+    if hooked is not None:
+        return f"a forward hook or pre-hook on {hooked or 'the model'} (the decode graph calls no modules)"
+    if model.training and state.planner.dropout:
+        return "training mode with dropout (the decode step has no dropout)"
     if report.backend != "kernels" or len(report.devices) != 1 or not report.devices[0].startswith("cuda"):
         return (
             f"the decode path runs on one CUDA device with the kernels backend (have {report.backend} on "
@@ -148,6 +160,10 @@ def fast_generate(self, inputs=None, generation_config=None, **kwargs):
     if inputs is not None:
         kwargs["input_ids"] = inputs
     reason = None if state.fast_generate else "the fast path is turned off (set_fast_generate)"
+    if reason is None:
+        # Weights replaced, moved, cast or updated since the last call: the plans are rebuilt and the runner (its
+        # caches and captured graphs, which read the old weights' memory) is dropped before anything reads them.
+        state.check_weights(self)
     reason = reason or model_reason(self)
     prepared = {}
     if reason is None:
