@@ -4,7 +4,9 @@ The path from `patch_model` to a kernel:
 
     patch_model(model)
       -> registry.REGISTRY[model_type]             the architecture's spec and replacement forwards
-      -> layers.decoder / attention / mlp / norm   a plan per module (weights, kernels), forward swapped in
+      -> layers.plans                              a plan per module (weights, kernels), rebuilt if weights change
+      -> layers.guard                              per call: the fused forward, or HF's (autograd, hooks, adapters)
+      -> layers.decoder / attention / mlp / norm   the fused forwards
       -> ops.KERNELS.<op>                          torch.ops.patcher.<op>
       -> kernels/<op>.cu                           the CUDA kernel
 
@@ -43,7 +45,14 @@ class UnsupportedModelError(ValueError):
     """The model is not one patch_model knows how to restructure; nothing was changed."""
 
 
-_ABSENT = object()
+class _Absent:
+    """No instance-level attribute was there before patching (one object, kept by copy.deepcopy and pickle)."""
+
+    def __reduce__(self):
+        return "_ABSENT"
+
+
+_ABSENT = _Absent()
 
 
 @dataclass

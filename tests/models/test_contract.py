@@ -447,3 +447,22 @@ def test_peft_lora_is_served(name):
     with linear_calls() as calls:
         logits(merged[1], ids)
     assert calls[0] == 1
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])
+def test_copies_and_unpatch_keep_their_own_weights(name):
+    """A deepcopy of a patched model rebuilds its plans from its own weights (the copied plans read the original's),
+    and unpatch_model with an adapter in place gives every projection its own storage again."""
+    ref, model = twins(name)
+    ids = ids_for(ref)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    assert max_err(logits(twin, ids), logits(ref, ids)) <= FP32_LOGIT_ATOL
+    for m in (ref, twin):
+        inject(m)
+    logits(twin, ids)
+    assert unpatch_model(twin) and torch.equal(logits(twin, ids), logits(ref, ids))
+    base = [p for n, p in twin.named_parameters() if "base_layer" in n]
+    assert base and all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in base)
