@@ -67,33 +67,30 @@ def needs_grad(module: nn.Module, args, kwargs) -> bool:
 
 
 class Watch:
-    """The sub-modules, parameters and buffers a plan was built from, and where their tensors' memory was.
+    """Where the weights a plan was built from are: the patched module's sub-modules (`owners[0]`'s children, by
+    identity) and the memory (data_ptr) of every parameter and buffer of `owners` (the module and the children whose
+    weights the plan reads), as they are now.
 
-    `owners[0]` is the patched module: its sub-modules, parameters and buffers are watched; of the other owners
-    (the children whose weights the plan reads) their parameters and buffers. `changed()` compares identities and
-    data_ptr: a replaced object, a cast, a device move or a `.data` assignment all show. The address of a tensor
-    the plan holds (a fused buffer) can't be reused while the plan holds it; what the plan reads through a
-    Parameter object (a norm's weight) it reads as it is now.
+    `changed()` shows a replaced sub-module (an adapter), a tensor replaced by one elsewhere in memory (load_state_dict
+    with assign=True), a cast or device move, a `.data` assignment, and an entry added or removed. A plan holds the
+    tensors it read, so their memory can't be reused by others while it holds them; a tensor replaced by another
+    over the same memory needs no new plan.
     """
 
     def __init__(self, owners: list[nn.Module]):
-        first = owners[0]
-        dicts = [first._modules] + [d for m in owners for d in (m._parameters, m._buffers) if d]
-        self.dicts = dicts
-        self.ids = self._ids()
-        self.tensors = [t for d in dicts for t in d.values() if isinstance(t, torch.Tensor)]
-        self.ptrs = self._ptrs()
+        self.modules = owners[0]._modules
+        self.tensors = [d for m in owners for d in (m._parameters, m._buffers) if d]
+        self.seen = self._now()
 
-    def _ids(self) -> list[int]:
-        return [id(v) for d in self.dicts for v in d.values()]
-
-    def _ptrs(self) -> list[int]:
-        return [t.data_ptr() for t in self.tensors]
+    def _now(self) -> list[int]:
+        return [id(m) for m in self.modules.values()] + [
+            0 if t is None else t.data_ptr() for d in self.tensors for t in d.values()
+        ]
 
     def changed(self) -> bool:
         if torch.compiler.is_compiling():  # (data_ptr does not trace; a compiled graph guards on what it read)
             return False
-        return self._ids() != self.ids or self._ptrs() != self.ptrs
+        return self._now() != self.seen
 
 
 class Guard:
