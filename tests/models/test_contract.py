@@ -162,6 +162,31 @@ def test_gradient_checkpointing_as_on_hf(name, reentrant, device, monkeypatch):
     assert_grads_equal(ref, model)
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])
+def test_training_mode_applies_dropout_as_hf(name):
+    """A model patched in eval mode with dropout in its config: in training mode (even under no_grad) HF's forwards
+    apply the dropout exactly as HF's model does (same random stream); back in eval mode the fused forwards run."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = rm.config(name)
+    cfg.attention_dropout = 0.3
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).eval()
+    model = copy.deepcopy(ref)
+    patch_model(model)
+    ids = ids_for(ref)
+    outs = []
+    for m in (ref, model):
+        m.train()
+        torch.manual_seed(1)
+        outs.append(logits(m, ids))
+        m.eval()
+    assert max_err(outs[1], outs[0]) <= FP32_LOGIT_ATOL and max_err(outs[0], logits(ref, ids)) > 1e-3
+    with linear_calls() as calls:
+        logits(model, ids)
+    assert calls[0] == 1
+
+
 # ---- weights changed after patching -----------------------------------------------------------------------------
 
 
