@@ -106,9 +106,15 @@ class PatchState:
 
 
 def weights_signature(model: nn.Module) -> list:
-    """Every parameter and buffer of `model` by name: identity, memory, dtype and in-place version."""
-    tensors = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
-    return [(name, id(t), t.data_ptr(), t.dtype, _version(t)) for name, t in tensors]
+    """Every parameter and buffer of `model`, module by module: identity, memory, dtype and in-place version (freed
+    memory may be reused, by a tensor of another dtype too)."""
+    return [
+        (id(t), t.data_ptr(), t.dtype, _version(t))
+        for m in model.modules()
+        for d in (m._parameters, m._buffers)
+        for t in d.values()
+        if t is not None
+    ]
 
 
 def _version(t: torch.Tensor) -> int:
