@@ -24,12 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from . import ops as ops_module
 from .layers.attention import undo_attention_plan
-from .layers.guard import Guard, guarded
+from .layers.guard import Guard, guarded, weights_signature
 from .layers.mlp import undo_mlp_plan
 from .layers.norm import check_norm
 from .layers.out_pair import FUSED as OUT_PAIR_FUSED
@@ -103,25 +102,6 @@ class PatchState:
     def unplanned(self) -> dict[str, str]:
         """Patched modules that HF's forward serves now (their weights can't be planned), with the reason."""
         return dict(self.planner.unplanned) if self.planner is not None else {}
-
-
-def weights_signature(model: nn.Module) -> list:
-    """Every parameter and buffer of `model`, module by module: identity, memory, dtype and in-place version (freed
-    memory may be reused, by a tensor of another dtype too)."""
-    return [
-        (id(t), t.data_ptr(), t.dtype, _version(t))
-        for m in model.modules()
-        for d in (m._parameters, m._buffers)
-        for t in d.values()
-        if t is not None
-    ]
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor: it can't be updated in place outside inference mode
-        return -1
 
 
 def _swap_forward(module: nn.Module, fn: Callable) -> _Swap:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layers.guard import weights_signature
 from ..ops import REFERENCE, decode_attention_workspace, next_token_workspace
 from .options import DecodeOptions
 from .step import DecodeStep
@@ -92,6 +93,7 @@ class DecodeRunner:
         self.use_graphs = options.use_graphs and self.device.type == "cuda"
         self.next_token_ops = None if options.fuse_next_token else REFERENCE
         self.states: dict[int, StepState] = {}  # batch size -> buffers (and graph), grown on demand
+        self.weights = weights_signature(model)  # the plans, caches and graphs read these weights' memory
 
     def state_for(self, batch: int, needed: int) -> StepState:
         state = self.states.get(batch)
@@ -168,6 +170,11 @@ class DecodeRunner:
         pad_token_id: int,
     ) -> torch.Tensor:
         """prompt [B, T] (left-padded) -> [B, T + n] with n <= new_tokens (fewer if every row hit EOS)."""
+        if weights_signature(self.model) != self.weights:
+            raise RuntimeError(
+                "the model's weights changed since this DecodeRunner was built (its plans and captured graphs read "
+                "the old ones); build a new DecodeRunner (model.generate does so by itself)"
+            )
         B, T = input_ids.shape
         st = self.state_for(B, T + new_tokens)
         has_eos = bool(eos)

@@ -169,6 +169,25 @@ class Guard:
         return type(module).forward(module, *args, **kwargs)
 
 
+def weights_signature(model: nn.Module) -> list:
+    """Every parameter and buffer of `model`, module by module: identity, memory, dtype and in-place version (freed
+    memory may be reused, by a tensor of another dtype too)."""
+    return [
+        (id(t), t.data_ptr(), t.dtype, _version(t))
+        for m in model.modules()
+        for d in (m._parameters, m._buffers)
+        for t in d.values()
+        if t is not None
+    ]
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: it can't be updated in place outside inference mode
+        return -1
+
+
 def _child_name(parent: nn.Module, child: nn.Module) -> str:
     return next((n for n, c in parent.named_children() if c is child), "?")
 
