@@ -31,6 +31,7 @@ from patcher.decode.generate import model_reason
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-pythia"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 GRAD_RTOL = 1e-5
+EAGER = DecodeOptions(use_graphs=False)  # the decode runner without CUDA graphs (the CPU's)
 # fp32 logits on CUDA: the kernels' GEMVs and reductions sum in other orders than cuBLAS and PyTorch's CUDA ops
 CUDA_FP32_ATOL = 1e-4
 
@@ -261,9 +262,6 @@ def test_device_moves_are_followed(name):
         m.cpu()
     assert close(logits(model, ids), logits(ref, ids))
     assert model._patcher_state.report.backend == "reference"
-
-
-EAGER = DecodeOptions(use_graphs=False)
 
 
 def greedy(model, ids, new_tokens=12):
