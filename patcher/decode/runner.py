@@ -88,6 +88,9 @@ class DecodeRunner:
         if not isinstance(options, DecodeOptions):
             raise TypeError(f"DecodeRunner takes a DecodeOptions, got {type(options).__name__}")
         self.model, self.options = model, options
+        state = getattr(model, "_patcher_state", None)
+        if state is not None:  # plans rebuilt where the weights changed since they were built (and no forward ran)
+            state.check_weights(model)
         self.decode_step = DecodeStep(model, options)
         self.device = self.decode_step.device
         self.use_graphs = options.use_graphs and self.device.type == "cuda"
