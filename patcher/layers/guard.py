@@ -113,7 +113,9 @@ class Guard:
     def rebuild(self, module: nn.Module) -> bool:
         """Plans the module from its current weights (or records why it can't); True when the plan is usable."""
         try:
-            module._patcher = self.planner.plan(self.kind, module, self.next_module)
+            # (under inference_mode too, the fused buffers must be normal tensors: the parameters become their views)
+            with torch.inference_mode(False), torch.no_grad():
+                module._patcher = self.planner.plan(self.kind, module, self.next_module)
             self.reason = None
         except Unplannable as e:
             module.__dict__.pop("_patcher", None)

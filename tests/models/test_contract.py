@@ -243,6 +243,13 @@ def test_changed_weights_are_followed(name, device):
         for m in (ref, model):
             m.float()
         check(f"{dtype} and back")
+    first_q(model).data = first_q(model).data.clone()
+    with torch.inference_mode():  # plans rebuilt in inference mode leave trainable parameters
+        model(ids)
+    for m in (ref, model):
+        m.zero_grad(set_to_none=True)
+        m(ids, labels=ids).loss.backward()
+    assert_grads_equal(ref, model)
     assert "weights changed after patching" in " ".join(model._patcher_state.report.messages)
     assert model._patcher_state.report.dtype == "float32"
     assert unpatch_model(model) and torch.equal(logits(model, ids), logits(ref, ids))
