@@ -1,12 +1,10 @@
 """A patched model keeps the nn.Module contract, against an unpatched twin (layers/guard.py):
 
-- autograd: with gradients recorded (training, or eval with parameters or inputs requiring grad) the patched
-  modules run HF's forwards, so every gradient equals HF's; under no_grad the fused forwards run;
-- gradient checkpointing checkpoints (and recomputes) each layer exactly as on HF's model;
+- autograd: with gradients recorded the patched modules run HF's forwards (HF's gradients, HF's checkpointing);
+  under no_grad, or with nothing requiring grad, the fused forwards run;
 - weights changed after patching (load_state_dict with and without assign, optimizer steps, `.data`, casts, device
   moves, tie_weights) are what every path reads, the decode runner included;
-- hooks on a layer, a norm or a projection see what HF gives them;
-- LoRA adapters in q/k/v/gate/up are served (HF's attention/MLP forward while they are there).
+- hooks on a layer, a norm or a projection see what HF gives them; LoRA adapters in q/k/v/gate/up are served.
 
 CPU: the reference backend. GPU (marked gpu): the CUDA kernels, and the graph decode path for the runner.
 """
@@ -49,8 +47,7 @@ def twins(name, device="cpu", **kwargs):
 
 
 def ids_for(model, batch=2, tokens=9, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, model.config.vocab_size, (batch, tokens), generator=g).to(model.device)
+    return torch.randint(3, 500, (batch, tokens), generator=torch.Generator().manual_seed(seed)).to(model.device)
 
 
 def logits(model, ids, **kwargs):
@@ -63,12 +60,11 @@ def layers(model):
 
 
 def attention(layer):
-    return layer.self_attn if hasattr(layer, "self_attn") else layer.attention
+    return getattr(layer, "self_attn", None) or layer.attention
 
 
 def final_norm(model):
-    base = model.base_model
-    return base.norm if hasattr(base, "norm") else base.final_layer_norm
+    return getattr(model.base_model, "norm", None) or model.base_model.final_layer_norm
 
 
 @contextlib.contextmanager
@@ -354,16 +350,11 @@ def hooks(model, seen):
     ]
 
 
-def flat(values):
-    out = []
-    for v in values:
-        if isinstance(v, (tuple, list)):
-            out += flat(v)
-        elif isinstance(v, torch.Tensor):
-            out.append(v)
-        else:
-            out.append(type(v))
-    return out
+def flat(value) -> list:
+    """The tensors in `value` (nested tuples and lists flattened), and the types of its other values."""
+    if isinstance(value, (tuple, list)):
+        return [x for v in value for x in flat(v)]
+    return [value if isinstance(value, torch.Tensor) else type(value)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -417,8 +408,11 @@ class LoraLinear(nn.Module):
         return self.base_layer(x) + self.lora_B(self.lora_A(x)) * 0.5
 
 
-TARGETS = {"llama": ["q_proj", "v_proj", "up_proj"], "qwen2": ["k_proj", "gate_proj"],
-           "gpt_neox": ["query_key_value", "dense_h_to_4h"]}  # fmt: skip
+TARGETS = {
+    "llama": ["q_proj", "v_proj", "up_proj"],
+    "qwen2": ["k_proj", "gate_proj"],
+    "gpt_neox": ["query_key_value", "dense_h_to_4h"],
+}
 
 
 def inject(model, seed=0):

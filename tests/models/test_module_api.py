@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 from conftest import assert_within_torch_error
-from test_contract import assert_grads_equal, close, linear_calls
+from test_contract import assert_grads_equal, close, flat, linear_calls
 from transformers import DynamicCache, StaticCache
 
 from patcher import patch_model
@@ -46,19 +46,15 @@ class Twins:
         """run(model) -> a tensor or a tuple/list of tensors; the patched model's against the twin's."""
         got, hf = run(self.model), run(self.ref)
         exact = run(self.exact) if self.exact is not None else None
-        got, hf = _tensors(got), _tensors(hf)
+        got, hf = flat(got), flat(hf)
         assert len(got) == len(hf) and [type(g) for g in got] == [type(h) for h in hf], what
         for i, (g, h) in enumerate(zip(got, hf)):
-            if exact is None:
+            if not isinstance(h, torch.Tensor):
+                assert g == h, f"{what} [{i}]"
+            elif exact is None:
                 assert g.shape == h.shape and close(g, h), f"{what} [{i}]"
             else:
-                assert_within_torch_error(g, h, _tensors(exact)[i].float(), f"{what} [{i}]")
-
-
-def _tensors(value) -> list:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [t for v in value for t in _tensors(v)] if isinstance(value, (tuple, list)) else [value]
+                assert_within_torch_error(g, h, flat(exact)[i].float(), f"{what} [{i}]")
 
 
 def inputs(model, device):
