@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from itertools import chain
+from operator import is_
 
 import torch
 from torch import nn
@@ -67,30 +69,28 @@ def needs_grad(module: nn.Module, args, kwargs) -> bool:
 
 
 class Watch:
-    """Where the weights a plan was built from are: the patched module's sub-modules (`owners[0]`'s children, by
-    identity) and the memory (data_ptr) of every parameter and buffer of `owners` (the module and the children whose
-    weights the plan reads), as they are now.
+    """Where the weights a plan was built from are: the patched module's sub-modules (`owners[0]`'s children) and
+    the parameters and buffers of `owners` (the module and the children whose weights the plan reads), by identity,
+    and the memory (data_ptr) of those tensors.
 
-    `changed()` shows a replaced sub-module (an adapter), a tensor replaced by one elsewhere in memory (load_state_dict
-    with assign=True), a cast or device move, a `.data` assignment, and an entry added or removed. A plan holds the
-    tensors it read, so their memory can't be reused by others while it holds them; a tensor replaced by another
-    over the same memory needs no new plan.
+    `changed()` shows a replaced sub-module (an adapter) or tensor (load_state_dict with assign=True), a cast or
+    device move, a `.data` assignment, and an entry added or removed. A plan holds the tensors it read, so their
+    memory can't be reused by others while it holds them.
     """
 
     def __init__(self, owners: list[nn.Module]):
-        self.modules = owners[0]._modules
-        self.tensors = [d for m in owners for d in (m._parameters, m._buffers) if d]
-        self.seen = self._now()
-
-    def _now(self) -> list[int]:
-        return [id(m) for m in self.modules.values()] + [
-            0 if t is None else t.data_ptr() for d in self.tensors for t in d.values()
-        ]
+        self.dicts = [owners[0]._modules] + [d for m in owners for d in (m._parameters, m._buffers) if d]
+        self.seen = list(chain.from_iterable(map(dict.values, self.dicts)))
+        self.tensors = [t for t in self.seen if isinstance(t, torch.Tensor)]
+        self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
 
     def changed(self) -> bool:
         if torch.compiler.is_compiling():  # (data_ptr does not trace; a compiled graph guards on what it read)
             return False
-        return self._now() != self.seen
+        now = list(chain.from_iterable(map(dict.values, self.dicts)))  # (C-level loops: this runs every call)
+        if len(now) != len(self.seen) or not all(map(is_, now, self.seen)):
+            return True
+        return list(map(torch.Tensor.data_ptr, self.tensors)) != self.ptrs
 
 
 class Guard:
@@ -143,16 +143,22 @@ class Guard:
         """Whether this call may take the fused forward (the first test is all the no_grad path pays)."""
         if (torch.is_grad_enabled() or module.training) and self.needs_hf(module, args, kwargs):
             return False
-        if any(self.hook_dicts) or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
-            hooked = [c for c in self.planner.skipped(self.kind, module) if user_hooks(c)]
-            for child in hooked:
-                self.note(
-                    f"{self.name}: a hook on its {_child_name(module, child)!r}: HF's forward runs there, so the "
-                    "fusion across it is skipped"
-                )
-            if hooked:
-                return False
-        return self.check(module)
+        if (any(self.hook_dicts) or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks) and (
+            self.hooked_child(module)
+        ):
+            return False
+        if self.watch.changed():  # (check(), inline: this runs every call)
+            return self.check(module)
+        return self.reason is None
+
+    def hooked_child(self, module: nn.Module) -> bool:
+        hooked = [c for c in self.planner.skipped(self.kind, module) if user_hooks(c)]
+        for child in hooked:
+            self.note(
+                f"{self.name}: a hook on its {_child_name(module, child)!r}: HF's forward runs there, so the fusion "
+                "across it is skipped"
+            )
+        return bool(hooked)
 
     def needs_hf(self, module: nn.Module, args, kwargs) -> bool:
         """For autograd or dropout (grad mode on, or training mode)."""
