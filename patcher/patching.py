@@ -83,10 +83,10 @@ class PatchState:
     warned: set = field(default_factory=set)
 
     def check_weights(self, model: nn.Module) -> bool:
-        """Once per generate call: True (and the decode runner, its caches and graphs dropped) when any parameter
-        or buffer of the model was replaced, moved, cast or updated in place since the last check. The patched
-        modules' plans are rebuilt from the current weights first, the layers' always (a layer's int4 out pair
-        holds a summed bias), so a new runner reads only current weights."""
+        """Once per generate call, and when a DecodeRunner is built: True (and the decode runner, its caches and
+        graphs dropped) when any parameter or buffer of the model was replaced, moved, cast or updated in place
+        since the last check. The patched modules' plans are rebuilt from the current weights first, the layers'
+        always (a layer's int4 out pair holds a summed bias), so a new runner reads only current weights."""
         if weights_signature(model) == self.weights:
             return False
         for module in self.modules:
