@@ -10,10 +10,10 @@ repeats). The first configuration is the split rule's; each round's difference a
 A configuration is `rule` or role=slices pairs, e.g. `qkv=5,out=8` (roles: qkv, out, mlp_in, mlp_out, qkv_mlp,
 out_pair, as DecodeOptions.int4_splits takes them), and may also set the other fields of DecodeOptions (RUNNER_OPTIONS:
 on/off as 1/0, e.g. `defer_int4=0`, `merge_int4=0`, `parallel_branch=0`, or a number, e.g.
-`int4_separate_norm_batch=2`), e.g. `defer_qkv=0` or `qkv=5,defer_qkv=0`. The tokens of each configuration are compared with the rule's: other K slices
-round other fp32 partial sums, so logits may move in their last bits, and with random weights (flat distributions) a
-greedy token may flip and the rest of the sequence with it; a mismatch says to check the logits, not that the step is
-wrong.
+`int4_separate_norm_batch=2`), e.g. `defer_qkv=0` or `qkv=5,defer_qkv=0`. The tokens of each configuration are
+compared with the rule's: other K slices round other fp32 partial sums, so logits may move in their last bits, and
+with random weights (flat distributions) a greedy token may flip and the rest of the sequence with it; a mismatch
+says to check the logits, not that the step is wrong.
 
     python -m evals.splits --random-config llama-3.1-8b --int4-random 128 --configs qkv=5,out=8 defer_qkv=0 --rounds 4
 """

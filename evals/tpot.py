@@ -97,7 +97,8 @@ def profile_spans(fn) -> list[tuple[str, float, float]]:
 
 def by_place(spans: list[tuple[str, float, float]], skip: dict[str, int], places: dict[str, int]) -> list:
     """The spans with each run of a kernel in `places` (name -> runs per layer) renamed "name #i", i its place
-    among that kernel's runs in a layer (1 = first), counting from its run after the first skip[name] (the prefill's)."""
+    among that kernel's runs in a layer (1 = first), counting from its run after the first skip[name] (the
+    prefill's)."""
     seen: dict[str, int] = {}
     out = []
     for name, start, end in spans:

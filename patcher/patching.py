@@ -4,7 +4,9 @@ The path from `patch_model` to a kernel:
 
     patch_model(model)
       -> registry.REGISTRY[model_type]             the architecture's spec and replacement forwards
-      -> layers.decoder / attention / mlp / norm   a plan per module (weights, kernels), forward swapped in
+      -> layers.plans                              a plan per module (weights, kernels), rebuilt if weights change
+      -> layers.guard                              per call: the fused forward, or HF's (autograd, hooks, adapters)
+      -> layers.decoder / attention / mlp / norm   the fused forwards
       -> ops.KERNELS.<op>                          torch.ops.patcher.<op>
       -> kernels/<op>.cu                           the CUDA kernel
 
@@ -22,29 +24,34 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from . import ops as ops_module
-from .layers.attention import attention_plan, check_attention, undo_attention_plan
-from .layers.decoder import LayerPlan
-from .layers.mlp import check_mlp, mlp_plan, undo_mlp_plan
-from .layers.norm import check_norm, dual_norm_plan, norm_plan
+from .layers.attention import undo_attention_plan
+from .layers.guard import Guard, guarded, weights_signature
+from .layers.mlp import undo_mlp_plan
+from .layers.norm import check_norm
 from .layers.out_pair import FUSED as OUT_PAIR_FUSED
-from .layers.out_pair import fuse_out_pair, out_pair_reason, undo_out_pair
+from .layers.out_pair import out_pair_reason, undo_out_pair
+from .layers.plans import Planner, check_layer, check_placement
 from .layers.weights import is_int4
 from .models.spec import ArchSpec
 from .registry import REGISTRY, Entry
 from .report import ModuleRecord, PatchReport
-
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class UnsupportedModelError(ValueError):
     """The model is not one patch_model knows how to restructure; nothing was changed."""
 
 
-_ABSENT = object()
+class _Absent:
+    """No instance-level attribute was there before patching (one object, kept by copy.deepcopy and pickle)."""
+
+    def __reduce__(self):
+        return "_ABSENT"
+
+
+_ABSENT = _Absent()
 
 
 @dataclass
@@ -66,11 +73,35 @@ class PatchState:
     swaps: list[_Swap] = field(default_factory=list)
     undo: list[Callable[[], None]] = field(default_factory=list)
     spec: ArchSpec | None = None
+    planner: Planner | None = None
+    modules: list[nn.Module] = field(default_factory=list)  # every patched module (each has a Guard)
+    weights: list | None = None  # weights_signature(model) when the decode runner's plans were last checked
     fast_generate: bool = True  # generate() takes the graph-captured decode path where it applies
     original_generate: Callable | None = None  # an instance-level generate that was there before patching
     runner: Any = None  # the DecodeRunner (static KV caches, CUDA graphs), created on first use
     last_generate: dict = field(default_factory=dict)
     warned: set = field(default_factory=set)
+
+    def check_weights(self, model: nn.Module) -> bool:
+        """Once per generate call, and when a DecodeRunner is built: True (and the decode runner, its caches and
+        graphs dropped) when any parameter or buffer of the model was replaced, moved, cast or updated in place
+        since the last check. The patched modules' plans are rebuilt from the current weights first, the layers'
+        always (a layer's int4 out pair holds a summed bias), so a new runner reads only current weights."""
+        if weights_signature(model) == self.weights:
+            return False
+        for module in self.modules:
+            guard = module._patcher_guard
+            if guard.kind == "layer":
+                guard.rebuild(module)
+            else:
+                guard.check(module)
+        self.weights = weights_signature(model)  # (after the rebuilds, which register new fused buffers)
+        self.runner = None
+        return True
+
+    def unplanned(self) -> dict[str, str]:
+        """Patched modules that HF's forward serves now (their weights can't be planned), with the reason."""
+        return dict(self.planner.unplanned) if self.planner is not None else {}
 
 
 def _swap_forward(module: nn.Module, fn: Callable) -> _Swap:
@@ -108,65 +139,6 @@ def _find(model: nn.Module) -> tuple[Entry, nn.Module]:
     return entry, base
 
 
-def _wants_kernels(device: torch.device, backend: str) -> bool:
-    return backend == "kernels" or (backend == "auto" and device.type == "cuda")
-
-
-def _check_placement(module: nn.Module, backend: str) -> str | None:
-    """Device and dtype problems shared by layers and norms; None when the module can be patched."""
-    params = list(module.parameters())
-    if not params:
-        return "module has no parameters"
-    for sub in module.modules():
-        hook = getattr(sub, "_hf_hook", None)
-        if hook is not None and getattr(hook, "offload", False):
-            return "weights are offloaded by accelerate (loaded at each forward); offloaded modules are not supported"
-    if any(p.device.type == "meta" for p in params):
-        return "weights are on the meta device (offloaded or not materialized)"
-    devices = {p.device for p in params}
-    if len(devices) > 1:
-        return f"parameters are spread over several devices ({', '.join(sorted(map(str, devices)))})"
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
-        return f"mixed parameter dtypes ({', '.join(sorted(map(str, dtypes)))})"
-    device, dtype = params[0].device, params[0].dtype
-    if not dtype.is_floating_point:
-        return f"dtype {dtype} is not a floating-point type"
-    if _wants_kernels(device, backend) and dtype not in KERNEL_DTYPES:
-        return f"dtype {dtype} is not supported by the CUDA kernels (float16, bfloat16, float32)"
-    if device.type not in ("cuda", "cpu") and backend != "reference":
-        return f"device {device.type} is not supported (CUDA kernels, or the reference backend on any device)"
-    return None
-
-
-def _check_layer(layer: nn.Module, spec: ArchSpec, config, backend: str) -> str | None:
-    if type(layer).__name__ != spec.layer_class:
-        return f"unexpected layer class {type(layer).__name__} (expected {spec.layer_class})"
-    reason = _check_placement(layer, backend)
-    if reason:
-        return reason
-    if layer.training and any(getattr(config, name, 0) for name in spec.dropout_configs):
-        return "training mode with dropout > 0 (the fused forward has no dropout); call model.eval()"
-    for name in (spec.attention, spec.mlp, spec.input_norm, spec.post_norm):
-        if getattr(layer, name, None) is None:
-            return f"layer has no {name!r} submodule"
-    reason = (
-        check_attention(getattr(layer, spec.attention), spec, config)
-        or check_mlp(getattr(layer, spec.mlp), spec, config)
-        or check_norm(getattr(layer, spec.input_norm), spec)
-        or check_norm(getattr(layer, spec.post_norm), spec)
-    )
-    if reason:
-        return reason
-    if spec.flag(config, spec.parallel_residual):
-        if spec.norm != "layer":
-            return "a parallel residual is only supported with LayerNorm"
-        first, second = getattr(layer, spec.input_norm), getattr(layer, spec.post_norm)
-        if getattr(first, spec.eps_attr) != getattr(second, spec.eps_attr):
-            return "the two LayerNorms of a parallel-residual layer have different eps"
-    return None
-
-
 def _launches_per_layer(spec: ArchSpec, parallel: bool) -> dict[str, int]:
     if parallel:
         counts = {"add+dual-norm": 1}
@@ -197,104 +169,80 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
     final_norm = getattr(base, spec.final_norm, None)
 
     # 1. Decide for every module, changing nothing yet.
-    reasons = [_check_layer(layer, spec, config, backend) for layer in layers]
+    reasons = [check_layer(layer, spec, config, backend) for layer in layers]
     final_reason = (
-        "no final norm" if final_norm is None else check_norm(final_norm, spec) or _check_placement(final_norm, backend)
+        "no final norm" if final_norm is None else check_norm(final_norm, spec) or check_placement(final_norm, backend)
     )
     patchable = [m for m, r in zip(layers + [final_norm], reasons + [final_reason]) if r is None]
     devices = sorted({next(m.parameters()).device for m in patchable}, key=str)
     # Building the kernels can fail; it happens here, before any module is touched.
     backends = {device: ops_module.backend_for(device, backend) for device in devices}
 
-    dtypes = {next(m.parameters()).dtype for m in patchable}
     parallel = spec.flag(config, spec.parallel_residual)
     report = PatchReport(
         model_class=type(model).__name__,
         model_type=spec.model_type,
-        backend="+".join(sorted({b.name for b in backends.values()})) or "none",
-        devices=[str(d) for d in devices],
-        dtype=", ".join(sorted(str(d).replace("torch.", "") for d in dtypes)) or "-",
+        backend="none",  # backend, devices and dtype: set from the plans (Planner.placed), and kept current
+        devices=[],
+        dtype="-",
         layers_restructured=sum(r is None for r in reasons),
         layers_total=len(layers),
         launches_per_layer=_launches_per_layer(spec, parallel) if patchable else {},
     )
-    state = PatchState(report, spec=spec)
+    planner = Planner(spec, config, backend, report)
+    state = PatchState(report, spec=spec, planner=planner)
+    records = {}
 
-    def swap(module: nn.Module, fn: Callable, plan, detail: str, undo: Callable | None = None) -> None:
-        module._patcher = plan
+    def swap(module: nn.Module, kind: str, fn: Callable, detail: str, undo=None, next_module=None) -> None:
+        name = names.get(id(module), "?")
+        slot = _swap_forward(module, guarded(fn))
+        original = None if slot.original is _ABSENT else slot.original
+        module._patcher_guard = Guard(name, kind, original, planner, next_module)
         state.undo.append(functools.partial(_drop_plan, module, undo))
-        state.swaps.append(_swap_forward(module, fn))
-        report.replaced.append(ModuleRecord(names.get(id(module), "?"), type(module).__name__, fn.__name__, detail))
+        state.swaps.append(slot)
+        state.modules.append(module)
+        records[id(module)] = ModuleRecord(name, type(module).__name__, fn.__name__, detail)
+        report.replaced.append(records[id(module)])
 
-    # 2. Apply.
+    # 2. Apply: every forward swapped and guarded, then the plans built (a layer's after its attention's and MLP's,
+    # whose int4 plans its out pair reads, and after the next module's guard, which says it takes a stream).
     for i, (layer, reason) in enumerate(zip(layers, reasons)):
         if reason is not None:
             report.unpatched.append(ModuleRecord(names.get(id(layer), f"layer {i}"), type(layer).__name__, "", reason))
             continue
-        ops = backends[next(layer.parameters()).device]
-        next_reason = reasons[i + 1] if i + 1 < len(layers) else final_reason
+        ops_name = backends[next(layer.parameters()).device].name
+        next_module = layers[i + 1] if i + 1 < len(layers) else final_norm
         attn, mlp = getattr(layer, spec.attention), getattr(layer, spec.mlp)
-        in_norm, post_norm = getattr(layer, spec.input_norm), getattr(layer, spec.post_norm)
-
         qkv_detail = "fused q/k/v GEMM" if len(spec.qkv) > 1 else "QKV GEMM"
         if is_int4(getattr(attn, spec.qkv[0])):
             qkv_detail = "GPTQ int4 q/k/v side by side" if len(spec.qkv) > 1 else "GPTQ int4 QKV"
-        swap(
-            attn,
-            entry.attention,
-            attention_plan(attn, spec, config, ops),
-            f"{qkv_detail} + rope_qkv ({ops.name})",
-            functools.partial(undo_attention_plan, attn, spec),
-        )
+        undo = functools.partial(undo_attention_plan, attn)
+        swap(attn, "attention", entry.attention, f"{qkv_detail} + rope_qkv ({ops_name})", undo)
         mlp_detail = "fused gate/up GEMM + silu_and_mul" if spec.mlp_gated else "GEMM + bias_gelu"
         if is_int4(getattr(mlp, spec.mlp_in[0])):
             mlp_detail = "GPTQ int4 " + ("gate/up side by side + silu_and_mul" if spec.mlp_gated else "GEMM + gelu")
-        swap(
-            mlp,
-            entry.mlp,
-            mlp_plan(mlp, spec, config, ops),
-            f"{mlp_detail} ({ops.name})",
-            functools.partial(undo_mlp_plan, mlp, spec),
-        )
-        for norm in (in_norm, post_norm):
-            swap(norm, entry.norm, norm_plan(norm, spec, ops), f"{spec.norm} norm ({ops.name})")
-
-        plan = LayerPlan(attention=attn, mlp=mlp, next_patched=next_reason is None)
-        undo_layer = None
+        swap(mlp, "mlp", entry.mlp, f"{mlp_detail} ({ops_name})", functools.partial(undo_mlp_plan, mlp))
+        for norm in (getattr(layer, spec.input_norm), getattr(layer, spec.post_norm)):
+            swap(norm, "norm", entry.norm, f"{spec.norm} norm ({ops_name})")
         if parallel:
-            plan.dual_norm, plan.add_dual_norm = dual_norm_plan(in_norm, post_norm, spec, ops)
-            fn, detail = entry.parallel_layer, "parallel residual: add + both LayerNorms in one kernel"
-            dense, out = attn._patcher.out_int4, mlp._patcher.out_int4
-            if dense is not None or out is not None:  # GPTQ int4: the decode step's two output GEMVs as one
-                pair_reason = out_pair_reason(dense, out)
-                if pair_reason is None:
-                    modules = getattr(attn, spec.out_proj), getattr(mlp, spec.mlp_out)
-                    plan.out_pair = fuse_out_pair(layer, *modules, dense.group_size, dense.zero_offset)
-                    undo_layer = functools.partial(undo_out_pair, layer, *modules)
-                    detail += f"; decode: {spec.out_proj} + {spec.mlp_out} as one int4 GEMV over [attention | MLP]"
-                else:
-                    detail += f"; decode: {spec.out_proj} and {spec.mlp_out} apart ({pair_reason})"
+            fn = entry.parallel_layer
+            undo = functools.partial(undo_out_pair, layer)
         else:
-            first = norm_plan(in_norm, spec, ops)
-            plan.norm, plan.add_norm = first.norm, first.add_norm
-            plan.post_add_norm = norm_plan(post_norm, spec, ops).add_norm
-            fn, detail = entry.sequential_layer, f"residual adds fused into the next {spec.norm} norm"
-        if not plan.next_patched:
-            detail += "; hands a summed tensor to the unpatched module after it"
-        swap(layer, fn, plan, f"{detail} ({ops.name})", undo_layer)
-
+            fn, undo = entry.sequential_layer, None
+        swap(layer, "layer", fn, ops_name, undo, next_module)
     if final_reason is None:
-        ops = backends[next(final_norm.parameters()).device]
-        swap(
-            final_norm,
-            entry.norm,
-            norm_plan(final_norm, spec, ops),
-            f"takes the last layer's residual add ({ops.name})",
-        )
+        ops_name = backends[next(final_norm.parameters()).device].name
+        swap(final_norm, "norm", entry.norm, f"takes the last layer's residual add ({ops_name})")
     elif final_norm is not None:
         report.unpatched.append(
             ModuleRecord(names.get(id(final_norm), "final norm"), type(final_norm).__name__, "", final_reason)
         )
+    for module in sorted(state.modules, key=lambda m: m._patcher_guard.kind == "layer"):
+        module._patcher_guard.rebuild(module)
+    for i, layer in enumerate(layers):
+        if id(layer) in records:
+            next_patched = (reasons + [final_reason])[i + 1] is None
+            records[id(layer)].detail = _layer_detail(layer, spec, parallel, next_patched, records[id(layer)].detail)
 
     if patchable and callable(getattr(model, "generate", None)):
         from .decode import fast_generate
@@ -327,14 +275,31 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
                 report.fused_bytes += buffer.numel() * buffer.element_size()
     if not patchable:
         report.messages.append("no module could be patched; the model is unchanged")
+    state.weights = weights_signature(model)
     model._patcher_state = state
     return report
+
+
+def _layer_detail(layer: nn.Module, spec: ArchSpec, parallel: bool, next_patched: bool, ops_name: str) -> str:
+    if not parallel:
+        detail = f"residual adds fused into the next {spec.norm} norm"
+    else:
+        detail = "parallel residual: add + both LayerNorms in one kernel"
+        dense, out = getattr(layer, spec.attention)._patcher.out_int4, getattr(layer, spec.mlp)._patcher.out_int4
+        if layer._patcher.out_pair is not None:
+            detail += f"; decode: {spec.out_proj} + {spec.mlp_out} as one int4 GEMV over [attention | MLP]"
+        elif dense is not None or out is not None:
+            detail += f"; decode: {spec.out_proj} and {spec.mlp_out} apart ({out_pair_reason(dense, out)})"
+    if not next_patched:
+        detail += "; hands a summed tensor to the unpatched module after it"
+    return f"{detail} ({ops_name})"
 
 
 def _drop_plan(module: nn.Module, undo: Callable | None) -> None:
     if undo is not None:
         undo()
     module.__dict__.pop("_patcher", None)
+    module.__dict__.pop("_patcher_guard", None)
 
 
 def unpatch_model(model: nn.Module) -> bool:

@@ -20,6 +20,8 @@ class ModuleRecord:
 class PatchReport:
     model_class: str
     model_type: str
+    # backend, devices and dtype describe the current plans: kept up to date when weights are cast or moved after
+    # patching and the patched modules rebuild their plans (layers/plans.py)
     backend: str  # "kernels" (CUDA kernels), "reference" (pure torch), or both names joined by "+"
     devices: list[str]
     dtype: str
@@ -30,7 +32,8 @@ class PatchReport:
     fused_weights: int = 0  # fused weight buffers; their parameters are views, so memory did not grow
     fused_bytes: int = 0
     launches_per_layer: dict[str, int] = field(default_factory=dict)  # one decode token, outside attention
-    messages: list[str] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)  # notes, also added after patching: a hook that skips a
+    # fusion, weights that changed, a module that runs HF's forward (an adapter replaced its projections)
 
     @property
     def fully_patched(self) -> bool:

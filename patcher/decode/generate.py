@@ -8,7 +8,9 @@ with scores and logits, the caller's own logits processors (run between graph re
 with a left-padded (or absent) attention mask, the model on one CUDA device with every layer patched. Anything else
 (beam search, stopping criteria passed in, attentions in the output, no_repeat_ngram_size, bad_words_ids, ...)
 goes to transformers' own `generate` unchanged (our fused kernels still run inside its forward), and the reason is
-recorded (`generate_path(model)`) and warned about once.
+recorded (`generate_path(model)`) and warned about once. Each call first checks the weights
+(PatchState.check_weights): where they changed since the last call, the runner with its caches and captured graphs
+is dropped and rebuilt from the current plans; modules with hooks keep the call on HF's loop.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..layers.guard import user_hooks
 from .processors import Sampling
 from .runner import MAX_EOS_IDS, DecodeRunner
 
@@ -82,6 +85,15 @@ def model_reason(model) -> str | None:
     report = state.report
     if report.unpatched:
         return f"{len(report.unpatched)} module(s) are not patched ({report.unpatched[0].name})"
+    unplanned = state.unplanned()
+    if unplanned:
+        name, reason = next(iter(unplanned.items()))
+        return f"{len(unplanned)} patched module(s) run HF's forward now ({name}: {reason})"
+    hooked = next((name for name, m in model.named_modules() if user_hooks(m)), None)
+    if hooked is not None:
+        return f"a forward hook or pre-hook on {hooked or 'the model'} (the decode graph calls no modules)"
+    if model.training and state.planner.dropout:
+        return "training mode with dropout (the decode step has no dropout)"
     if report.backend != "kernels" or len(report.devices) != 1 or not report.devices[0].startswith("cuda"):
         return (
             f"the decode path runs on one CUDA device with the kernels backend (have {report.backend} on "
@@ -272,11 +284,21 @@ def release_decode_memory(model) -> None:
 
 
 def fast_generate(self, inputs=None, generation_config=None, **kwargs):
-    """Replaces `generate` on a patched model instance (see the module docstring)."""
+    """Replaces `generate` on a patched model instance (see the module docstring). One call at a time a model: the
+    weights check and the decode runner's buffers serve one caller."""
+    with _generate_lock(self._patcher_state):
+        return _generate(self, inputs, generation_config, **kwargs)
+
+
+def _generate(self, inputs, generation_config, **kwargs):
     state = self._patcher_state
     if inputs is not None:
         kwargs["input_ids"] = inputs
     reason = None if state.fast_generate else "the fast path is turned off (set_fast_generate)"
+    if reason is None:
+        # Weights replaced, moved, cast or updated since the last call: the plans are rebuilt and the runner (its
+        # caches and captured graphs, which read the old weights' memory) is dropped before anything reads them.
+        state.check_weights(self)
     reason = reason or model_reason(self)
     prepared = {}
     if reason is None:
@@ -286,24 +308,21 @@ def fast_generate(self, inputs=None, generation_config=None, **kwargs):
         if reason not in state.warned and state.fast_generate:
             state.warned.add(reason)
             warnings.warn(
-                f"patcher: generate uses transformers' loop (fused kernels, no CUDA graph): {reason}", stacklevel=2
+                f"patcher: generate uses transformers' loop (fused kernels, no CUDA graph): {reason}", stacklevel=3
             )
         original = state.original_generate or type(self).generate.__get__(self)
         return original(generation_config=generation_config, **kwargs)
     outputs = prepared["outputs"]
-    with _generate_lock(state):
-        if state.runner is None:
-            state.runner = DecodeRunner(self)
-        result = state.runner.generate(**prepared)
-        tokens, scores, logits = result if isinstance(result, tuple) else (result, None, None)
-        if outputs is not None:  # as HF returns it: the cache holds every position but the last token's
-            cache = state.runner.cache(tokens.shape[0], tokens.shape[1] - 1)
-    if outputs is not None:
-        tokens = GenerateDecoderOnlyOutput(
-            sequences=tokens,
-            scores=tuple(scores) if outputs["scores"] else None,
-            logits=tuple(logits) if outputs["logits"] else None,
-            cache=cache,
-        )
+    if state.runner is None:
+        state.runner = DecodeRunner(self)
+    result = state.runner.generate(**prepared)
+    tokens, scores, logits = result if isinstance(result, tuple) else (result, None, None)
     state.last_generate = {"path": "graph" if state.runner.use_graphs else "eager-runner", "reason": None}
-    return tokens
+    if outputs is None:
+        return tokens
+    return GenerateDecoderOnlyOutput(
+        sequences=tokens,
+        scores=tuple(scores) if outputs["scores"] else None,
+        logits=tuple(logits) if outputs["logits"] else None,
+        cache=state.runner.cache(tokens.shape[0], tokens.shape[1] - 1),  # every position but the last token's
+    )

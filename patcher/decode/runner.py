@@ -20,6 +20,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..layers.guard import weights_signature
 from ..ops import REFERENCE, decode_attention_workspace, next_token_workspace
 from .options import DecodeOptions
 from .processors import Processors, Sampling
@@ -164,6 +165,9 @@ class DecodeRunner:
         if not isinstance(options, DecodeOptions):
             raise TypeError(f"DecodeRunner takes a DecodeOptions, got {type(options).__name__}")
         self.model, self.options = model, options
+        state = getattr(model, "_patcher_state", None)
+        if state is not None:  # plans rebuilt where the weights changed since they were built (and no forward ran)
+            state.check_weights(model)
         self.decode_step = DecodeStep(model, options)
         self.device = self.decode_step.device
         self.use_graphs = options.use_graphs and self.device.type == "cuda"
@@ -172,6 +176,7 @@ class DecodeRunner:
         # largest one made so far, so memory is bounded by the largest call's shape, whatever the mix of shapes.
         self.states: OrderedDict[int, StepState] = OrderedDict()
         self.largest_cache = 0
+        self.weights = weights_signature(model)  # the plans, caches and graphs read these weights' memory
 
     def cache_bytes(self, batch: int, capacity: int) -> int:
         step = self.decode_step
@@ -294,6 +299,11 @@ class DecodeRunner:
             output_logits report them.
         extra: the caller's own LogitsProcessorList; the graph then covers the model's part of each step, and the
             token's choice runs after each replay."""
+        if weights_signature(self.model) != self.weights:
+            raise RuntimeError(
+                "the model's weights changed since this DecodeRunner was built (its plans and captured graphs read "
+                "the old ones); build a new DecodeRunner (model.generate does so by itself)"
+            )
         B, T = input_ids.shape
         keep = outputs is not None and (outputs.get("scores", False) or outputs.get("logits", False))
         st = self.state_for(B, T + new_tokens)

@@ -104,12 +104,9 @@ def attention_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> A
     )
 
 
-def undo_attention_plan(module: nn.Module, spec: ArchSpec) -> None:
-    qkv = [getattr(module, name) for name in spec.qkv]
-    if len(qkv) > 1 and not weights.is_int4(qkv[0]):
-        weights.unfuse(module, FUSED_QKV, [p.weight for p in qkv])
-        if qkv[0].bias is not None:
-            weights.unfuse(module, FUSED_QKV_BIAS, [p.bias for p in qkv])
+def undo_attention_plan(module: nn.Module) -> None:
+    weights.unfuse(module, FUSED_QKV)
+    weights.unfuse(module, FUSED_QKV_BIAS)
 
 
 def attention_forward(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..ops.int4 import Int4Linear
+from .guard import user_hooks
 from .stream import ResidualStream, as_stream, materialize, recording_hidden_states
 
 
@@ -29,6 +30,7 @@ class LayerPlan:
     attention: nn.Module
     mlp: nn.Module
     next_patched: bool  # does the next module (layer or final norm) accept a ResidualStream?
+    next_module: nn.Module | None = None
     norm: Callable | None = None  # sequential: input norm without an add (first layer)
     add_norm: Callable | None = None  # sequential: input add+norm
     post_add_norm: Callable | None = None  # sequential: add+norm before the MLP
@@ -36,9 +38,16 @@ class LayerPlan:
     add_dual_norm: Callable | None = None  # parallel: add + both norms
     out_pair: Int4Linear | None = None  # parallel, GPTQ int4: both output projections stacked along k (out_pair.py)
 
-    def emit(self, residual, delta, delta2=None):
+    def emit(self, layer: nn.Module, residual, delta, delta2=None):
+        """What the layer hands on: the stream where the next module takes it and nothing outside looks at it;
+        the summed tensor where HF records hidden states, or a hook on this layer or the next module would see it."""
         if self.next_patched and not recording_hidden_states():
-            return ResidualStream(residual, delta, delta2)
+            if not (user_hooks(layer) or user_hooks(self.next_module)):
+                return ResidualStream(residual, delta, delta2)
+            layer._patcher_guard.note(
+                f"{layer._patcher_guard.name}: a hook on it or on the module after it: it hands on the summed "
+                "tensor, so that residual add is not fused into the next norm"
+            )
         return materialize(residual, delta, delta2)
 
 
@@ -60,7 +69,7 @@ def sequential_layer_forward(
         **kwargs,
     )
     h, residual = plan.post_add_norm(residual, attn, None)
-    return plan.emit(residual, plan.mlp(h))
+    return plan.emit(self, residual, plan.mlp(h))
 
 
 def parallel_layer_forward(
@@ -80,4 +89,4 @@ def parallel_layer_forward(
         position_embeddings=position_embeddings,
         **kwargs,
     )
-    return plan.emit(residual, attn, plan.mlp(h_mlp))
+    return plan.emit(self, residual, attn, plan.mlp(h_mlp))

@@ -80,12 +80,9 @@ def mlp_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> MlpPlan
     return MlpPlan(ops, fc_in.weight, fc_in.bias, out.weight, out.bias, tanh)
 
 
-def undo_mlp_plan(module: nn.Module, spec: ArchSpec) -> None:
-    if spec.mlp_gated and FUSED_GATE_UP in module._buffers:
-        gate, up = (getattr(module, name) for name in spec.mlp_in)
-        weights.unfuse(module, FUSED_GATE_UP, [gate.weight, up.weight])
-        if FUSED_GATE_UP_BIAS in module._buffers:
-            weights.unfuse(module, FUSED_GATE_UP_BIAS, [gate.bias, up.bias])
+def undo_mlp_plan(module: nn.Module) -> None:
+    weights.unfuse(module, FUSED_GATE_UP)
+    weights.unfuse(module, FUSED_GATE_UP_BIAS)
 
 
 def gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:

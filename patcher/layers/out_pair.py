@@ -74,10 +74,9 @@ def fuse_out_pair(layer: nn.Module, dense: nn.Module, out: nn.Module, group_size
     )
 
 
-def undo_out_pair(layer: nn.Module, dense: nn.Module, out: nn.Module) -> None:
-    """Gives `dense` and `out` their own tensors again and drops the layer's buffers."""
-    for field, name in FUSED.items():
-        if name in layer._buffers:
-            weights.unfuse(layer, name, [getattr(dense, field), getattr(out, field)])
+def undo_out_pair(layer: nn.Module) -> None:
+    """Gives the output projections their own tensors again and drops the layer's buffers."""
+    for name in FUSED.values():
+        weights.unfuse(layer, name)
     for name in (G_IDX, BIAS):
         layer._buffers.pop(name, None)

@@ -24,11 +24,18 @@ def fuse(owner: nn.Module, name: str, params: list[torch.Tensor]) -> torch.Tenso
     return fused
 
 
-def unfuse(owner: nn.Module, name: str, params: list[torch.Tensor]) -> None:
-    """Gives each parameter its own storage again (a fresh copy, as before `fuse`) and drops the buffer."""
-    for p in params:
-        p.data = p.data.clone()
-    del owner._buffers[name]
+def unfuse(owner: nn.Module, name: str) -> None:
+    """Drops the fused buffer `owner.<name>` and gives every parameter and buffer under `owner` that is still a view
+    of it its own storage again (a fresh copy, as before `fuse`), whatever module holds it now (an adapter may wrap
+    the projection)."""
+    fused = owner._buffers.pop(name, None)
+    if fused is None:
+        return
+    storage = fused.untyped_storage().data_ptr()
+    for module in owner.modules():
+        for t in (*module._parameters.values(), *module._buffers.values()):
+            if t is not None and t.untyped_storage().data_ptr() == storage:
+                t.data = t.data.clone()
 
 
 def projection_reason(modules: list[nn.Module], names) -> str | None:

@@ -271,12 +271,14 @@ def test_accelerate_hooks_and_offloaded_layers():
 
 
 def test_no_graph_breaks_from_patched_ops():
-    """torch._dynamo.explain over the patched forward: the patcher:: ops trace without graph breaks."""
+    """torch._dynamo.explain over the patched forward under no_grad (with gradients recorded the patched modules
+    run HF's forwards): the patcher:: ops trace without graph breaks."""
     model = rm.build("tiny-llama")
     ids = ids_for(model, batch=1)
-    unpatched = torch._dynamo.explain(model)(ids, use_cache=False)
-    patch_model(model, backend="kernels")
-    patched = torch._dynamo.explain(model)(ids, use_cache=False)
+    with torch.no_grad():
+        unpatched = torch._dynamo.explain(model)(ids, use_cache=False)
+        patch_model(model, backend="kernels")
+        patched = torch._dynamo.explain(model)(ids, use_cache=False)
     assert patched.graph_break_count <= unpatched.graph_break_count, patched.break_reasons
     ops = {str(n.target) for g in patched.graphs for n in g.graph.nodes if n.op == "call_function"}
     assert any("patcher" in t for t in ops), "the patched graph should contain patcher:: ops"
@@ -383,8 +385,9 @@ def test_cuda_graph_capture_of_a_decode_step(name):
 @pytest.mark.parametrize("name", TINY)
 def test_model_split_over_two_gpus(name):
     """accelerate puts the embeddings and the first half of the layers on cuda:0, the rest with the final norm (and
-    an untied head) on cuda:1; patch_model patches every layer with its own device's kernels (the residual stream crosses
-    the boundary through accelerate's hook), generate falls back to HF with the reason, and unpatch restores."""
+    an untied head) on cuda:1; patch_model patches every layer with its own device's kernels (the residual stream
+    crosses the boundary through accelerate's hook), generate falls back to HF with the reason, and unpatch
+    restores."""
     from accelerate import dispatch_model
 
     from patcher.decode import generate_path
