@@ -152,6 +152,20 @@ def test_bad_processor_arguments_go_to_hf_with_the_reason():
         assert reason is not None and message in reason, reason
 
 
+def graph_path_equals_hf(model, ids, **kwargs):
+    """GPU: patched generate with `kwargs` takes the graph path (no fallback warning) and gives unpatched HF's
+    output; returns both."""
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+    patch_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = model.generate(ids, **kwargs)
+    assert generate_path(model)["path"] == "graph"
+    assert torch.equal(got, expected)
+    return got, expected
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("args", GREEDY_ARGS, ids=lambda a: ",".join(a))
 def test_graph_path_with_processors_matches_hf(args):
@@ -159,15 +173,8 @@ def test_graph_path_with_processors_matches_hf(args):
     model = rm.build("tiny-llama", device="cuda")
     model.generation_config.eos_token_id = None
     ids = torch.randint(3, VOCAB, (2, 9), device="cuda")
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, pad_token_id=0, **args)
-    with torch.no_grad():
-        expected = model.generate(ids, **kwargs)
-    patch_model(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback warning
-        got = model.generate(ids, **kwargs)
-    assert generate_path(model)["path"] == "graph"
-    assert torch.equal(got, expected)
+    graph_path_equals_hf(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                         pad_token_id=0, **args)  # fmt: skip
 
 
 class Recorder:
@@ -318,12 +325,7 @@ def test_graph_path_with_stop_strings_matches_hf():
         free = model.generate(ids, **kwargs)
     kwargs.update(stop_strings=[tokenizer.decode(free[0, 10:11]), tokenizer.decode(free[1, 14:16])],
                   tokenizer=tokenizer, eos_token_id=1)  # fmt: skip
-    with torch.no_grad():
-        expected = model.generate(ids, **kwargs)
-    patch_model(model)
-    got = model.generate(ids, **kwargs)
-    assert generate_path(model)["path"] == "graph"
-    assert torch.equal(got, expected)
+    graph_path_equals_hf(model, ids, **kwargs)
 
 
 class Boost:
@@ -370,11 +372,5 @@ def test_graph_path_with_callers_logits_processor_matches_hf():
     model = rm.build("tiny-llama", device="cuda")
     model.generation_config.eos_token_id = None
     ids = torch.randint(3, VOCAB, (2, 7), device="cuda")
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0,
-                  logits_processor=LogitsProcessorList([Boost()]))  # fmt: skip
-    with torch.no_grad():
-        expected = model.generate(ids, **kwargs)
-    patch_model(model)
-    got = model.generate(ids, **kwargs)
-    assert generate_path(model)["path"] == "graph"
-    assert torch.equal(got, expected)
+    graph_path_equals_hf(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                         pad_token_id=0, logits_processor=LogitsProcessorList([Boost()]))  # fmt: skip
