@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass
@@ -52,15 +52,25 @@ class PatchReport:
                 f"decoder layers restructured, backend {self.backend} on {', '.join(self.devices) or '-'}, {self.dtype}"
             )
         ]
-        if self.replaced:
-            lines.append(f"  replaced ({len(self.replaced)} modules):")
-            lines += [f"    {row}" for row in _grouped(self.replaced)]
+        kernels = "kernels" in self.backend.split("+")
+        replaced = self.replaced
+        if not kernels:  # what really runs: the graph decode path needs the CUDA kernels
+            replaced = [
+                replace(r, detail="transformers' generate loop here (the graph decode path needs the CUDA kernels)")
+                if r.replacement == "fast_generate" else r
+                for r in replaced
+            ]  # fmt: skip
+        if replaced:
+            lines.append(f"  replaced ({len(replaced)} modules):")
+            lines += [f"    {row}" for row in _grouped(replaced)]
         if self.fused_weights:
             lines.append(
                 f"  fused weights: {self.fused_weights} buffers, {self.fused_bytes / 2**20:.1f} MiB; the original "
                 "parameters are views of them (no extra memory, state_dict unchanged)"
             )
-        if self.launches_per_layer:
+        if self.launches_per_layer and not kernels:
+            lines.append("  ops: the pure-torch references (no CUDA kernels on this backend)")
+        elif self.launches_per_layer:
             total = sum(self.launches_per_layer.values())
             parts = ", ".join(f"{k} {v}" for k, v in self.launches_per_layer.items())
             lines.append(

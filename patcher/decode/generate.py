@@ -307,9 +307,8 @@ def _generate(self, inputs, generation_config, **kwargs):
         state.last_generate = {"path": "hf", "reason": reason}
         if reason not in state.warned and state.fast_generate:
             state.warned.add(reason)
-            warnings.warn(
-                f"patcher: generate uses transformers' loop (fused kernels, no CUDA graph): {reason}", stacklevel=3
-            )
+            runs = "fused kernels" if "kernels" in state.report.backend.split("+") else "the pure-torch reference ops"
+            warnings.warn(f"patcher: generate uses transformers' loop ({runs}, no CUDA graph): {reason}", stacklevel=3)
         original = state.original_generate or type(self).generate.__get__(self)
         return original(generation_config=generation_config, **kwargs)
     outputs = prepared["outputs"]

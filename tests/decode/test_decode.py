@@ -122,8 +122,11 @@ def test_calls_the_runner_does_not_handle_go_to_hf_with_a_reason():
     for expected, extra in cases.items():
         reason, _ = call_reason(model, None, {"input_ids": ids, "max_new_tokens": 4, **extra})
         assert reason is not None and expected in reason, (expected, reason)
-    # on the CPU the model itself is not eligible: generate falls back, says why, and still gives HF's tokens
-    with pytest.warns(UserWarning, match="CUDA device"):
+    # on the CPU the model itself is not eligible: the report and the warning say what runs there, generate falls
+    # back, says why, and still gives HF's tokens
+    text = str(model._patcher_state.report)
+    assert "pure-torch references" in text and "generate loop here" in text and "CUDA graph" not in text
+    with pytest.warns(UserWarning, match="pure-torch reference ops, no CUDA graph.*CUDA device"):
         out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert generate_path(model)["path"] == "hf" and out.shape == (2, 9)
     unpatch_model(model)
