@@ -34,8 +34,8 @@ CODE_CITATION = re.compile(r'(docs/[\w-]+\.md), "([^"]+)"')
 DOC_CITATION = re.compile(r'\]\(([\w-]+\.md)\), "([^"]+)"')
 CODE_SUFFIXES = {".cu", ".cuh", ".h", ".cpp", ".py", ".sh"}
 CODE_FOLDERS = ("patcher", "kernels", "evals", "tests")
-# The words are split so that this file does not contain them.
-NARRATION = re.compile("session|throwaway", re.IGNORECASE)
+# Each word written in two halves, so that this file, which the test reads too, does not contain it.
+NARRATION = re.compile("|".join(["ses" "sion", "throw" "away"]), re.IGNORECASE)
 
 
 def expand(name: str) -> list[str]:
