@@ -168,6 +168,8 @@ class DecodeRunner:
         state = getattr(model, "_patcher_state", None)
         if state is not None:  # plans rebuilt where the weights changed since they were built (and no forward ran)
             state.check_weights(model)
+        # the plans, caches and graphs read these weights' memory (the check just took their signature)
+        self.weights = state.weights if state is not None else weights_signature(model)
         self.decode_step = DecodeStep(model, options)
         self.device = self.decode_step.device
         self.use_graphs = options.use_graphs and self.device.type == "cuda"
@@ -176,7 +178,6 @@ class DecodeRunner:
         # largest one made so far, so memory is bounded by the largest call's shape, whatever the mix of shapes.
         self.states: OrderedDict[int, StepState] = OrderedDict()
         self.largest_cache = 0
-        self.weights = weights_signature(model)  # the plans, caches and graphs read these weights' memory
 
     def cache_bytes(self, batch: int, capacity: int) -> int:
         step = self.decode_step

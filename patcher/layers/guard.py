@@ -132,12 +132,15 @@ class Guard:
     def check(self, module: nn.Module) -> bool:
         """Rebuilds the plan where the weights changed; True when the fused forward can run on them."""
         if self.watch.changed():
-            self.note(
-                "weights changed after patching (replaced, moved, cast or re-pointed): the patched modules rebuilt "
-                "their plans from the current weights"
-            )
-            return self.rebuild(module)
+            return self.rebuild_changed(module)
         return self.reason is None
+
+    def rebuild_changed(self, module: nn.Module) -> bool:
+        self.note(
+            "weights changed after patching (replaced, moved, cast or re-pointed): the patched modules rebuilt "
+            "their plans from the current weights"
+        )
+        return self.rebuild(module)
 
     def fused(self, module: nn.Module, args, kwargs) -> bool:
         """Whether this call may take the fused forward (the first test is all the no_grad path pays)."""
@@ -148,7 +151,7 @@ class Guard:
         ):
             return False
         if self.watch.changed():  # (check(), inline: this runs every call)
-            return self.check(module)
+            return self.rebuild_changed(module)
         return self.reason is None
 
     def hooked_child(self, module: nn.Module) -> bool:
