@@ -16,6 +16,7 @@ is dropped and rebuilt from the current plans; modules with hooks keep the call 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import warnings
 
@@ -72,6 +73,8 @@ HF_ONLY_ARGUMENTS = (
     "custom_generate",
 )
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# The output's cache field: `past_key_values` in earlier 5.x releases (5.17), `cache` in later ones (5.24).
+CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)} else "past_key_values"
 
 
 def generate_path(model) -> dict:
@@ -319,9 +322,10 @@ def _generate(self, inputs, generation_config, **kwargs):
     state.last_generate = {"path": "graph" if state.runner.use_graphs else "eager-runner", "reason": None}
     if outputs is None:
         return tokens
+    cache = state.runner.cache(tokens.shape[0], tokens.shape[1] - 1)  # every position but the last token's
     return GenerateDecoderOnlyOutput(
         sequences=tokens,
         scores=tuple(scores) if outputs["scores"] else None,
         logits=tuple(logits) if outputs["logits"] else None,
-        cache=state.runner.cache(tokens.shape[0], tokens.shape[1] - 1),  # every position but the last token's
+        **{CACHE_FIELD: cache},
     )

@@ -5,8 +5,9 @@
 (greedy) or the draw (sampling). The decode runner applies the same processing to the same float32 logits, in the
 same order, as tensor ops that need no host sync, so the step stays one graph replay:
 
-    repetition_penalty          every token of the row so far, prompt included, its left padding excluded (HF's
-                                prompt_ignore_length): score < 0 ? score * penalty : score / penalty
+    repetition_penalty          every token of the row so far, prompt included, its left padding excluded where
+                                transformers excludes it (PENALTY_SKIPS_PADDING): score < 0 ? score * penalty
+                                : score / penalty
     min_length, min_new_tokens  EOS ids at -inf while the sequence (or its new part) is shorter
     forced_bos_token_id         at length 1, every token at -inf but BOS (0)
     forced_eos_token_id         at max_length - 1, every token at -inf but those ids (0)
@@ -24,6 +25,21 @@ import math
 from dataclasses import dataclass
 
 import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+
+def _penalty_skips_padding() -> bool:
+    """Whether transformers' generate leaves each row's left padding out of repetition_penalty. Later 5.x releases
+    (5.24) pass the rows' padding lengths to RepetitionPenaltyLogitsProcessor, which takes them as a tensor there;
+    earlier ones (5.17) take only an int and penalize pad tokens like any other."""
+    try:
+        RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=torch.zeros(1, dtype=torch.long))
+    except ValueError:
+        return False
+    return True
+
+
+PENALTY_SKIPS_PADDING = _penalty_skips_padding()
 
 
 @dataclass(frozen=True)
@@ -89,7 +105,7 @@ class Processors:
         length = st.slot + 1  # the sequence so far, as HF's input_ids.shape[-1]
         if p.repetition_penalty != 1.0:
             positions = torch.arange(st.tokens.shape[1], device=scores.device)
-            seen = (positions <= st.slot) & (positions >= st.pad[:, None])
+            seen = (positions <= st.slot) & ((positions >= st.pad[:, None]) | (not PENALTY_SKIPS_PADDING))
             ids = st.tokens.masked_fill(~seen, self.vocab).clamp(max=self.vocab)
             hit = torch.zeros(scores.shape[0], self.vocab + 1, dtype=torch.bool, device=scores.device)
             hit = hit.scatter(1, ids, True)[:, : self.vocab]

@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 from patcher import patch_model
 from patcher import random_models as rm
 from patcher.decode import DecodeOptions, DecodeRunner, Sampling, decode_memory, release_decode_memory
-from patcher.decode.generate import call_reason
+from patcher.decode.generate import CACHE_FIELD, call_reason
 from patcher.decode.runner import MIN_CAPACITY
 
 VOCAB = 512
@@ -126,7 +126,8 @@ def test_dict_output_with_scores_and_logits(sample, monkeypatch):
     assert type(got) is type(expected)
     assert len(got.scores) == len(got.logits) == got.sequences.shape[1] - ids.shape[1] == 5
     assert all(s.dtype == torch.float32 and s.shape == (2, VOCAB) for s in got.scores + got.logits)
-    assert got.cache.get_seq_length() == expected.cache.get_seq_length() == got.sequences.shape[1] - 1
+    got_cache, hf_cache = getattr(got, CACHE_FIELD), getattr(expected, CACHE_FIELD)
+    assert got_cache.get_seq_length() == hf_cache.get_seq_length() == got.sequences.shape[1] - 1
     if sample:
         assert torch.equal(got.sequences, again.sequences)
         assert all(torch.isinf(s).sum(-1).min() >= VOCAB - 30 for s in got.scores)  # top-k left 30 finite
@@ -134,7 +135,7 @@ def test_dict_output_with_scores_and_logits(sample, monkeypatch):
     assert torch.equal(got.sequences, expected.sequences)
     for ours, theirs in zip(got.scores + got.logits, expected.scores + expected.logits):
         assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
-    k_ours, k_hf = got.cache.layers[0].keys, expected.cache.layers[0].keys
+    k_ours, k_hf = got_cache.layers[0].keys, hf_cache.layers[0].keys
     assert torch.allclose(k_ours, k_hf, atol=1e-4, rtol=1e-4)
 
 
