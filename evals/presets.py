@@ -15,7 +15,7 @@ asks for, returning generate() keyword arguments:
                   where there are EOS ids)
   stop-strings    greedy, three stop_strings the text never holds, with the tokenizer
 
-EOS ids: the last ids of the model's vocabulary (its output rows), which a random-weight model makes no more often
+EOS ids: the last ids of the model's vocabulary (config.vocab_size), which a random-weight model makes no more often
 than any other id. Every call's output is checked after the timing: one shorter than asked (every row stopped at an
 EOS id or a stop string) makes the row an error instead of a timing. At batch > 1 a row that stops early while
 others go on leaves the work per step unchanged (the whole batch is decoded each step); the row counts such rows in

@@ -365,8 +365,7 @@ def main(argv=None) -> int:
 
     setup = None
     if args.generate_args:
-        setup = presets.Setup(vocab_size=model.get_output_embeddings().weight.shape[0], tokenizer=tokenizer,
-                              offline=tokenizer is None)  # fmt: skip
+        setup = presets.Setup(vocab_size=model.config.vocab_size, tokenizer=tokenizer, offline=tokenizer is None)
         if tokenizer is None and presets.NEEDS_TOKENIZER & set(args.generate_args):
             setup.tokenizer = presets.offline_tokenizer(setup.vocab_size)
     bandwidth = common.hbm_read_bandwidth_gbs(device) if device.type == "cuda" else None

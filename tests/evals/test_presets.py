@@ -123,22 +123,29 @@ def test_warning_where_a_preset_left_the_graph_path():
 
 
 def test_tpot_presets_on_a_tiny_model(tmp_path, capsys):
+    """Each (mode, batch, preset) is a row with its arguments and x_greedy; at batch 2 the streamer preset streams
+    each row (HF's loop feeds it [2] tensors)."""
     out = tmp_path / "tpot.json"
     args = ["--random-config", "tiny-qwen2", "--device", "cpu", "--new-tokens", "3", "--repeats", "1"]
-    args += ["--prompt-len", "8", "--modes", "hf-eager,patched", "--no-profile", "--json", str(out)]
+    args += ["--prompt-len", "8", "--modes", "hf-eager,patched", "--sweep-batch", "1,2", "--no-profile"]
     chosen = ["greedy", "streamer", "stop-strings", "min-new-tokens", "sampling"]
-    assert tpot.main([*args, "--generate-args", ",".join(chosen)]) == 0
+    assert tpot.main([*args, "--json", str(out), "--generate-args", ",".join(chosen)]) == 0
     result = json.loads(out.read_text())
     rows = result["results"]
     setup = presets.Setup(512, tokenizer=presets.offline_tokenizer(512))
-    assert [(r["mode"], r["preset"]) for r in rows] == [(m, p) for m in ("hf-eager", "patched") for p in chosen]
+    expected = [(b, m, p) for b in (1, 2) for m in ("hf-eager", "patched") for p in chosen]
+    assert [(r["batch"], r["mode"], r["preset"]) for r in rows] == expected
     for row in rows:
-        assert row["tpot_ms"] > 0 and row["x_greedy"] > 0 and row["batch"] == 1
+        assert row["tpot_ms"] > 0 and row["x_greedy"] > 0 and "error" not in row
+        setup.batch = row["batch"]
         assert row["arguments"] == presets.describe(presets.arguments(row["preset"], setup, 4))
     assert {r["x_greedy"] for r in rows if r["preset"] == "greedy"} == {1.0}
+    assert rows[6]["x_greedy"] == rows[6]["tpot_ms"] / rows[5]["tpot_ms"]  # patched streamer / patched greedy
+    assert rows[11]["arguments"]["streamer"] == "RowStreamers"
     patched = [r for r in rows if r["mode"] == "patched"]
     assert all(r["decode_path"] in ("graph", "eager-runner", "hf") and "decode_reason" in r for r in patched)
     assert rows[3]["arguments"]["min_new_tokens"] == 4 and rows[3]["rows_stopped_early"] == 0
+    assert (tmp_path / "tpot.png").stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "x greedy" in printed.splitlines()[0] and "stop-strings" in printed
 
