@@ -393,6 +393,7 @@ def main(argv=None) -> int:
         rows.append(row)
         presets.add_ratios(rows)
         figures = f"{row['tpot_ms']:.3f} ms" if "tpot_ms" in row else f"failed: {row['error']}"
+        figures += "".join(f", {k} {row[k]:.2f}" for k in ("x_greedy", "x_hf_static") if k in row)
         tqdm.write(f"tpot: {label(row)}: {figures}", file=sys.stderr)
         if off_graph(row):
             tqdm.write(off_graph(row), file=sys.stderr)
