@@ -25,6 +25,23 @@ Modes:
                            norm kernel in front (DecodeOptions(int4_separate_norm_batch=9))
   patched-static-compiled  patch_model(model) + HF's static cache and auto-compile (torch.compile compatibility)
 
+Generate arguments (--generate-args PRESET[,PRESET...]): each preset is one row a mode, batch and context, with its
+arguments in the JSON (evals/presets.py says how each is built):
+  greedy          do_sample=False (the rows without --generate-args)
+  sampling        temperature 0.7, top_k 20, top_p 0.8
+  qwen-instruct   Qwen2-1.5B-Instruct's generation config: sampling as above, repetition_penalty 1.1, two EOS ids
+  llama-instruct  Llama-3.1-8B-Instruct's: temperature 0.6, top_p 0.9, three EOS ids
+  streamer        greedy, a TextStreamer that decodes each token to text and writes nothing (one a row at batch > 1)
+  min-new-tokens  greedy, min_new_tokens = the tokens asked for, with two EOS ids
+  stop-strings    greedy, three stop_strings the text never holds, with the tokenizer
+The EOS ids are the last ids of the vocabulary; a call whose output comes out shorter than asked makes its row an
+error. Sampling calls are seeded. A random-weight model gets a tokenizer built offline with exactly its vocabulary
+(id i decodes to " t{i}"); a model loaded with a tokenizer uses its own. With presets the default modes are
+hf-static-compiled and patched (hf-eager, patched-eager and patched on a CPU), the kernel profile is off (--profile
+turns it on), and each row adds "x_greedy" (TPOT over the greedy preset's, same mode, batch and context),
+"x_hf_static" for the patched modes (over hf-static-compiled's with the same preset) and the decode path
+patcher.decode.generate_path reports, with a warning line where `patched` did not take the graph path.
+
 With no model argument it runs Pythia-2.8B-shaped random weights on a GPU, a tiny model on a CPU.
 """
 
@@ -39,7 +56,8 @@ import sys
 import torch
 from tqdm import tqdm
 
-from . import common
+from . import common, presets
+from .kernel_profile import KERNEL_COLUMNS, step_profile
 
 GPU_MODES = ["hf-eager", "hf-static-compiled", "patched-eager", "patched", "patched-static-compiled"]  # the default
 RUNNER_MODES = {  # patched with a runner of other settings, for comparisons
@@ -51,6 +69,7 @@ RUNNER_MODES = {  # patched with a runner of other settings, for comparisons
 }
 ALL_MODES = [*GPU_MODES, *RUNNER_MODES]
 CPU_MODES = ["hf-eager", "patched-eager", "patched"]
+PRESET_GPU_MODES = ["hf-static-compiled", "patched"]  # the default with --generate-args
 
 
 def weight_bytes(model) -> int:
@@ -79,118 +98,6 @@ def kv_bytes(model, batch: int, context: float) -> float:
     return per_token * batch * context * model.dtype.itemsize
 
 
-def profile_spans(fn) -> list[tuple[str, float, float]]:
-    """(name, start us, end us) of each GPU kernel executed while fn() runs, in start order (torch.profiler / CUPTI;
-    kernels inside CUDA graphs are recorded one by one too)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    spans = [
-        (e.name, e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset"))
-    ]
-    return sorted(spans, key=lambda s: s[1])
-
-
-def by_place(spans: list[tuple[str, float, float]], skip: dict[str, int], places: dict[str, int]) -> list:
-    """The spans with each run of a kernel in `places` (name -> runs per layer) renamed "name #i", i its place
-    among that kernel's runs in a layer (1 = first), counting from its run after the first skip[name] (the
-    prefill's)."""
-    seen: dict[str, int] = {}
-    out = []
-    for name, start, end in spans:
-        if name in places:
-            k = seen.get(name, 0)
-            seen[name] = k + 1
-            if k >= skip.get(name, 0):
-                name = f"{name} #{(k - skip.get(name, 0)) % places[name] + 1}"
-        out.append((name, start, end))
-    return out
-
-
-def kernel_shares(spans: list[tuple[str, float, float]]) -> dict[str, list]:
-    """(name, start us, end us) of each kernel run -> by name: [launches, total us, critical us].
-
-    Under programmatic dependent launch a kernel starts while the one before it runs (its blocks wait on-chip), so
-    durations overlap and add up to more than the step. A kernel's critical time is the part of its run that no
-    kernel which ended before it covers. In a chain of dependent kernels that is the time from the previous kernel's
-    end to its own, its share of the critical path; the shares add up to the time any kernel ran (gaps with none
-    running are in no share)."""
-    shares: dict[str, list] = {}
-    covered: list[list[float]] = []  # disjoint [start, end] of the runs so far, in order
-    for name, start, end in sorted(spans, key=lambda s: s[2]):
-        # Every interval so far ends by `end`, so only the trailing ones that reach past `start` overlap this run.
-        overlap, merged_start = 0.0, start
-        while covered and covered[-1][1] > start:
-            c_start, c_end = covered.pop()
-            overlap += c_end - max(c_start, start)
-            merged_start = min(merged_start, c_start)
-        covered.append([merged_start, end])
-        entry = shares.setdefault(name, [0, 0.0, 0.0])
-        entry[0] += 1
-        entry[1] += end - start
-        entry[2] += end - start - overlap
-    return shares
-
-
-def short_kernel_name(name: str, limit: int = 100) -> str:
-    """A kernel's name without "void", namespaces of ours and the parameter list; template arguments kept (they
-    tell our launches apart)."""
-    name = name.removeprefix("void ").replace("(anonymous namespace)::", "").replace("patcher::", "")
-    depth = 0
-    for i, c in enumerate(name):  # the parameter list starts at the first "(" outside template brackets
-        depth += (c == "<") - (c == ">")
-        if c == "(" and depth == 0:
-            name = name[:i]
-            break
-    return name if len(name) <= limit else name[: limit - 3] + "..."
-
-
-def short_place_name(name: str) -> str:
-    """short_kernel_name, keeping by_place's " #i"."""
-    base, mark, place = name.rpartition(" #")
-    return short_kernel_name(base) + mark + place if mark and place.isdigit() else short_kernel_name(name)
-
-
-def step_profile(generate, layers: int, steps: int = 8, top: int = 12) -> dict:
-    """Kernels per decode step and where the step's GPU time goes: profile (1 token) and (steps + 1 tokens) and
-    take the difference per step. Ranked by critical time (kernel_shares), which adds up to the time a kernel ran; the
-    summed durations overlap under programmatic dependent launch. A kernel that runs several times in each of the
-    `layers` layers (the int4 linears) is also split by its place in the layer ("kernel_places")."""
-    one_spans, many_spans = profile_spans(lambda: generate(1)), profile_spans(lambda: generate(steps + 1))
-
-    def per_step(one: dict, many: dict) -> dict:
-        rows = {}
-        for name, (count, us, critical) in many.items():
-            c0, us0, critical0 = one.get(name, (0, 0.0, 0.0))
-            if count > c0:
-                rows[name] = [(count - c0) / steps, (us - us0) / steps, (critical - critical0) / steps]
-        return rows
-
-    def ranked(rows: dict, limit: int) -> list:
-        order = sorted(rows.items(), key=lambda kv: -kv[1][2])[:limit]
-        return [
-            {"kernel": short_place_name(k), "launches": c, "us": us, "critical_us": cr, "critical_us_each": cr / c}
-            for k, (c, us, cr) in order
-        ]
-
-    one = kernel_shares(one_spans)
-    rows = per_step(one, kernel_shares(many_spans))
-    places = {n: round(r[0] / layers) for n, r in rows.items() if r[0] > layers and r[0] % layers == 0}
-    skip = {n: one[n][0] if n in one else 0 for n in places}
-    by_layer = per_step(one, kernel_shares(by_place(many_spans, skip, places)))
-    return {
-        "kernels_per_step": sum(c for c, _, _ in rows.values()),
-        "kernel_us_per_step": sum(us for _, us, _ in rows.values()),
-        "critical_us_per_step": sum(critical for _, _, critical in rows.values()),
-        "top_kernels": ranked(rows, top),
-        "kernel_places": ranked({k: v for k, v in by_layer.items() if "#" in k}, 4 * top),
-    }
-
-
 @contextlib.contextmanager
 def mode_setup(model, mode: str):
     """Puts the model in the state a mode needs; undoes it afterwards."""
@@ -217,57 +124,86 @@ def mode_setup(model, mode: str):
             torch._dynamo.reset()
 
 
-def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True) -> dict:
-    gen_kwargs = {"do_sample": False, "attention_mask": torch.ones_like(prompt)}
+def graph_expected(mode: str) -> bool:
+    """Whether the mode's generate may take the graph-captured decode path (its fast generate is on)."""
+    return mode == "patched" or mode in RUNNER_MODES
+
+
+def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True, preset=None, setup=None) -> dict:
+    """One row: the model already in `mode`'s state (mode_setup); `preset` names the generate() arguments
+    (presets.PRESETS, built from `setup`), None for plain greedy decoding."""
+    base = {"attention_mask": torch.ones_like(prompt)}
     if mode.endswith("static-compiled"):
-        gen_kwargs["cache_implementation"] = "static"
-        gen_kwargs["max_cache_len"] = model._tpot_cache_len
+        base["cache_implementation"] = "static"
+        base["max_cache_len"] = model._tpot_cache_len  # one size for every preset and point: HF compiles once
+    outputs = []  # (tokens asked for, output), checked after the timing
 
     def generate(n):
-        return model.generate(prompt, max_new_tokens=n, **gen_kwargs)
+        kwargs = {"do_sample": False} if preset is None else presets.arguments(preset, setup, n)
+        if kwargs.get("do_sample"):
+            torch.manual_seed(presets.SEED)
+        out = model.generate(prompt, max_new_tokens=n, **base, **kwargs)
+        outputs.append((n, out))
+        return out
 
-    with mode_setup(model, mode):
-        out = generate(new_tokens + 1)  # warm-up: compilation, graph capture, kernel build, autotuning
-        assert out.shape[1] == prompt.shape[1] + new_tokens + 1, "generation stopped early"
-        generate(1)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t1s, tns = zip(*common.generation_pairs(generate, new_tokens, repeats, device, mode))
-        tpots = [(tn - t1) / new_tokens for tn, t1 in zip(tns, t1s)]
-        row = {
-            "mode": mode,
-            "tpot_ms": statistics.median(tpots) * 1e3,
-            "tpot_ms_all": [t * 1e3 for t in tpots],
-            "ttft_ms": statistics.median(t1s) * 1e3,
-        }
-        row["tokens_per_s"] = prompt.shape[0] / (row["tpot_ms"] / 1e3)
-        if mode.startswith("patched"):
-            from patcher.decode import generate_path
+    row = {"mode": mode}
+    if preset is not None:
+        row.update(preset=preset, arguments=presets.describe(presets.arguments(preset, setup, new_tokens + 1)))
 
-            path = generate_path(model)
-            row["decode_path"] = path.get("path")
-        if device.type == "cuda":
-            row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-            if profile:
-                row.update(step_profile(generate, model.config.num_hidden_layers))
-                row["gpu_busy"] = row["critical_us_per_step"] / 1e3 / row["tpot_ms"]
+    def check_lengths():
+        short = {(n, out.shape[1] - prompt.shape[1]) for n, out in outputs if out.shape[1] != prompt.shape[1] + n}
+        if short:
+            raise RuntimeError(
+                "generation stopped early (every row hit an EOS id or a stop string), so the timing is not of the "
+                f"tokens asked for: (asked, made) {sorted(short)}"
+            )
+
+    generate(new_tokens + 1)  # warm-up: compilation, graph capture, kernel build, autotuning
+    generate(1)
+    check_lengths()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t1s, tns = zip(*common.generation_pairs(generate, new_tokens, repeats, device, mode))
+    check_lengths()
+    tpots = [(tn - t1) / new_tokens for tn, t1 in zip(tns, t1s)]
+    row.update(
+        tpot_ms=statistics.median(tpots) * 1e3,
+        tpot_ms_all=[t * 1e3 for t in tpots],
+        ttft_ms=statistics.median(t1s) * 1e3,
+    )
+    row["tokens_per_s"] = prompt.shape[0] / (row["tpot_ms"] / 1e3)
+    eos = presets.eos_ids(presets.arguments(preset, setup, 1)) if preset is not None else []
+    if eos:  # rows that stopped before the last token while others went on (the batch is decoded whole anyway)
+        made = outputs[-1][1][:, prompt.shape[1] : -1]
+        row["rows_stopped_early"] = int(torch.isin(made, torch.tensor(eos, device=made.device)).any(dim=1).sum())
+    if mode.startswith("patched"):
+        from patcher.decode import generate_path
+
+        path = generate_path(model)
+        row["decode_path"] = path.get("path")
+        row["decode_reason"] = path.get("reason")
+    if device.type == "cuda":
+        row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        if profile:
+            row.update(step_profile(generate, model.config.num_hidden_layers))
+            row["gpu_busy"] = row["critical_us_per_step"] / 1e3 / row["tpot_ms"]
     return row
 
 
-def run(model, args, device, prompt_len, batch, bandwidth, modes, on_row, progress=None) -> None:
-    """Measures each mode at one prompt length and batch size and hands its row to `on_row` at once; a mode that
-    raises gives a row with its `error` instead."""
+def run(model, args, device, prompt_len, batch, bandwidth, modes, on_row, progress=None, setup=None) -> None:
+    """Measures each mode (and each preset of --generate-args in it) at one prompt length and batch size and hands
+    its row to `on_row` at once; a measurement that raises gives a row with its `error` instead. A mode is set up
+    once for all its presets (hf-static-compiled compiles once: the presets change no shape)."""
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=g).to(device)
     context = prompt_len + (args.new_tokens + 1) / 2  # mean cached length over the timed steps
     step_bytes = weight_bytes(model) + kv_bytes(model, batch, context)
-    for mode in modes:
-        if progress:
-            progress.set_postfix_str(f"context {prompt_len}, batch {batch}, {mode}")
-        try:
-            row = measure_mode(model, mode, prompt, args.new_tokens, args.repeats, device, profile=not args.no_profile)
-        except Exception as e:  # noqa: BLE001 - one mode failing (a compile error, OOM) must not lose the others
-            row = {"mode": mode, "error": f"{type(e).__name__}: {e}"}
+    names = args.generate_args or [None]
+    if setup is not None:
+        setup.batch = batch
+    profile = not args.no_profile and (args.profile or not args.generate_args)
+
+    def finish(row):
         row.update(context=prompt_len, batch=batch, bytes_per_step=step_bytes)
         if bandwidth:
             row["roofline_ms"] = step_bytes / (bandwidth * 1e9) * 1e3
@@ -278,18 +214,42 @@ def run(model, args, device, prompt_len, batch, bandwidth, modes, on_row, progre
         if progress:
             progress.update(1)
 
+    def failed(mode, preset, e):
+        return {"mode": mode, **({"preset": preset} if preset else {}), "error": f"{type(e).__name__}: {e}"}
+
+    for mode in modes:
+        pending = list(names)
+        try:
+            with mode_setup(model, mode):
+                while pending:
+                    preset = pending.pop(0)
+                    if progress:
+                        progress.set_postfix_str(f"context {prompt_len}, batch {batch}, {mode} {preset or ''}")
+                    try:
+                        row = measure_mode(model, mode, prompt, args.new_tokens, args.repeats, device, profile=profile,
+                                           preset=preset, setup=setup)  # fmt: skip
+                    except Exception as e:  # noqa: BLE001 - one failing (a compile error, OOM) must not lose the others
+                        row = failed(mode, preset, e)
+                    finish(row)
+        except Exception as e:  # the mode's setup failed: its rows say so
+            if not pending:
+                raise  # undoing a mode failed after its rows: the next modes would measure a broken model
+            for preset in pending:
+                finish(failed(mode, preset, e))
+
 
 def plot(rows: list[dict], path: str, title: str, x: str = "context") -> None:
-    """TPOT of each mode and the roofline against `x`: "context" (--sweep-context) or "batch" (--sweep-batch)."""
+    """TPOT of each mode (and preset) and the roofline against `x`: "context" (--sweep-context) or "batch"
+    (--sweep-batch)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        pts = sorted((r[x], r["tpot_ms"]) for r in rows if r["mode"] == mode)
-        ax.plot(*zip(*pts), marker="o", label=mode)
+    for mode, preset in dict.fromkeys((r["mode"], r.get("preset")) for r in rows):
+        pts = sorted((r[x], r["tpot_ms"]) for r in rows if (r["mode"], r.get("preset")) == (mode, preset))
+        ax.plot(*zip(*pts), marker="o", label=f"{mode} {preset}" if preset else mode)
     roof = sorted({(r[x], r["roofline_ms"]) for r in rows if "roofline_ms" in r})
     if roof:
         ax.plot(*zip(*roof), linestyle="--", color="black", label="roofline (bytes / measured HBM bandwidth)")
@@ -317,15 +277,35 @@ COLUMNS = [
     ("gpu_busy", "GPU busy", ".0%"),
     ("peak_memory_gb", "peak GB", ".1f"),
 ]
-
-
-KERNEL_COLUMNS = [
-    ("kernel", "kernel", ""),
-    ("launches", "launches/step", ".1f"),
-    ("critical_us", "critical us/step", ".1f"),
-    ("critical_us_each", "critical us/launch", ".2f"),
-    ("us", "duration us/step", ".1f"),
+PRESET_COLUMNS = [  # with --generate-args: after the mode, and after tok/s
+    [("preset", "preset", "")],
+    [("x_greedy", "x greedy", ".2f"), ("x_hf_static", "x hf-static", ".2f"), ("decode_path", "path", "")],
 ]
+
+
+def label(row: dict) -> str:
+    preset = f" {row['preset']}" if row.get("preset") else ""
+    return f"{row['mode']}{preset} at context {row['context']}, batch {row['batch']}"
+
+
+def off_graph(row: dict) -> str | None:
+    """The warning line for a preset row whose generate left the graph path in a mode that takes it, or None."""
+    if row.get("preset") and graph_expected(row["mode"]) and row.get("decode_path") not in (None, "graph"):
+        return f"warning: {label(row)} ran on the {row['decode_path']} path: {row.get('decode_reason')}"
+    return None
+
+
+def table_columns(args) -> list:
+    columns = list(COLUMNS)
+    if args.generate_args:
+        if args.no_profile or not args.profile:  # no profile, no kernel columns
+            columns = [c for c in columns if c[0] not in ("kernels_per_step", "gpu_busy")]
+        at = [k for k, _, _ in columns].index("tokens_per_s") + 1
+        columns = [columns[0], *PRESET_COLUMNS[0], *columns[1:at], *PRESET_COLUMNS[1], *columns[at:]]
+    if args.sweep_batch:
+        at = [k for k, _, _ in columns].index("context") + 1
+        columns.insert(at, ("batch", "batch", "d"))
+    return columns
 
 
 def main(argv=None) -> int:
@@ -341,7 +321,15 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep-context", default=None, help="prompt lengths, e.g. 128,512,1024,2048,4096")
     parser.add_argument("--sweep-batch", default=None, help="batch sizes instead of --batch, e.g. 1,2,4,8")
     parser.add_argument("--plot", default=None, help="PNG path for the sweep plot (default: beside --json)")
+    parser.add_argument(
+        "--generate-args",
+        type=presets.parse,
+        default=None,
+        metavar="PRESET[,PRESET...]",
+        help=f"generate() argument presets, each a row: {','.join(presets.PRESETS)}",
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the kernel profile (torch.profiler)")
+    parser.add_argument("--profile", action="store_true", help="measure the kernel profile with --generate-args too")
     parser.add_argument(
         "--kernel-table", action="store_true", help="print each mode's costliest kernels per decode step"
     )
@@ -349,12 +337,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     device, dtype = common.resolve(args)
-    modes = args.modes.split(",") if args.modes else (GPU_MODES if device.type == "cuda" else CPU_MODES)
+    gpu_modes = PRESET_GPU_MODES if args.generate_args else GPU_MODES
+    modes = args.modes.split(",") if args.modes else (gpu_modes if device.type == "cuda" else CPU_MODES)
     unknown = set(modes) - set(ALL_MODES)
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {ALL_MODES}")
     if device.type != "cuda" and any(m.endswith("compiled") for m in modes):
         parser.error("the compiled modes need a CUDA GPU")
+    if args.profile and args.no_profile:
+        parser.error("give one of --profile and --no-profile")
     if args.sweep_context and args.sweep_batch:
         parser.error("--sweep-context and --sweep-batch each make their own plot: give one of them")
     contexts = [int(c) for c in args.sweep_context.split(",")] if args.sweep_context else [args.prompt_len]
@@ -364,7 +355,7 @@ def main(argv=None) -> int:
     if (args.sweep_context or args.sweep_batch) and importlib.util.find_spec("matplotlib") is None:
         parser.error("the sweeps are plotted with matplotlib: pip install 'fused-patcher[plots]'")
 
-    model, _, name = common.load_model(args, device, dtype)
+    model, tokenizer, name = common.load_model(args, device, dtype)
     model.generation_config.eos_token_id = None  # always generate exactly the requested number of tokens
     model.generation_config.pad_token_id = 0
     longest = max(contexts) + args.new_tokens + 1
@@ -372,6 +363,11 @@ def main(argv=None) -> int:
     if getattr(model.config, "max_position_embeddings", longest) < longest:
         model.config.max_position_embeddings = longest  # rope has no length limit; random weights anyway
 
+    setup = None
+    if args.generate_args:
+        setup = presets.Setup(vocab_size=model.config.vocab_size, tokenizer=tokenizer, offline=tokenizer is None)
+        if tokenizer is None and presets.NEEDS_TOKENIZER & set(args.generate_args):
+            setup.tokenizer = presets.offline_tokenizer(setup.vocab_size)
     bandwidth = common.hbm_read_bandwidth_gbs(device) if device.type == "cuda" else None
     print(
         f"{name}, {str(dtype).replace('torch.', '')}, batch {','.join(map(str, batches))}, {args.new_tokens} new tokens"
@@ -395,26 +391,32 @@ def main(argv=None) -> int:
         # Each mode's figures reach stderr and the JSON as soon as they are measured, so a run that is stopped
         # (a time limit, a mode that hangs) keeps what it has.
         rows.append(row)
+        presets.add_ratios(rows)
         figures = f"{row['tpot_ms']:.3f} ms" if "tpot_ms" in row else f"failed: {row['error']}"
-        where = f"context {row['context']}, batch {row['batch']}"
-        tqdm.write(f"tpot: {row['mode']} at {where}: {figures}", file=sys.stderr)
+        figures += "".join(f", {k} {row[k]:.2f}" for k in ("x_greedy", "x_hf_static") if k in row)
+        tqdm.write(f"tpot: {label(row)}: {figures}", file=sys.stderr)
+        if off_graph(row):
+            tqdm.write(off_graph(row), file=sys.stderr)
         common.write_json(args.json, payload, announce=False)
 
-    with tqdm(total=len(batches) * len(contexts) * len(modes), desc="tpot", file=sys.stderr) as progress:
+    total = len(batches) * len(contexts) * len(modes) * len(args.generate_args or [None])
+    with tqdm(total=total, desc="tpot", file=sys.stderr) as progress:
         for batch in batches:
             for context in contexts:
-                run(model, args, device, context, batch, bandwidth, modes, on_row, progress)
+                run(model, args, device, context, batch, bandwidth, modes, on_row, progress, setup)
 
-    columns = [*COLUMNS[:2], ("batch", "batch", "d"), *COLUMNS[2:]] if args.sweep_batch else COLUMNS
-    print(common.table(rows, columns))
+    print(common.table(rows, table_columns(args)))
+    for row in rows:
+        if off_graph(row):
+            print(off_graph(row))
     failed = [r for r in rows if "error" in r]
     for row in failed:
-        print(f"{row['mode']} at context {row['context']} failed: {row['error']}")
+        print(f"{label(row)} failed: {row['error']}")
     if args.kernel_table:
         for row in rows:
             if row.get("top_kernels"):
                 print(
-                    f"\n{row['mode']}, context {row['context']}: a kernel running {row['critical_us_per_step']:.0f} us "
+                    f"\n{label(row)}: a kernel running {row['critical_us_per_step']:.0f} us "
                     f"of {row['tpot_ms'] * 1e3:.0f} us per step ({100 * row['gpu_busy']:.0f}%); durations sum to "
                     f"{row['kernel_us_per_step']:.0f} us (they overlap under programmatic dependent launch)"
                 )

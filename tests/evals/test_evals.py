@@ -8,7 +8,7 @@ import math
 import pytest
 from conftest import smollm2_gguf, wikitext_path
 
-from evals import perplexity, tpot
+from evals import kernel_profile, perplexity, tpot
 
 TEXT = wikitext_path()
 
@@ -119,7 +119,7 @@ def test_tpot_keeps_the_other_modes_when_one_fails(tmp_path, monkeypatch, capsys
     assert rows["patched-eager"]["error"] == "RuntimeError: injected failure" and "tpot_ms" not in rows["patched-eager"]
     assert rows["hf-eager"]["tpot_ms"] > 0 and rows["patched"]["tpot_ms"] > 0
     assert written[:3] == [["hf-eager"], ["hf-eager", "patched-eager"], ["hf-eager", "patched-eager", "patched"]]
-    assert "patched-eager at context 128 failed: RuntimeError: injected failure" in capsys.readouterr().out
+    assert "patched-eager at context 128, batch 1 failed: RuntimeError: injected failure" in capsys.readouterr().out
 
 
 def test_tpot_rejects_compiled_modes_on_cpu():
@@ -159,8 +159,8 @@ def test_perplexity_smollm2_on_a_wikitext_slice(tmp_path):
     ],
 )
 def test_kernel_names_in_the_step_profile(raw, short):
-    assert tpot.short_kernel_name(raw) == short
-    assert len(tpot.short_kernel_name("k" * 300)) == 100
+    assert kernel_profile.short_kernel_name(raw) == short
+    assert len(kernel_profile.short_kernel_name("k" * 300)) == 100
 
 
 def test_kernel_shares_add_up_to_the_time_a_kernel_ran():
@@ -173,14 +173,14 @@ def test_kernel_shares_add_up_to_the_time_a_kernel_ran():
         ("c", 30.0, 33.0),  # after a gap of 10; `inside` ends first, so c adds 30 .. 31 and 32 .. 33
         ("inside", 31.0, 32.0),  # adds 31 .. 32
     ]
-    shares = tpot.kernel_shares(spans)
+    shares = kernel_profile.kernel_shares(spans)
     assert shares["a"] == [2, 18.0, 15.0]
     assert shares["b"] == [1, 11.0, 5.0]
     assert shares["inside"] == [1, 1.0, 1.0]
     assert shares["c"] == [1, 3.0, 2.0]
     assert sum(s[2] for s in shares.values()) == 23.0  # 0 .. 20 and 30 .. 33
     # A long run over two shorter ones with a gap between them: it adds the gap and its ends, not the others' time.
-    shares = tpot.kernel_shares([("x", 0.0, 1.0), ("y", 5.0, 6.0), ("long", 0.5, 10.0)])
+    shares = kernel_profile.kernel_shares([("x", 0.0, 1.0), ("y", 5.0, 6.0), ("long", 0.5, 10.0)])
     assert shares["long"] == [1, 9.5, 8.0]
 
 
@@ -195,10 +195,10 @@ def test_kernel_runs_by_their_place_in_a_layer():
         ("attn", 21.0, 22.0),
         ("k", 22.0, 23.0),
     ]
-    names = [name for name, _, _ in tpot.by_place(spans, {"k": 2}, {"k": 2})]
+    names = [name for name, _, _ in kernel_profile.by_place(spans, {"k": 2}, {"k": 2})]
     assert names == ["k", "k", "k #1", "attn", "k #2", "k #1", "attn", "k #2"]
-    assert tpot.short_place_name("void patcher::f<int>(int) #2") == "f<int> #2"
-    assert tpot.short_place_name("void patcher::f<int>(int)") == "f<int>"
+    assert kernel_profile.short_place_name("void patcher::f<int>(int) #2") == "f<int> #2"
+    assert kernel_profile.short_place_name("void patcher::f<int>(int)") == "f<int>"
 
 
 def test_splits_tool_on_a_tiny_int4_model(tmp_path, capsys, monkeypatch):

@@ -1,0 +1,127 @@
+"""The kernel profile of a decode step for evals.tpot: which GPU kernels run per step and each one's share of the
+step's critical path (torch.profiler / CUPTI)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def profile_spans(fn) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of each GPU kernel executed while fn() runs, in start order (torch.profiler / CUPTI;
+    kernels inside CUDA graphs are recorded one by one too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    spans = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset"))
+    ]
+    return sorted(spans, key=lambda s: s[1])
+
+
+def by_place(spans: list[tuple[str, float, float]], skip: dict[str, int], places: dict[str, int]) -> list:
+    """The spans with each run of a kernel in `places` (name -> runs per layer) renamed "name #i", i its place
+    among that kernel's runs in a layer (1 = first), counting from its run after the first skip[name] (the
+    prefill's)."""
+    seen: dict[str, int] = {}
+    out = []
+    for name, start, end in spans:
+        if name in places:
+            k = seen.get(name, 0)
+            seen[name] = k + 1
+            if k >= skip.get(name, 0):
+                name = f"{name} #{(k - skip.get(name, 0)) % places[name] + 1}"
+        out.append((name, start, end))
+    return out
+
+
+def kernel_shares(spans: list[tuple[str, float, float]]) -> dict[str, list]:
+    """(name, start us, end us) of each kernel run -> by name: [launches, total us, critical us].
+
+    Under programmatic dependent launch a kernel starts while the one before it runs (its blocks wait on-chip), so
+    durations overlap and add up to more than the step. A kernel's critical time is the part of its run that no
+    kernel which ended before it covers. In a chain of dependent kernels that is the time from the previous kernel's
+    end to its own, its share of the critical path; the shares add up to the time any kernel ran (gaps with none
+    running are in no share)."""
+    shares: dict[str, list] = {}
+    covered: list[list[float]] = []  # disjoint [start, end] of the runs so far, in order
+    for name, start, end in sorted(spans, key=lambda s: s[2]):
+        # Every interval so far ends by `end`, so only the trailing ones that reach past `start` overlap this run.
+        overlap, merged_start = 0.0, start
+        while covered and covered[-1][1] > start:
+            c_start, c_end = covered.pop()
+            overlap += c_end - max(c_start, start)
+            merged_start = min(merged_start, c_start)
+        covered.append([merged_start, end])
+        entry = shares.setdefault(name, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += end - start
+        entry[2] += end - start - overlap
+    return shares
+
+
+def short_kernel_name(name: str, limit: int = 100) -> str:
+    """A kernel's name without "void", namespaces of ours and the parameter list; template arguments kept (they
+    tell our launches apart)."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "").replace("patcher::", "")
+    depth = 0
+    for i, c in enumerate(name):  # the parameter list starts at the first "(" outside template brackets
+        depth += (c == "<") - (c == ">")
+        if c == "(" and depth == 0:
+            name = name[:i]
+            break
+    return name if len(name) <= limit else name[: limit - 3] + "..."
+
+
+def short_place_name(name: str) -> str:
+    """short_kernel_name, keeping by_place's " #i"."""
+    base, mark, place = name.rpartition(" #")
+    return short_kernel_name(base) + mark + place if mark and place.isdigit() else short_kernel_name(name)
+
+
+def step_profile(generate, layers: int, steps: int = 8, top: int = 12) -> dict:
+    """Kernels per decode step and where the step's GPU time goes: profile (1 token) and (steps + 1 tokens) and
+    take the difference per step. Ranked by critical time (kernel_shares), which adds up to the time a kernel ran; the
+    summed durations overlap under programmatic dependent launch. A kernel that runs several times in each of the
+    `layers` layers (the int4 linears) is also split by its place in the layer ("kernel_places")."""
+    one_spans, many_spans = profile_spans(lambda: generate(1)), profile_spans(lambda: generate(steps + 1))
+
+    def per_step(one: dict, many: dict) -> dict:
+        rows = {}
+        for name, (count, us, critical) in many.items():
+            c0, us0, critical0 = one.get(name, (0, 0.0, 0.0))
+            if count > c0:
+                rows[name] = [(count - c0) / steps, (us - us0) / steps, (critical - critical0) / steps]
+        return rows
+
+    def ranked(rows: dict, limit: int) -> list:
+        order = sorted(rows.items(), key=lambda kv: -kv[1][2])[:limit]
+        return [
+            {"kernel": short_place_name(k), "launches": c, "us": us, "critical_us": cr, "critical_us_each": cr / c}
+            for k, (c, us, cr) in order
+        ]
+
+    one = kernel_shares(one_spans)
+    rows = per_step(one, kernel_shares(many_spans))
+    places = {n: round(r[0] / layers) for n, r in rows.items() if r[0] > layers and r[0] % layers == 0}
+    skip = {n: one[n][0] if n in one else 0 for n in places}
+    by_layer = per_step(one, kernel_shares(by_place(many_spans, skip, places)))
+    return {
+        "kernels_per_step": sum(c for c, _, _ in rows.values()),
+        "kernel_us_per_step": sum(us for _, us, _ in rows.values()),
+        "critical_us_per_step": sum(critical for _, _, critical in rows.values()),
+        "top_kernels": ranked(rows, top),
+        "kernel_places": ranked({k: v for k, v in by_layer.items() if "#" in k}, 4 * top),
+    }
+
+
+KERNEL_COLUMNS = [
+    ("kernel", "kernel", ""),
+    ("launches", "launches/step", ".1f"),
+    ("critical_us", "critical us/step", ".1f"),
+    ("critical_us_each", "critical us/launch", ".2f"),
+    ("us", "duration us/step", ".1f"),
+]
