@@ -5,6 +5,8 @@
 #                                  pytest selection ARGS; JOBS workers (default 15)
 #   tools/gpu_run.sh tpot    decode TPOT of the four model shapes the README reports, fp16 and GPTQ int4 (group size
 #                            128), random weights, one JSON file each
+#   tools/gpu_run.sh presets [MODEL...]  TPOT of every generate-argument preset (evals/presets.py), patched against
+#                            HF's static cache + compile, fp16, batch 1, one JSON file a model (default: the four)
 # Logs and JSON files go to $OUT (default /tmp/patcher-out).
 set -euo pipefail
 OUT=${OUT:-/tmp/patcher-out}
@@ -14,6 +16,8 @@ case "${1:-}" in
   tests)
     shift
     python3 -c "from patcher.ops import build; build.load()"   # once, before the workers start
+    # One CPU thread a worker: fifteen workers with a thread a core each would contend for the cores.
+    export OMP_NUM_THREADS=1
     # One line a test (-v), so that a run cut short still names what failed; pytest-xdist spreads the tests over
     # the CPU cores (the GPU tests are small); extra arguments select a subset, e.g. tests/decode -m gpu.
     python3 -m pytest -v -rfE -p no:randomly -n "${JOBS:-15}" "${@:-tests}" > "$OUT/tests.log" 2>&1 || status=$?
@@ -28,8 +32,18 @@ case "${1:-}" in
         --json "$OUT/tpot_${model}_int4.json"
     done
     ;;
+  presets)
+    shift
+    presets=greedy,sampling,qwen-instruct,llama-instruct,streamer,min-new-tokens,stop-strings
+    models=("$@")
+    [[ ${#models[@]} -gt 0 ]] || models=(pythia-2.8b llama-3.1-8b qwen2-1.5b smollm2-135m)
+    for model in "${models[@]}"; do
+      python3 -m evals.tpot --random-config "$model" --generate-args "$presets" \
+        --json "$OUT/tpot_presets_${model}.json" 2>&1 | tee "$OUT/tpot_presets_${model}.log" | grep -v "it/s" || true
+    done
+    ;;
   *)
-    echo "usage: tools/gpu_run.sh tests|tpot" >&2
+    echo "usage: tools/gpu_run.sh tests|tpot|presets" >&2
     exit 2
     ;;
 esac
