@@ -287,12 +287,12 @@ def sampling_for(config, eos: list[int], vocab: int) -> Sampling:
             raise ValueError(f"bad_words_ids {outside} outside the vocabulary (0 .. {vocab - 1})")
     sampled = {}
     if do_sample:  # HF applies the warpers only when sampling
-        sampled = dict(
-            temperature=temperature,
-            top_k=int(config.top_k or 0),
-            top_p=float(config.top_p if config.top_p is not None else 1.0),
-            min_p=None if config.min_p is None else float(config.min_p),
-        )
+        sampled = {
+            "temperature": temperature,
+            "top_k": int(config.top_k or 0),
+            "top_p": float(config.top_p if config.top_p is not None else 1.0),
+            "min_p": None if config.min_p is None else float(config.min_p),
+        }
     return Sampling(
         do_sample=do_sample,
         repetition_penalty=penalty,
