@@ -273,7 +273,7 @@ def sampling_for(config, eos: list[int], vocab: int) -> Sampling:
     ngram = config.no_repeat_ngram_size
     if ngram is not None and not isinstance(ngram, int):
         raise ValueError(f"no_repeat_ngram_size {ngram!r} is not an int")
-    ngram = ngram if ngram is not None and ngram > 0 else 0  # HF adds no processor for 0 or less
+    ngram = int(ngram) if ngram is not None and ngram > 0 else 0  # HF adds no processor for 0 or less
     bad_words = ()
     if config.bad_words_ids is not None:
         # HF's own processor validates the words and drops those equal to one EOS id; its error is HF's error
