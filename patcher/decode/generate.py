@@ -129,7 +129,10 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
             return f"argument {name}", {}
     kwargs = dict(kwargs)
     own_processors = kwargs.pop("logits_processor", None) or None
-    own_criteria = list(kwargs.pop("stopping_criteria", None) or ())
+    own_criteria = kwargs.pop("stopping_criteria", None)
+    if own_criteria is not None and not isinstance(own_criteria, (list, tuple)):
+        return f"stopping_criteria is a {type(own_criteria).__name__}, not a list (StoppingCriteriaList)", {}
+    own_criteria = list(own_criteria or ())
     streamer = kwargs.pop("streamer", None)
     tokenizer = kwargs.pop("tokenizer", None)
     if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):

@@ -170,6 +170,8 @@ def test_callers_criteria_of_types_hf_makes():
     for criterion in (MaxLengthCriteria(max_length=7), EosTokenCriteria(eos_token_id=3)):
         reason, _ = gen.call_reason(model, config, {"input_ids": ids, "stopping_criteria": [criterion]})
         assert reason is not None and type(criterion).__name__ in reason, reason
+    reason, _ = gen.call_reason(model, config, {"input_ids": ids, "stopping_criteria": mine})  # not in a list
+    assert reason is not None and "not a list" in reason, reason
 
 
 def padded_prompts(batch: int, seed: int):
