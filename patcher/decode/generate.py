@@ -2,12 +2,14 @@
 
 patch_model sets this as the instance's `generate`. It decides per call, from the arguments alone (no trial
 run), whether the request is one the decode runner reproduces exactly: greedy or sampling (temperature, top-k,
-top-p, min-p) with the logits processors of processors.py (repetition_penalty, min_length, min_new_tokens,
-suppress_tokens, begin_suppress_tokens, forced BOS/EOS), a streamer, stop_strings and max_time, the dict output
-with scores and logits, the caller's own logits processors (run between graph replays), batch 1 to 8, token ids
-with a left-padded (or absent) attention mask, the model on one CUDA device with every layer patched. Anything else
-(beam search, stopping criteria passed in, attentions in the output, no_repeat_ngram_size, bad_words_ids, ...)
-goes to transformers' own `generate` unchanged (our fused kernels still run inside its forward), and the reason is
+top-p, min-p) with the logits processors of processors.py (repetition_penalty, no_repeat_ngram_size, bad_words_ids,
+min_length, min_new_tokens, suppress_tokens, begin_suppress_tokens, forced BOS/EOS), a streamer, stop_strings and
+max_time, the caller's own stopping criteria (run on the host a step behind, runner.TokenFeed), the dict output
+with scores and logits, the caller's own logits processors (run between graph replays), batch 1 to 64 (1 to 8 for a
+model with GPTQ int4 linears, whose kernels take at most 8 rows), token ids with a left-padded (or absent)
+attention mask, the model on one CUDA device with every layer patched. Anything else (beam search, attentions in
+the output, sequence_bias, prefix_allowed_tokens_fn, a caller's MaxLengthCriteria or EosTokenCriteria, ...) goes to
+transformers' own `generate` unchanged (our fused kernels still run inside its forward), and the reason is
 recorded (`generate_path(model)`) and warned about once. Each call first checks the weights
 (PatchState.check_weights): where they changed since the last call, the runner with its caches and captured graphs
 is dropped and rebuilt from the current plans; modules with hooks keep the call on HF's loop.
@@ -21,14 +23,19 @@ import threading
 import warnings
 
 import torch
-from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
+from transformers.generation.logits_process import NoBadWordsLogitsProcessor
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StopStringCriteria,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..layers.guard import user_hooks
 from .processors import Sampling
-from .runner import MAX_EOS_IDS, DecodeRunner
+from .runner import MAX_BATCH, MAX_EOS_IDS, DecodeRunner
 
-MAX_BATCH = 8
 HEAD_DIMS = (64, 80, 128)
 # Generation options the decode runner implements; any other option that differs from transformers' defaults
 # (repetition_penalty, min_new_tokens, num_beams, output_scores, ...) sends the call to HF's loop.
@@ -47,6 +54,8 @@ HANDLED = {
     "forced_eos_token_id",
     "suppress_tokens",
     "begin_suppress_tokens",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
     "stop_strings",
     "max_time",
     "num_return_sequences",
@@ -64,7 +73,6 @@ HANDLED = {
     "decoder_start_token_id",
 }
 HF_ONLY_ARGUMENTS = (
-    "stopping_criteria",
     "prefix_allowed_tokens_fn",
     "synced_gpus",
     "assistant_model",
@@ -124,6 +132,10 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
             return f"argument {name}", {}
     kwargs = dict(kwargs)
     own_processors = kwargs.pop("logits_processor", None) or None
+    own_criteria = kwargs.pop("stopping_criteria", None)
+    if own_criteria is not None and not isinstance(own_criteria, (list, tuple)):
+        return f"stopping_criteria is a {type(own_criteria).__name__}, not a list (StoppingCriteriaList)", {}
+    own_criteria = list(own_criteria or ())
     streamer = kwargs.pop("streamer", None)
     tokenizer = kwargs.pop("tokenizer", None)
     if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
@@ -166,16 +178,6 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
         (attention_mask[:, -1] == 1).all() & (attention_mask.diff(dim=-1) >= 0).all()
     ):
         return "the attention mask is not left padding", {}
-    if own_processors is not None:
-        # HF puts a caller's processor of a type the config also makes in that one's place; here the caller's run
-        # after ours (as HF runs the others: after its own, before the warpers), so such a call goes to HF's loop.
-        greedy = copy.copy(config)
-        greedy.do_sample = False  # the processors without the warpers, which HF adds after the caller's
-        made = model._get_logits_processor(greedy, input_ids_seq_length=T, device=input_ids.device,
-                                           model_kwargs={"attention_mask": attention_mask})  # fmt: skip
-        both = sorted({type(p).__name__ for p in made} & {type(p).__name__ for p in own_processors})
-        if both:
-            return f"logits_processor of a type the generation config also makes ({', '.join(both)})", {}
     new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - T
     if new_tokens is None or new_tokens < 1:
         return "no new tokens requested", {}
@@ -183,14 +185,35 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     if len(eos) > MAX_EOS_IDS:
         return f"more than {MAX_EOS_IDS} EOS ids", {}
+    if own_processors is not None:
+        # HF puts a caller's processor of a type the config also makes in that one's place; here the caller's run
+        # after ours (as HF runs the others: after its own, before the warpers), so such a call goes to HF's loop.
+        greedy = copy.copy(config)
+        greedy.do_sample = False  # the processors without the warpers, which HF adds after the caller's
+        greedy._eos_token_tensor = torch.tensor(eos, dtype=torch.long) if eos else None
+        try:
+            made = model._get_logits_processor(greedy, input_ids_seq_length=T, device=input_ids.device,
+                                               model_kwargs={"attention_mask": attention_mask})  # fmt: skip
+        except ValueError as e:  # an argument HF's processors refuse: its loop raises the same error
+            return f"logits processing: {e}", {}
+        both = sorted({type(p).__name__ for p in made} & {type(p).__name__ for p in own_processors})
+        if both:
+            return f"logits_processor of a type the generation config also makes ({', '.join(both)})", {}
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-    criteria = []  # the stopping criteria that read the tokens on the host (runner.TokenFeed)
-    if config.max_time is not None:
+    reason = criteria_reason(own_criteria)
+    if reason is not None:
+        return reason, {}
+    # the stopping criteria the config makes, which read the tokens on the host (runner.TokenFeed); as in HF's
+    # _merge_criteria_processor_list, a caller's criterion of the same type takes the place of the config's
+    replaced = {type(c) for c in own_criteria}
+    criteria = []
+    if config.max_time is not None and MaxTimeCriteria not in replaced:
         criteria.append(MaxTimeCriteria(max_time=config.max_time))
     if config.stop_strings is not None:
         if tokenizer is None:
             return "stop_strings without a tokenizer", {}
-        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings))
+        if StopStringCriteria not in replaced:
+            criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings))
     try:
         sampling = sampling_for(config, eos, model.get_output_embeddings().weight.shape[0])
     except ValueError as e:
@@ -204,9 +227,26 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
         "pad_token_id": int(pad),
         "streamer": streamer,
         "criteria": criteria,
+        "own_criteria": own_criteria,
         "outputs": outputs,
         "extra": own_processors,
     }
+
+
+def criteria_reason(own: list) -> str | None:
+    """Why the caller's stopping criteria send the call to HF's loop, or None. HF merges them with those it makes
+    (_get_stopping_criteria), a caller's of a type it makes taking that one's place: a caller's MaxTimeCriteria or
+    StopStringCriteria the runner runs in place of the config's as well; MaxLengthCriteria (always made) and
+    EosTokenCriteria decide the length and the padding, which the runner fixes before the first step, and HF pads
+    finished rows wherever a criterion has an `eos_token_id`."""
+    for criterion in own:
+        if not callable(criterion):
+            return f"a stopping criterion that is not callable ({type(criterion).__name__})"
+        if isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria)):
+            return f"stopping_criteria with a {type(criterion).__name__} (it sets the length or the padding)"
+        if hasattr(criterion, "eos_token_id"):
+            return f"stopping_criteria with eos_token_id ({type(criterion).__name__}: HF then pads finished rows)"
+    return None
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -236,14 +276,29 @@ def sampling_for(config, eos: list[int], vocab: int) -> Sampling:
     for name, ids in token_ids.items():
         if any(not 0 <= i < vocab for i in ids):
             raise ValueError(f"{name} {list(ids)} outside the vocabulary (0 .. {vocab - 1})")
+    ngram = config.no_repeat_ngram_size
+    if ngram is not None and not isinstance(ngram, int):
+        raise ValueError(f"no_repeat_ngram_size {ngram!r} is not an int")
+    ngram = int(ngram) if ngram is not None and ngram > 0 else 0  # HF adds no processor for 0 or less
+    bad_words = ()
+    if config.bad_words_ids is not None:
+        # HF's own processor validates the words and drops those equal to one EOS id; its error is HF's error
+        try:
+            words = NoBadWordsLogitsProcessor(config.bad_words_ids, eos or None).sequence_bias
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"bad_words_ids: {e}") from e
+        bad_words = tuple(tuple(int(i) for i in word) for word in words if word)  # HF's bias skips empty words
+        outside = sorted({i for word in bad_words for i in word if i >= vocab})
+        if outside:  # HF raises this at the first step
+            raise ValueError(f"bad_words_ids {outside} outside the vocabulary (0 .. {vocab - 1})")
     sampled = {}
     if do_sample:  # HF applies the warpers only when sampling
-        sampled = dict(
-            temperature=temperature,
-            top_k=int(config.top_k or 0),
-            top_p=float(config.top_p if config.top_p is not None else 1.0),
-            min_p=None if config.min_p is None else float(config.min_p),
-        )
+        sampled = {
+            "temperature": temperature,
+            "top_k": int(config.top_k or 0),
+            "top_p": float(config.top_p if config.top_p is not None else 1.0),
+            "min_p": None if config.min_p is None else float(config.min_p),
+        }
     return Sampling(
         do_sample=do_sample,
         repetition_penalty=penalty,
@@ -254,6 +309,8 @@ def sampling_for(config, eos: list[int], vocab: int) -> Sampling:
         forced_eos_token_ids=token_ids["forced_eos_token_id"],
         suppress_tokens=token_ids["suppress_tokens"],
         begin_suppress_tokens=token_ids["begin_suppress_tokens"],
+        no_repeat_ngram_size=ngram,
+        bad_words_ids=bad_words,
         **sampled,
     )
 
@@ -306,6 +363,12 @@ def _generate(self, inputs, generation_config, **kwargs):
     prepared = {}
     if reason is None:
         reason, prepared = call_reason(self, generation_config, kwargs)
+    if reason is None:  # the kernels' row limits, which the runner knows (GPTQ int4 linears take 8 rows)
+        if state.runner is None:
+            state.runner = DecodeRunner(self)
+        batch = prepared["input_ids"].shape[0]
+        if batch > state.runner.max_batch:
+            reason = f"batch {batch} ({state.runner.batch_limit_reason()})"
     if reason is not None:
         state.last_generate = {"path": "hf", "reason": reason}
         if reason not in state.warned and state.fast_generate:
@@ -315,8 +378,6 @@ def _generate(self, inputs, generation_config, **kwargs):
         original = state.original_generate or type(self).generate.__get__(self)
         return original(generation_config=generation_config, **kwargs)
     outputs = prepared["outputs"]
-    if state.runner is None:
-        state.runner = DecodeRunner(self)
     result = state.runner.generate(**prepared)
     tokens, scores, logits = result if isinstance(result, tuple) else (result, None, None)
     state.last_generate = {"path": "graph" if state.runner.use_graphs else "eager-runner", "reason": None}

@@ -8,6 +8,12 @@ same order, as tensor ops that need no host sync, so the step stays one graph re
     repetition_penalty          every token of the row so far, prompt included, its left padding excluded where
                                 transformers excludes it (PENALTY_SKIPS_PADDING): score < 0 ? score * penalty
                                 : score / penalty
+    no_repeat_ngram_size n      -inf for each token that would complete an n-gram already in the row (prompt and
+                                its left padding included, as HF reads the raw input_ids): every window of the
+                                token buffer whose first n - 1 tokens equal the row's last n - 1 bans its last token
+    bad_words_ids               + -inf (HF adds a bias) on single-token words always, and on a longer word's last
+                                token where the row ends with the word's prefix (padding included); words equal to
+                                one EOS id are dropped, as HF drops them
     min_length, min_new_tokens  EOS ids at -inf while the sequence (or its new part) is shorter
     forced_bos_token_id         at length 1, every token at -inf but BOS (0)
     forced_eos_token_id         at max_length - 1, every token at -inf but those ids (0)
@@ -16,7 +22,9 @@ same order, as tensor ops that need no host sync, so the step stays one graph re
     (sampling) temperature, top_k, top_p, min_p, then a draw
 
 Whatever depends on the call (the prompt length, max_length) is a device tensor of the StepState, set before the
-first step; the token ids and values are constants of `Sampling`, so a graph is captured once per Sampling.
+first step; the token ids and values are constants of `Sampling`, so a graph is captured once per Sampling. The
+n-gram and bad-word matches read the StepState's whole token buffer [B, capacity + 1] with masks built from the
+device tensor st.slot (the current token's index), so their shapes never depend on the length so far.
 """
 
 from __future__ import annotations
@@ -59,6 +67,8 @@ class Sampling:
     forced_eos_token_ids: tuple[int, ...] = ()  # forced at max_length - 1
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
+    no_repeat_ngram_size: int = 0  # 0: off
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # as HF's NoBadWordsLogitsProcessor keeps them (EOS words out)
 
     @property
     def processes(self) -> bool:
@@ -86,6 +96,22 @@ class Processors:
         if sampling.forced_bos_token_id is not None:
             self.bos_row = torch.where(mask([sampling.forced_bos_token_id]), 0.0, -math.inf)
         self.eos_row = torch.where(mask(sampling.forced_eos_token_ids), 0.0, -math.inf)
+        words = sampling.bad_words_ids
+        self.bad_single = mask([w[0] for w in words if len(w) == 1])
+        # Longer bad words: their prefixes right-aligned in one [words, longest prefix] tensor (`bad_valid` marks the
+        # prefix's own positions), matched against each row's last tokens all at once.
+        longer = [w for w in words if len(w) > 1]
+        self.bad_prefixes = None
+        if longer:
+            width = max(len(w) - 1 for w in longer)
+            prefixes = torch.zeros(len(longer), width, dtype=torch.long)
+            valid = torch.zeros(len(longer), width, dtype=torch.bool)
+            for i, w in enumerate(longer):
+                prefixes[i, width - len(w) + 1 :] = torch.tensor(w[:-1])
+                valid[i, width - len(w) + 1 :] = True
+            self.bad_prefixes, self.bad_valid = prefixes.to(device), valid.to(device)
+            self.bad_last = torch.tensor([w[-1] for w in longer], device=device)
+            self.bad_prefix_len = torch.tensor([len(w) - 1 for w in longer], device=device)
 
     def __call__(self, logits: torch.Tensor, st, keep: tuple | None = None, extra=None, input_ids=None):
         """What next_token takes the argmax of, for the step whose current token is at st.slot: the logits
@@ -111,6 +137,10 @@ class Processors:
             hit = hit.scatter(1, ids, True)[:, : self.vocab]
             penalized = torch.where(scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty)
             scores = torch.where(hit, penalized, scores)
+        if p.no_repeat_ngram_size:
+            scores = self.no_repeat_ngram(scores, st)
+        if p.bad_words_ids:
+            scores = self.bad_words(scores, st, length)
         if p.eos and p.min_length > 0:
             scores = torch.where(self.eos_mask & (length < p.min_length), -math.inf, scores)
         if p.eos and p.min_new_tokens > 0:
@@ -130,6 +160,41 @@ class Processors:
         if keep is not None:
             keep[0].copy_(scores)
         return self.draw(scores) if p.do_sample else scores
+
+    def no_repeat_ngram(self, scores: torch.Tensor, st) -> torch.Tensor:
+        """HF's NoRepeatNGramLogitsProcessor on the sequence so far, st.tokens[:, : slot + 1]: each complete n-gram
+        window whose first n - 1 tokens equal the row's last n - 1 bans its last token (nothing before n tokens)."""
+        n, tokens = self.sampling.no_repeat_ngram_size, st.tokens
+        if n > tokens.shape[1]:  # no sequence in this buffer is long enough to hold an n-gram
+            return scores
+        windows = tokens.unfold(1, n, 1)  # [B, capacity + 2 - n, n]: window s is tokens[:, s : s + n]
+        starts = torch.arange(windows.shape[1], device=scores.device)
+        match = (starts <= st.slot + 1 - n).expand(tokens.shape[0], -1)  # windows inside the sequence so far
+        if n > 1:
+            # where the sequence is shorter than n, no window qualifies, so the clamped indices are never used
+            last = (st.slot + 2 - n + torch.arange(n - 1, device=scores.device)).clamp(min=0)
+            prefix = tokens.index_select(1, last)  # [B, n - 1]
+            match = match & (windows[..., :-1] == prefix[:, None]).all(-1)
+        return scores.masked_fill(self._hits(match, windows[..., -1]), -math.inf)
+
+    def bad_words(self, scores: torch.Tensor, st, length: torch.Tensor) -> torch.Tensor:
+        """HF's NoBadWordsLogitsProcessor: scores + a bias of -inf on banned tokens (0 elsewhere), as HF adds it."""
+        banned = self.bad_single.expand_as(scores)
+        if self.bad_prefixes is not None:
+            width = self.bad_prefixes.shape[1]
+            recent = (st.slot + 1 - width + torch.arange(width, device=scores.device)).clamp(min=0)
+            tail = st.tokens.index_select(1, recent)  # [B, width]: the row's last tokens, right-aligned
+            same = (tail[:, None, :] == self.bad_prefixes) | ~self.bad_valid  # [B, words, width]
+            # HF skips a word whose prefix is longer than the sequence so far
+            match = same.all(-1) & (self.bad_prefix_len <= length)
+            banned = banned | self._hits(match, self.bad_last.expand_as(match))
+        return scores + torch.where(banned, -math.inf, 0.0)
+
+    def _hits(self, match: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[B, V] bool: True at ids[b, j] for each match[b, j]. Ids past the vocabulary (an embedding table larger
+        than the lm_head) and unmatched entries go to a spare column, where they unban nothing."""
+        hit = torch.zeros(match.shape[0], self.vocab + 1, dtype=torch.bool, device=match.device)
+        return hit.scatter(1, torch.where(match, ids.clamp(max=self.vocab), self.vocab), True)[:, : self.vocab]
 
     def warp(self, scores: torch.Tensor) -> torch.Tensor:
         """HF's sampling warpers in HF's order: temperature, top-k, top-p, min-p."""

@@ -29,6 +29,8 @@ from .step import DecodeStep
 EOS_CHECK_EVERY = 16  # decode steps between host checks for "every row has finished"
 MIN_CAPACITY = 256
 MAX_EOS_IDS = 8
+MAX_BATCH = 64  # rows of a step: the next_token kernel's limit (kNextTokenMaxBatch)
+KERNEL_MAX_ROWS = 8  # rows the GPTQ int4 kernels and the dense GEMV kernels take (below cublas_min_batch)
 
 
 class StepState:
@@ -85,18 +87,26 @@ class StepState:
 
 class TokenFeed:
     """The host's view of the tokens as they are made, for what needs them there: a streamer (transformers'
-    BaseStreamer: put, end) and stopping criteria that read the text (stop strings, max_time).
+    BaseStreamer: put, end), the stopping criteria the config makes (stop strings, max_time) and the caller's own.
 
     The GPU never waits on Python: after each step is queued, its tokens are copied to pinned host memory
     asynchronously and an event marks the copy; the host takes them one step later, when the copy has long finished.
     As HF does, a streamer gets the prompt first, then one [B] tensor a step, pad for finished rows. A row the
     criteria stop is finished on the device too; the token the device already made for it in the step after (the
     one step of lag) becomes pad (where the call has EOS ids, as in HF), on the device and in what the streamer gets,
-    so the output is HF's. The feed is done after the step in which the last row finished, where HF stops."""
+    so the output is HF's. The feed is done after the step in which the last row finished, where HF stops.
+
+    Every criterion is called as HF calls it, (input_ids, scores), and may return a bool tensor [B] or one bool.
+    The config's criteria (`criteria`) get the sequences so far as a CPU tensor, which needs no wait on the device.
+    The caller's (`own_criteria`) get them on the model's device, as in HF (a fresh tensor each step); a result
+    on the device is read at once, so the host waits there for the step queued after that token. `scores`: the
+    list the runner appends each step's processed float32 scores to, where the call asks for output_scores; the
+    criteria then get them as HF passes them, a tuple of one [B, V] tensor per token so far (else None)."""
 
     def __init__(self, st: StepState, input_ids: torch.Tensor, eos: list[int], pad_token_id: int, streamer=None,
-                 criteria=()):  # fmt: skip
+                 criteria=(), own_criteria=(), scores: list | None = None):  # fmt: skip
         self.st, self.eos, self.pad, self.streamer, self.criteria = st, set(eos), pad_token_id, streamer, criteria
+        self.own_criteria, self.scores, self.prompt_len = own_criteria, scores, input_ids.shape[1]
         self.cuda = st.tokens.is_cuda
         self.pending: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self.history = [input_ids.cpu()]
@@ -131,13 +141,23 @@ class TokenFeed:
                 self.streamer.put(host)
             if self.eos:
                 self.finished |= torch.tensor([int(t) in self.eos for t in host.tolist()])
-            if self.criteria:
-                ids = torch.cat(self.history, dim=1)
-                hit = torch.zeros_like(self.finished)
-                for criterion in self.criteria:
-                    hit |= criterion(ids, None).cpu()
-                self.stop(hit & ~self.finished)
+            if self.criteria or self.own_criteria:
+                self.stop(self.criteria_hit() & ~self.finished)
             self.done = bool(self.finished.all())
+
+    def criteria_hit(self) -> torch.Tensor:
+        """The rows the criteria stop at the token just taken (bool [B] on the host)."""
+        scores = None if self.scores is None else tuple(self.scores[: self.length - self.prompt_len])
+        hit = torch.zeros_like(self.finished)
+        if self.criteria:
+            ids = torch.cat(self.history, dim=1)
+            for criterion in self.criteria:
+                hit = hit | torch.as_tensor(criterion(ids, scores)).cpu()
+        if self.own_criteria:
+            ids = self.st.tokens[:, : self.length].clone()  # the device's tokens match the history (see stop)
+            for criterion in self.own_criteria:
+                hit = hit | torch.as_tensor(criterion(ids, scores)).cpu()
+        return hit.bool().expand_as(self.finished)
 
     def stop(self, rows: torch.Tensor) -> None:
         """Finishes `rows`. Where the call has EOS ids, HF pads finished rows: then they finish on the device as
@@ -178,6 +198,24 @@ class DecodeRunner:
         # largest one made so far, so memory is bounded by the largest call's shape, whatever the mix of shapes.
         self.states: OrderedDict[int, StepState] = OrderedDict()
         self.largest_cache = 0
+
+    @property
+    def max_batch(self) -> int:
+        """The most rows a step of this model takes: MAX_BATCH, but KERNEL_MAX_ROWS where the step has GPTQ int4
+        linears, or (CUDA) where dense linears stay on the GEMV kernels past KERNEL_MAX_ROWS rows."""
+        if self.decode_step.int4.linears:
+            return KERNEL_MAX_ROWS
+        if self.device.type == "cuda" and self.options.cublas_min_batch > KERNEL_MAX_ROWS + 1:
+            return KERNEL_MAX_ROWS
+        return MAX_BATCH
+
+    def batch_limit_reason(self) -> str:
+        if self.decode_step.int4.linears:
+            return f"the GPTQ int4 decode kernels take 1 to {KERNEL_MAX_ROWS} rows"
+        if self.max_batch < MAX_BATCH:
+            return (f"the dense GEMV kernels take 1 to {KERNEL_MAX_ROWS} rows (DecodeOptions.cublas_min_batch "
+                    f"{self.options.cublas_min_batch})")  # fmt: skip
+        return f"the decode step takes 1 to {MAX_BATCH} rows (the next_token kernel)"
 
     def cache_bytes(self, batch: int, capacity: int) -> int:
         step = self.decode_step
@@ -290,11 +328,13 @@ class DecodeRunner:
         criteria=(),
         outputs: dict | None = None,
         extra=None,
+        own_criteria=(),
     ) -> torch.Tensor | tuple[torch.Tensor, list, list]:
         """prompt [B, T] (left-padded) -> [B, T + n] with n <= new_tokens (fewer if every row finished).
 
         streamer: transformers' BaseStreamer; it gets the prompt, then each step's tokens as they are made.
         criteria: transformers' StoppingCriteria that read the tokens (stop strings, max_time); they finish rows.
+        own_criteria: the caller's StoppingCriteria, given the tokens on the device as HF gives them (TokenFeed).
         outputs: {"scores": bool, "logits": bool}; where either is asked for, the result is (tokens, scores,
             logits) with each generated token's float32 [B, V] scores and logits, as HF's output_scores and
             output_logits report them.
@@ -306,6 +346,8 @@ class DecodeRunner:
                 "the old ones); build a new DecodeRunner (model.generate does so by itself)"
             )
         B, T = input_ids.shape
+        if not 1 <= B <= self.max_batch:
+            raise ValueError(f"batch {B}: {self.batch_limit_reason()}")
         keep = outputs is not None and (outputs.get("scores", False) or outputs.get("logits", False))
         st = self.state_for(B, T + new_tokens)
         has_eos = bool(eos)
@@ -345,8 +387,9 @@ class DecodeRunner:
         st.pad.copy_((attention_mask == 0).sum(-1))
         st.tokens[:, :T].copy_(input_ids)
         feed = None
-        if streamer is not None or criteria:
-            feed = TokenFeed(st, input_ids, eos, pad_token_id, streamer, tuple(criteria))
+        if streamer is not None or criteria or own_criteria:
+            scores = kept[0] if outputs is not None and outputs.get("scores", False) else None
+            feed = TokenFeed(st, input_ids, eos, pad_token_id, streamer, tuple(criteria), tuple(own_criteria), scores)
 
         # Prefill with the patched model (fused kernels + HF attention), then move its K/V into the static cache.
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)

@@ -112,12 +112,12 @@ def test_calls_the_runner_does_not_handle_go_to_hf_with_a_reason():
     assert call_reason(model, None, {"input_ids": ids, "repetition_penalty": 1.2, "min_new_tokens": 3})[0] is None
     cases = {
         "num_beams": {"num_beams": 2},
-        "no_repeat_ngram_size": {"no_repeat_ngram_size": 3},
+        "sequence_bias": {"sequence_bias": [[[5], -2.0]]},
         "streamer": {"streamer": object()},
         "attentions or hidden states": {"output_attentions": True, "return_dict_in_generate": True},
-        "batch 9": {"input_ids": torch.randint(3, 200, (9, 5))},
+        "batch 65": {"input_ids": torch.randint(3, 200, (65, 5))},
         "left padding": {"attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])},
-        "bad_words_ids": {"bad_words_ids": [[5], [6, 7]]},
+        "bad_words_ids": {"bad_words_ids": [[5], [6, 700]]},  # outside the vocabulary
     }
     for expected, extra in cases.items():
         reason, _ = call_reason(model, None, {"input_ids": ids, "max_new_tokens": 4, **extra})

@@ -34,6 +34,11 @@ GREEDY_ARGS = [
     {"suppress_tokens": [1, 2, 3, 300], "begin_suppress_tokens": [5, 9]},
     {"forced_eos_token_id": 4},
     {"repetition_penalty": 1.1, "min_new_tokens": 3, "eos_token_id": [7], "suppress_tokens": [8]},
+    {"no_repeat_ngram_size": 1},
+    {"no_repeat_ngram_size": 2},
+    {"no_repeat_ngram_size": 3, "repetition_penalty": 1.2},
+    {"bad_words_ids": [[5], [17, 18], [18, 19, 20]], "eos_token_id": [5, 9]},  # [5] is an EOS id: dropped
+    {"bad_words_ids": [[7], [], [20, 21]], "eos_token_id": 7},  # HF drops [7] and skips the empty word
 ]
 SAMPLING_ARGS = [
     {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.1},  # Qwen2-Instruct
@@ -146,7 +151,9 @@ def test_bad_processor_arguments_go_to_hf_with_the_reason():
     ids = torch.randint(3, VOCAB, (1, 5))
     for args, message in (
         ({"suppress_tokens": [VOCAB + 3]}, "outside the vocabulary"),
-        ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size"),
+        ({"bad_words_ids": [[3, VOCAB + 1]]}, "outside the vocabulary"),
+        ({"bad_words_ids": [3, 4]}, "bad_words_ids"),  # not a list of lists
+        ({"sequence_bias": [[[3], -1.0]]}, "sequence_bias"),
     ):
         reason, _ = call_reason(model, GenerationConfig(**args, max_new_tokens=3), {"input_ids": ids})
         assert reason is not None and message in reason, reason

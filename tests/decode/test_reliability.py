@@ -70,8 +70,10 @@ def test_num_return_sequences_expands_the_prompts_as_hf_does():
     assert reason is None, reason
     assert torch.equal(prepared["input_ids"], ids.repeat_interleave(3, 0))
     assert torch.equal(prepared["attention_mask"], mask.repeat_interleave(3, 0))
-    reason, _ = call_reason(model, config, {"input_ids": torch.randint(3, VOCAB, (3, 5))})
-    assert "batch 9" in reason
+    reason, prepared = call_reason(model, config, {"input_ids": torch.randint(3, VOCAB, (3, 5))})
+    assert reason is None and prepared["input_ids"].shape[0] == 9, reason
+    reason, _ = call_reason(model, config, {"input_ids": torch.randint(3, VOCAB, (22, 5))})
+    assert "batch 66" in reason
 
 
 @pytest.mark.gpu
