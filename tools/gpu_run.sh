@@ -20,7 +20,7 @@ case "${1:-}" in
     export OMP_NUM_THREADS=1
     # One line a test (-v), so that a run cut short still names what failed; pytest-xdist spreads the tests over
     # the CPU cores (the GPU tests are small); extra arguments select a subset, e.g. tests/decode -m gpu.
-    python3 -m pytest -v -rfE -p no:randomly -n "${JOBS:-15}" "${@:-tests}" > "$OUT/tests.log" 2>&1 || status=$?
+    python3 -m pytest -v -rfE --durations=20 -p no:randomly -n "${JOBS:-15}" "${@:-tests}" > "$OUT/tests.log" 2>&1 || status=$?
     grep -E "FAILED|ERROR" "$OUT/tests.log" || true
     tail -3 "$OUT/tests.log"
     exit "${status:-0}"
