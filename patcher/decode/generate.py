@@ -82,7 +82,9 @@ HF_ONLY_ARGUMENTS = (
 )
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # The output's cache field: `past_key_values` in earlier 5.x releases (5.17), `cache` in later ones (5.24).
-CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)} else "past_key_values"
+CACHE_FIELD = (
+    "cache" if "cache" in {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)} else "past_key_values"
+)
 
 
 def generate_path(model) -> dict:
@@ -213,7 +215,7 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
         if tokenizer is None:
             return "stop_strings without a tokenizer", {}
         if StopStringCriteria not in replaced:
-            criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings))
+            criteria.append(stop_string_criteria(model._patcher_state, tokenizer, config.stop_strings))
     try:
         sampling = sampling_for(config, eos, model.get_output_embeddings().weight.shape[0])
     except ValueError as e:
@@ -247,6 +249,27 @@ def criteria_reason(own: list) -> str | None:
         if hasattr(criterion, "eos_token_id"):
             return f"stopping_criteria with eos_token_id ({type(criterion).__name__}: HF then pads finished rows)"
     return None
+
+
+STOP_STRING_CRITERIA_KEPT = 4
+
+
+def stop_string_criteria(state, tokenizer, stop_strings) -> StopStringCriteria:
+    """The StopStringCriteria for a tokenizer and stop strings, built once and kept (the last few): building one
+    reads the whole vocabulary (about 0.25 s for 150k tokens), which HF's generate pays on every call. It holds no
+    state between calls. The tokenizer is kept with it, so its id can't be reused by another one; a tokenizer that
+    gained tokens since is a new key."""
+    strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+    key = (id(tokenizer), len(tokenizer), strings)
+    kept = state.stop_string_criteria
+    if key in kept:
+        kept[key] = kept.pop(key)  # the most recently used last
+        return kept[key][1]
+    criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=list(strings))
+    kept[key] = (tokenizer, criterion)
+    while len(kept) > STOP_STRING_CRITERIA_KEPT:
+        del kept[next(iter(kept))]
+    return criterion
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -287,7 +310,9 @@ def sampling_for(config, eos: list[int], vocab: int) -> Sampling:
             words = NoBadWordsLogitsProcessor(config.bad_words_ids, eos or None).sequence_bias
         except (TypeError, ValueError) as e:
             raise ValueError(f"bad_words_ids: {e}") from e
-        bad_words = tuple(tuple(int(i) for i in word) for word in words if word)  # HF's bias skips empty words
+        if not all(words):  # transformers 5.24 skips an empty word, 5.17 fails on it: its own loop decides
+            raise ValueError("bad_words_ids holds an empty word")
+        bad_words = tuple(tuple(int(i) for i in word) for word in words)
         outside = sorted({i for word in bad_words for i in word if i >= vocab})
         if outside:  # HF raises this at the first step
             raise ValueError(f"bad_words_ids {outside} outside the vocabulary (0 .. {vocab - 1})")

@@ -123,6 +123,13 @@ class Guard:
                 self.note(f"{self.name}: HF's forward runs ({e})")
             self.reason = str(e)
         self.planner.placed(self.name, module, self.reason)
+        if self.kind == "layer":
+            # The layer's fused forward does not call its norms (their weights are in the layer's plan): their own
+            # plans and the report's placements follow the layer's here.
+            for child in self.planner.skipped(self.kind, module):
+                guard = getattr(child, "_patcher_guard", None)
+                if guard is not None and (guard.watch is None or guard.watch.changed()):
+                    guard.rebuild(child)
         self.watch = Watch(self.planner.owners(self.kind, module))
         self.hook_dicts = [
             d for c in self.planner.skipped(self.kind, module) for d in (c._forward_pre_hooks, c._forward_hooks)
@@ -164,8 +171,10 @@ class Guard:
         return bool(hooked)
 
     def needs_hf(self, module: nn.Module, args, kwargs) -> bool:
-        """For autograd or dropout (grad mode on, or training mode)."""
-        if module.training and self.dropout:
+        """For autograd, dropout or gradient checkpointing (grad mode on, or training mode). transformers before 5.24
+        checkpoints in the layer's __call__, around this forward, whose first pass runs without grad mode (reentrant
+        checkpointing): the training flag says that HF's forward must run there too."""
+        if module.training and (self.dropout or getattr(module, "gradient_checkpointing", False)):
             return True
         return torch.is_grad_enabled() and needs_grad(module, args, kwargs)
 

@@ -38,7 +38,7 @@ GREEDY_ARGS = [
     {"no_repeat_ngram_size": 2},
     {"no_repeat_ngram_size": 3, "repetition_penalty": 1.2},
     {"bad_words_ids": [[5], [17, 18], [18, 19, 20]], "eos_token_id": [5, 9]},  # [5] is an EOS id: dropped
-    {"bad_words_ids": [[7], [], [20, 21]], "eos_token_id": 7},  # HF drops [7] and skips the empty word
+    {"bad_words_ids": [[7], [20, 21], [21, 20]], "eos_token_id": 7},  # HF drops [7]
 ]
 SAMPLING_ARGS = [
     {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.1},  # Qwen2-Instruct
@@ -153,6 +153,7 @@ def test_bad_processor_arguments_go_to_hf_with_the_reason():
         ({"suppress_tokens": [VOCAB + 3]}, "outside the vocabulary"),
         ({"bad_words_ids": [[3, VOCAB + 1]]}, "outside the vocabulary"),
         ({"bad_words_ids": [3, 4]}, "bad_words_ids"),  # not a list of lists
+        ({"bad_words_ids": [[3], []]}, "an empty word"),  # each transformers release treats it its own way
         ({"sequence_bias": [[[3], -1.0]]}, "sequence_bias"),
     ):
         reason, _ = call_reason(model, GenerationConfig(**args, max_new_tokens=3), {"input_ids": ids})
@@ -310,6 +311,33 @@ def test_max_time_stops_the_runner():
     assert reason is None, reason
     got = DecodeRunner(model, EAGER).generate(**prepared)
     assert ids.shape[1] < got.shape[1] <= ids.shape[1] + 2
+
+
+def test_stop_string_criteria_are_built_once_per_tokenizer_and_strings():
+    """The StopStringCriteria a call needs is built on its first use and kept (the last STOP_STRING_CRITERIA_KEPT),
+    for the same tokenizer and strings only."""
+    from patcher.decode.generate import STOP_STRING_CRITERIA_KEPT
+
+    model = rm.build("tiny-llama")
+    patch_model(model)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    tokenizer, other = char_tokenizer(), char_tokenizer()
+
+    def criterion(strings, tok):
+        reason, prepared = call_reason(model, GenerationConfig(stop_strings=strings, max_new_tokens=3),
+                                       {"input_ids": ids, "tokenizer": tok})  # fmt: skip
+        assert reason is None, reason
+        (made,) = prepared["criteria"]
+        return made
+
+    first = criterion(["ab", "c"], tokenizer)
+    assert criterion(["ab", "c"], tokenizer) is first
+    assert criterion(["ab", "c"], other) is not first  # another tokenizer object
+    assert criterion(["ab"], tokenizer) is not first
+    for i in range(STOP_STRING_CRITERIA_KEPT):
+        criterion([f"x{i}"], tokenizer)
+    assert len(model._patcher_state.stop_string_criteria) == STOP_STRING_CRITERIA_KEPT
+    assert criterion(["ab", "c"], tokenizer) is not first  # dropped as the oldest
 
 
 def test_stop_strings_without_a_tokenizer_go_to_hf():

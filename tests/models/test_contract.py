@@ -236,6 +236,7 @@ def test_changed_weights_are_followed(name, device):
         low, hf = logits(model, ids).float(), logits(ref, ids).float()
         exact = logits(copy.deepcopy(ref).float(), ids)  # the same rounded weights in fp32
         assert max_err(low, exact) <= 2 * max_err(hf, exact) + 1e-2 * exact.abs().max().item(), dtype
+        assert model._patcher_state.report.dtype == str(dtype).removeprefix("torch.")  # every plan, norms included
         for m in (ref, model):
             m.float()
         check(f"{dtype} and back")

@@ -9,6 +9,7 @@ run of the same rounded weights (conftest.py). CPU: the reference backend; GPU (
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 
 import pytest
@@ -69,11 +70,13 @@ def inputs(model, device):
 def decode(model, ids, mask, cache, steps=3):
     """Prefill all but the last `steps` tokens into `cache`, then one token at a time: every step's logits."""
     out, prompt = [], ids.shape[1] - steps
+    # the cache argument's name: `cache` since transformers 5.24, `past_key_values` before
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     with torch.no_grad():
-        result = model(ids[:, :prompt], attention_mask=mask[:, :prompt], cache=cache, use_cache=True)
+        result = model(ids[:, :prompt], attention_mask=mask[:, :prompt], use_cache=True, **{name: cache})
         out.append(result.logits[:, -1])
         for t in range(prompt, ids.shape[1]):
-            result = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=result.past_key_values)
+            result = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **{name: result.past_key_values})
             out.append(result.logits[:, -1])
     return out, [layer.keys[:, :, : ids.shape[1]] for layer in result.past_key_values.layers]
 
