@@ -63,14 +63,14 @@ def row_order(processor, gguf_name: str, rows: int, mapping: dict) -> np.ndarray
     return None if np.array_equal(order, np.arange(rows)) else order
 
 
-def tensor_processor(path: Path, reader):
-    """transformers' tensor processor for the file (the one its loader uses) and the parsed config it reads."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, load_gguf_checkpoint
+def tensor_processor(reader, config):
+    """transformers' tensor processor for the file's architecture (the one its loader uses), given the model's
+    config (the processors read the HF config keys, e.g. num_attention_heads, num_key_value_heads)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     field_ = reader.fields["general.architecture"]
     architecture = bytes(field_.parts[field_.data[0]]).decode("utf-8")
-    config = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
-    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
+    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
 
 
 def load_gguf(
@@ -103,7 +103,7 @@ def load_gguf(
             f"GGUF model type {model.config.model_type!r} is not supported ({', '.join(REGISTRY)})"
         )
     reader = GGUFReader(str(path))
-    processor = tensor_processor(path, reader)
+    processor = tensor_processor(reader, model.config)
     mapping = get_gguf_hf_weights_map(model, processor)
     prefix = f"{entry.spec.base_model}.{entry.spec.layers}."
     report = GGUFReport(str(path.name), quantize_activations=quantize_activations)
