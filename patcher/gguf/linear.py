@@ -44,7 +44,9 @@ class GGUFLinear(nn.Module):
         """A layer holding `data` (uint8 [out_features, bytes], used as given, not copied) and `bias`."""
         t = fmt.block_type(kind)
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % t.type_size:
-            raise ValueError(f"{t.name} blocks must be uint8 [out, k * {t.type_size}], got {data.dtype} {tuple(data.shape)}")
+            raise ValueError(
+                f"{t.name} blocks must be uint8 [out, k * {t.type_size}], got {data.dtype} {tuple(data.shape)}"
+            )
         in_features = data.shape[1] // t.type_size * t.block_size
         layer = cls(in_features, data.shape[0], t.name, bias is not None, quantize_activations, device="meta")
         layer.qweight = data

@@ -92,7 +92,9 @@ def affine(data: torch.Tensor, kind: str | int) -> tuple[torch.Tensor, torch.Ten
 def _check(x: torch.Tensor, data: torch.Tensor, kind) -> fmt.BlockType:
     t = fmt.block_type(kind)
     if data.dtype != torch.uint8 or data.dim() != 2:
-        raise ValueError(f"GGUF weight blocks must be uint8 [out_features, bytes], got {data.dtype} {tuple(data.shape)}")
+        raise ValueError(
+            f"GGUF weight blocks must be uint8 [out_features, bytes], got {data.dtype} {tuple(data.shape)}"
+        )
     in_features = data.shape[1] // t.type_size * t.block_size
     if data.shape[1] % t.type_size or x.shape[-1] != in_features:
         raise ValueError(

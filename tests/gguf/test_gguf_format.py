@@ -7,8 +7,9 @@ import pytest
 import torch
 from gguf_blocks import random_blocks, wild_scales
 
+from patcher.gguf import format as fmt
+
 gguf = pytest.importorskip("gguf")
-from patcher.gguf import format as fmt  # noqa: E402
 
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q8_0")  # the types gguf.quants.quantize implements
 
