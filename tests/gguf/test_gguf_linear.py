@@ -102,12 +102,20 @@ def test_load_gguf_logits_w4a16_equal_and_w4a8_close(tiny):
 
 
 def test_load_gguf_dtype_and_refusals(tiny, tmp_path):
+    """In bf16, W4A16 gives the logits of transformers' bf16 model (the same dequantized weights, cast once)."""
+    from transformers import AutoModelForCausalLM
+
     path, _, _ = tiny
     model = load_gguf(path, dtype=torch.bfloat16)
     layer = next(iter(gguf_layers(model).values()))
     assert layer.quantize_activations and layer.qweight.dtype == torch.uint8
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert model(TINY_TOKENS).logits.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert model(TINY_TOKENS).logits.dtype == torch.bfloat16
+        for layer in gguf_layers(model).values():
+            layer.quantize_activations = False
+        expected = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+        assert torch.equal(model(TINY_TOKENS).logits, expected.eval()(TINY_TOKENS).logits)
     with pytest.raises(FileNotFoundError):
         load_gguf(tmp_path / "missing.gguf")
     with pytest.raises(NotImplementedError, match="one device"):
@@ -130,3 +138,17 @@ def test_patch_model_leaves_gguf_layers_to_hf(tiny, quantize_activations):
             unpatch_model(model)
         assert torch.equal(got, expected)
         assert torch.equal(model(TINY_TOKENS).logits, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize_activations", [False, True])
+def test_load_gguf_on_cuda_matches_the_cpu(tiny, quantize_activations):
+    """The reference ops on CUDA tensors: the same logits as on the CPU up to the GEMMs' fp32 rounding."""
+    path, _, _ = tiny
+    cpu = load_gguf(path, dtype=torch.float32, quantize_activations=quantize_activations)
+    cuda = load_gguf(path, dtype=torch.float32, device_map="cuda", quantize_activations=quantize_activations)
+    assert all(layer.qweight.is_cuda for layer in gguf_layers(cuda).values())
+    with torch.no_grad():
+        expected = cpu(TINY_TOKENS).logits
+        got = cuda(TINY_TOKENS.cuda()).logits.cpu()
+    assert max_err(got, expected) <= 1e-4 * expected.abs().max().item()
