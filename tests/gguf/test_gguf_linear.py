@@ -143,7 +143,8 @@ def test_patch_model_leaves_gguf_layers_to_hf(tiny, quantize_activations):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantize_activations", [False, True])
 def test_load_gguf_on_cuda_matches_the_cpu(tiny, quantize_activations):
-    """The reference ops on CUDA tensors: the same logits as on the CPU up to the GEMMs' fp32 rounding."""
+    """The reference ops on CUDA tensors: the CPU's logits up to the GEMMs' fp32 rounding; with W4A8 that rounding
+    may move an activation across a Q8_1 rounding boundary, which costs far less than the quantization itself."""
     path, _, _ = tiny
     cpu = load_gguf(path, dtype=torch.float32, quantize_activations=quantize_activations)
     cuda = load_gguf(path, dtype=torch.float32, device_map="cuda", quantize_activations=quantize_activations)
@@ -151,4 +152,7 @@ def test_load_gguf_on_cuda_matches_the_cpu(tiny, quantize_activations):
     with torch.no_grad():
         expected = cpu(TINY_TOKENS).logits
         got = cuda(TINY_TOKENS.cuda()).logits.cpu()
-    assert max_err(got, expected) <= 1e-4 * expected.abs().max().item()
+        for layer in gguf_layers(cpu).values():
+            layer.quantize_activations = False
+        quantization = max_err(expected, cpu(TINY_TOKENS).logits)  # 0 for W4A16
+    assert max_err(got, expected) <= 1e-4 * expected.abs().max().item() + 0.1 * quantization
