@@ -149,7 +149,8 @@ def _keep_reason(tensor, module: nn.Linear) -> str | None:
         return f"{module.in_features} inputs are not whole {t.block_size}-value blocks"
     rows, width = tensor.data.shape if tensor.data.ndim == 2 else (None, None)
     if rows != module.out_features or width != fmt.bytes_per_row(kind, module.in_features):
-        return f"blocks of shape {tuple(tensor.data.shape)} do not hold a [{module.out_features}, {module.in_features}] weight"
+        shape = f"[{module.out_features}, {module.in_features}]"
+        return f"blocks of shape {tuple(tensor.data.shape)} do not hold a {shape} weight"
     if tensor.data.dtype != np.uint8 or width % t.type_size:
         return f"data of dtype {tensor.data.dtype} is not {t.name} blocks"
     return None

@@ -1,5 +1,5 @@
-"""Random GGUF blocks at a model's shapes (patcher.gguf.random_weights): weights of the intended size, and a random model
-with GGUF linears under patch_model."""
+"""Random GGUF blocks at a model's shapes (patcher.gguf.random_weights): weights of the intended size, and a random
+model with GGUF linears under patch_model."""
 
 from __future__ import annotations
 
