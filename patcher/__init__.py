@@ -7,6 +7,7 @@ unpatch_model(model)            # back to the original forwards, bit-identical o
 """
 
 from .decode import DecodeOptions
+from .gguf import load_gguf
 from .gptq import load_gptq
 from .ops import ExtensionError
 from .patching import UnsupportedModelError, is_patched, patch_model, set_fast_generate, unpatch_model
@@ -21,6 +22,7 @@ __all__ = [
     "PatchReport",
     "UnsupportedModelError",
     "is_patched",
+    "load_gguf",
     "load_gptq",
     "patch_model",
     "set_fast_generate",

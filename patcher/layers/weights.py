@@ -49,6 +49,9 @@ def projection_reason(modules: list[nn.Module], names) -> str | None:
         return None
     if kinds == {GPTQLinear}:
         return int4_reason(modules)
+    gguf = [f"{n} {m.kind}" for n, m in zip(names, modules) if type(m).__name__ == "GGUFLinear"]
+    if gguf:
+        return f"GGUF linears ({', '.join(gguf)}) are not fused: HF's forward runs them (GGUFLinear's reference matmul)"
     found = ", ".join(f"{n} is {type(m).__name__}" for n, m in zip(names, modules))
     return f"{found}: expected nn.Linear, or GPTQLinear for all of them"
 

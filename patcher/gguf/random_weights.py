@@ -1,0 +1,86 @@
+"""Random GGUF blocks at a model's real shapes: GGUF models for speed measurements and kernel tests without a file.
+
+Every type gets random quants and scales that center each block on zero (Q4_0's quants run -8..7: a mean of
+-d / 2) and give weights of about 1/sqrt(K) (K the input features), so activations keep their size through the
+layers:
+
+    Q4_0  d = u / (4.6 sqrt K)                         Q4_1  as Q4_0, m = -7.5 d
+    Q8_0  d = u / (73 sqrt K)                          Q6_K  scales 16..63, d = u / (40 * 18 sqrt K)
+    Q4_K, Q5_K  sc = mn (6-bit, 16..63), d = u / (40 * c sqrt K), dmin = h d  (c = 4.6, h = 7.5 for Q4_K;
+                c = 9.2, h = 15.5 for Q5_K)
+
+with u uniform in [0.5, 1.5) per block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import format as fmt
+from .linear import GGUFLinear
+
+
+def random_blocks(kind: str, rows: int, cols: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """uint8 [rows, bytes_per_row] of `kind` (module docstring), on the CPU."""
+    t = fmt.block_type(kind)
+    width = fmt.bytes_per_row(t.name, cols)
+    data = torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=generator)
+    blocks = data.view(-1, t.type_size)
+    n = blocks.shape[0]
+    u = torch.rand(n, generator=generator) + 0.5
+    root = cols**0.5
+
+    def put(at: int, values: torch.Tensor) -> None:
+        blocks[:, at : at + 2] = values.to(torch.float16).view(torch.uint8).view(n, 2)
+
+    if t.name in ("Q4_0", "Q4_1"):
+        d = u / (4.6 * root)
+        put(0, d)
+        if t.name == "Q4_1":
+            put(2, -7.5 * d.to(torch.float16).float())
+    elif t.name == "Q8_0":
+        put(0, u / (73 * root))
+    elif t.name in ("Q4_K", "Q5_K"):
+        scale = torch.randint(16, 64, (n, 8), dtype=torch.uint8, generator=generator)
+        low, high = scale[:, :4], scale[:, 4:]
+        packed = (low | ((high >> 4) << 6)).repeat(1, 2)  # bytes 0-3 (sc) and 4-7 (mn): the same values
+        blocks[:, 4:12] = packed
+        blocks[:, 12:16] = (high & 0x0F) | ((high & 0x0F) << 4)
+        c, h = (4.6, 7.5) if t.name == "Q4_K" else (9.2, 15.5)
+        d = u / (40 * c * root)
+        put(0, d)
+        put(2, h * d.to(torch.float16).float())
+    else:  # Q6_K
+        blocks[:, 192:208] = torch.randint(16, 64, (n, 16), dtype=torch.uint8, generator=generator)
+        put(208, u / (40 * 18 * root))
+    return data
+
+
+def quantize_random(model, kinds: str | dict[str, str], quantize_activations: bool = True, seed: int = 0):
+    """Replaces every decoder linear of `model` with a GGUFLinear of random blocks, on the linear's device.
+
+    kinds: one type name for all, or projection attribute name (q_proj, down_proj, ...) -> type name (a name not in
+    it keeps its nn.Linear). A linear's bias is kept. Sets `model.gguf_report`.
+    """
+    from ..registry import REGISTRY
+    from .load import GGUFReport
+
+    spec = REGISTRY[model.config.model_type].spec
+    generator = torch.Generator().manual_seed(seed)
+    names = (*spec.qkv, spec.out_proj, *spec.mlp_in, spec.mlp_out)
+    report = GGUFReport("(random blocks)", quantize_activations=quantize_activations)
+    module_names = {id(m): n for n, m in model.named_modules()}
+    for layer in getattr(getattr(model, spec.base_model), spec.layers):
+        for parent in (getattr(layer, spec.attention), getattr(layer, spec.mlp)):
+            for name in names:
+                linear = getattr(parent, name, None)
+                kind = kinds if isinstance(kinds, str) else kinds.get(name)
+                if not isinstance(linear, torch.nn.Linear) or kind is None:
+                    continue
+                data = random_blocks(kind, linear.out_features, linear.in_features, generator)
+                bias = None if linear.bias is None else linear.bias.detach()
+                layer_ = GGUFLinear.from_blocks(data.to(linear.weight.device), kind, bias, quantize_activations)
+                report.quantized[module_names[id(linear)]] = fmt.block_type(kind).name
+                setattr(parent, name, layer_)
+    model.gguf_report = report
+    return model

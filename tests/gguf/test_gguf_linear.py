@@ -1,0 +1,158 @@
+"""GGUFLinear, load_gguf on small GGUF files written here (LLaMA and Qwen2, every supported type and one that is
+not), and patch_model on such a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import max_err
+from gguf_blocks import random_blocks, round_activations_to_q8_1, write_tiny_model
+
+from patcher import load_gguf, patch_model, unpatch_model
+from patcher.gguf import GGUFLinear
+from patcher.gguf import format as fmt
+from patcher.gguf import reference as ref
+
+pytest.importorskip("gguf")
+
+TINY_TOKENS = torch.tensor([[3, 17, 42, 5, 60, 8, 23, 1, 33], [9, 9, 14, 50, 2, 7, 61, 30, 11]])
+
+
+def test_gguf_linear_holds_the_blocks_and_runs_both_modes():
+    gen = torch.Generator().manual_seed(0)
+    data = random_blocks("Q4_1", 48, 96, gen)
+    bias = torch.randn(48, generator=gen)
+    layer = GGUFLinear.from_blocks(data, "Q4_1", bias, quantize_activations=True)
+    assert (layer.in_features, layer.out_features, layer.kind) == (96, 48, "Q4_1")
+    assert layer.qweight is data and set(layer.state_dict()) == {"qweight", "bias"}
+    x = torch.randn(2, 5, 96, generator=gen)
+    assert torch.equal(layer(x), ref.linear_w4a8(x, data, "Q4_1", bias))
+    layer.quantize_activations = False
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, fmt.dequantize(data, "Q4_1"), bias))
+    layer.half()
+    assert layer.qweight.dtype == torch.uint8 and layer.bias.dtype == torch.float16  # blocks are never cast
+    assert layer(x.half()).dtype == torch.float16
+    assert "type=Q4_1" in repr(layer)
+
+
+def test_gguf_linear_refuses_bad_blocks():
+    with pytest.raises(ValueError, match="uint8"):
+        GGUFLinear.from_blocks(torch.zeros(4, 18), "Q4_0")
+    with pytest.raises(ValueError, match="bias"):
+        GGUFLinear.from_blocks(torch.zeros(4, 18, dtype=torch.uint8), "Q4_0", torch.zeros(3))
+    with pytest.raises(ValueError, match="multiple"):
+        GGUFLinear(100, 4, "Q4_K")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory):
+    """(GGUF path, the types written, transformers' own dequantized model of it in fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp(request.param)
+    path = folder / "tiny.gguf"
+    types = write_tiny_model(path, request.param, {"ffn_up": "Q5_0"} if request.param == "qwen2" else None)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=path.name, dtype=torch.float32).eval()
+    return path, types, model
+
+
+def gguf_layers(model) -> dict[str, GGUFLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, GGUFLinear)}
+
+
+def test_load_gguf_keeps_the_supported_blocks(tiny):
+    path, types, expected = tiny
+    model = load_gguf(path, dtype=torch.float32, quantize_activations=False)
+    report = model.gguf_report
+    layers = gguf_layers(model)
+    supported = [kind for kind in types.values() if kind in fmt.TYPES]
+    assert len(layers) == 2 * len(supported) and report.quantized == {n: m.kind for n, m in layers.items()}
+    assert sorted(m.kind for m in layers.values()) == sorted(supported * 2)
+    unsupported = {n: why for n, why in report.dequantized.items() if "up_proj" in n}
+    assert len(unsupported) == (2 if "Q5_0" in types.values() else 0)
+    assert all(why.startswith("Q5_0: not supported") for why in unsupported.values())
+    assert all(isinstance(model.get_submodule(n), torch.nn.Linear) for n in unsupported)
+    # Each kept weight is transformers' own (q and k rows in the order its LLaMA processor puts them).
+    reference = dict(expected.named_modules())
+    for name, layer in layers.items():
+        assert torch.equal(layer.dequantize(), reference[name].weight), name
+        if layer.bias is not None:
+            assert torch.equal(layer.bias, reference[name].bias)
+    assert "linears kept quantized" in str(report)
+
+
+def test_load_gguf_logits_w4a16_equal_and_w4a8_close(tiny):
+    """W4A16 computes transformers' logits bit for bit; W4A8 those of W4A16 layers fed Q8_1-rounded activations,
+    up to fp32 rounding (the integer dot products are exact; the block sums are added in another order)."""
+    path, _, expected = tiny
+    model = load_gguf(path, dtype=torch.float32, quantize_activations=False)
+    layers = gguf_layers(model).values()
+    with torch.no_grad():
+        reference = expected(TINY_TOKENS).logits
+        assert torch.equal(model(TINY_TOKENS).logits, reference)
+        hooks = round_activations_to_q8_1(layers)
+        rounded = model(TINY_TOKENS).logits
+        for hook in hooks:
+            hook.remove()
+        for layer in layers:
+            layer.quantize_activations = True
+        w4a8 = model(TINY_TOKENS).logits
+    assert max_err(w4a8, rounded) <= 1e-5 * reference.abs().max().item()
+    assert max_err(w4a8, reference) > 100 * max_err(w4a8, rounded)  # the activations were quantized
+
+
+def test_load_gguf_dtype_and_refusals(tiny, tmp_path):
+    """In bf16, W4A16 gives the logits of transformers' bf16 model (the same dequantized weights, cast once)."""
+    from transformers import AutoModelForCausalLM
+
+    path, _, _ = tiny
+    model = load_gguf(path, dtype=torch.bfloat16)
+    layer = next(iter(gguf_layers(model).values()))
+    assert layer.quantize_activations and layer.qweight.dtype == torch.uint8
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert model(TINY_TOKENS).logits.dtype == torch.bfloat16
+        for layer in gguf_layers(model).values():
+            layer.quantize_activations = False
+        expected = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+        assert torch.equal(model(TINY_TOKENS).logits, expected.eval()(TINY_TOKENS).logits)
+    with pytest.raises(FileNotFoundError):
+        load_gguf(tmp_path / "missing.gguf")
+    with pytest.raises(NotImplementedError, match="one device"):
+        load_gguf(path, device_map={"": "cpu"})
+
+
+@pytest.mark.parametrize("quantize_activations", [False, True])
+def test_patch_model_leaves_gguf_layers_to_hf(tiny, quantize_activations):
+    """Layers with GGUF linears stay on HF's forward, named with the reason; the logits do not change."""
+    path, _, _ = tiny
+    model = load_gguf(path, dtype=torch.float32, quantize_activations=quantize_activations)
+    with torch.no_grad():
+        expected = model(TINY_TOKENS).logits
+        report = patch_model(model)
+        try:
+            assert report.layers_restructured == 0 and len(report.unpatched) == 2
+            assert all("GGUF linears (q_proj Q4_0" in r.detail for r in report.unpatched)
+            got = model(TINY_TOKENS).logits
+        finally:
+            unpatch_model(model)
+        assert torch.equal(got, expected)
+        assert torch.equal(model(TINY_TOKENS).logits, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize_activations", [False, True])
+def test_load_gguf_on_cuda_matches_the_cpu(tiny, quantize_activations):
+    """The reference ops on CUDA tensors: the CPU's logits up to the GEMMs' fp32 rounding; with W4A8 that rounding
+    may move an activation across a Q8_1 rounding boundary, which costs far less than the quantization itself."""
+    path, _, _ = tiny
+    cpu = load_gguf(path, dtype=torch.float32, quantize_activations=quantize_activations)
+    cuda = load_gguf(path, dtype=torch.float32, device_map="cuda", quantize_activations=quantize_activations)
+    assert all(layer.qweight.is_cuda for layer in gguf_layers(cuda).values())
+    with torch.no_grad():
+        expected = cpu(TINY_TOKENS).logits
+        got = cuda(TINY_TOKENS.cuda()).logits.cpu()
+        for layer in gguf_layers(cpu).values():
+            layer.quantize_activations = False
+        quantization = max_err(expected, cpu(TINY_TOKENS).logits)  # 0 for W4A16
+    assert max_err(got, expected) <= 1e-4 * expected.abs().max().item() + 0.1 * quantization
