@@ -39,6 +39,22 @@ def add_model_args(parser: argparse.ArgumentParser, default_random: str | None =
         metavar="GROUP",
         help="with --random-config: random GPTQ int4 weights of this group size in every decoder linear",
     )
+    parser.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="with --gguf-file: keep its quantized linears as stored (patcher.load_gguf) instead of dequantizing",
+    )
+    parser.add_argument(
+        "--gguf-random",
+        metavar="TYPE",
+        help="with --random-config: random GGUF blocks of this type (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) in every "
+        "decoder linear",
+    )
+    parser.add_argument(
+        "--w4a16",
+        action="store_true",
+        help="with --keep-quantized or --gguf-random: activations stay 16-bit (default: quantized to Q8_1, W4A8)",
+    )
     parser.set_defaults(default_random=default_random)
 
 
@@ -68,11 +84,25 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
     chosen = [a for a in (args.model, args.gguf_file, args.random_config) if a]
     if len(chosen) > 1 and not (args.model and args.gguf_file):
         sys.exit("error: give one of --model, --gguf-file, --random-config")
+    keep = getattr(args, "keep_quantized", False)
+    gguf_random = getattr(args, "gguf_random", None)
+    if keep and not args.gguf_file:
+        sys.exit("error: --keep-quantized needs --gguf-file")
+    if gguf_random and (args.gguf_file or args.model or getattr(args, "int4_random", None)):
+        sys.exit("error: --gguf-random goes with --random-config (and without --int4-random)")
+    if getattr(args, "w4a16", False) and not (keep or gguf_random):
+        sys.exit("error: --w4a16 needs --keep-quantized or --gguf-random")
     if args.gguf_file:
         path = Path(args.gguf_file)
         if not path.is_file():
             sys.exit(f"error: GGUF file {path} not found")
         folder = args.model or str(path.parent)
+        if keep:
+            from patcher import load_gguf
+
+            model = load_gguf(path, dtype=dtype, device_map=device, quantize_activations=not args.w4a16)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=path.name)
+            return model, tokenizer, f"{path.name} ({'W4A16' if args.w4a16 else 'W4A8'})"
         model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=path.name, dtype=dtype, attn_implementation=args.attn
         )
@@ -90,6 +120,19 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
     if getattr(args, "int4_random", None):
         random_models.quantize_random(model, args.int4_random)
         name += f"-int4-g{args.int4_random}"
+    if gguf_random:
+        from patcher.gguf import format as gguf_format
+        from patcher.gguf.random_weights import quantize_random
+
+        try:
+            kind = gguf_format.block_type(gguf_random).name
+        except (KeyError, ValueError) as e:
+            sys.exit(f"error: --gguf-random {gguf_random}: {e}")
+        try:
+            quantize_random(model, kind, quantize_activations=not args.w4a16)
+        except ValueError as e:  # a row length that is not a whole number of the type's blocks
+            sys.exit(f"error: --gguf-random {kind} on {name}: {e}")
+        name += f"-{kind.lower()}-{'w4a16' if args.w4a16 else 'w4a8'}"
     return model, None, name
 
 

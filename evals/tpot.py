@@ -77,10 +77,12 @@ def weight_bytes(model) -> int:
     input embedding."""
     params = {id(p): p for p in model.parameters()}
     total = sum(p.numel() * p.element_size() for p in params.values())
-    for module in model.modules():  # GPTQ int4 linears keep their tensors as buffers (g_idx is not read)
+    for module in model.modules():  # GPTQ and GGUF linears keep their tensors as buffers (g_idx is not read)
         if type(module).__name__ == "GPTQLinear":
             tensors = (module.qweight, module.qzeros, module.scales, module.bias)
             total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        elif type(module).__name__ == "GGUFLinear":
+            total += sum(t.numel() * t.element_size() for t in (module.qweight, module.bias) if t is not None)
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     if output is None or output.weight is not embedding:

@@ -251,3 +251,35 @@ def test_splits_tool_on_a_tiny_int4_model(tmp_path, capsys, monkeypatch):
         with pytest.raises(SystemExit):
             splits.main([*args, "--configs", bad])
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("w4a16", [False, True])
+def test_tpot_on_random_gguf_blocks(tmp_path, w4a16):
+    """--gguf-random TYPE: every decoder linear a GGUFLinear of random blocks; the JSON names the type and the
+    activation mode, and the step's bytes count the blocks (not the dense weights they replaced)."""
+    out = tmp_path / "tpot.json"
+    args = ["--random-config", "tiny-llama", "--gguf-random", "Q4_0", "--new-tokens", "4", "--repeats", "1"]
+    args += ["--modes", "hf-eager", "--device", "cpu", "--no-profile", "--json", str(out)]
+    assert tpot.main([*args, *(["--w4a16"] if w4a16 else [])]) == 0
+    result = json.loads(out.read_text())
+    assert result["model"] == f"tiny-llama-q4_0-{'w4a16' if w4a16 else 'w4a8'}"
+    tpot.main(["--random-config", "tiny-llama", "--new-tokens", "4", "--repeats", "1", "--modes", "hf-eager",
+               "--device", "cpu", "--no-profile", "--json", str(tmp_path / "dense.json")])  # fmt: skip
+    dense_bytes = json.loads((tmp_path / "dense.json").read_text())["weight_bytes"]
+    assert 0 < result["weight_bytes"] < dense_bytes  # 4.5 bits a weight in the decoder linears instead of 32
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--random-config", "tiny-llama", "--keep-quantized"], "--keep-quantized needs --gguf-file"),
+        (["--random-config", "tiny-llama", "--w4a16"], "--w4a16 needs"),
+        (["--random-config", "tiny-llama", "--gguf-random", "Q3_X"], "not supported"),
+        (["--random-config", "tiny-llama", "--gguf-random", "Q4_K"], "not a multiple"),  # tiny rows < 256
+        (["--random-config", "tiny-llama", "--gguf-random", "Q4_0", "--int4-random", "32"], "--gguf-random goes"),
+    ],
+)
+def test_gguf_arguments_are_checked(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tpot.main([*args, "--device", "cpu", "--modes", "hf-eager", "--no-profile"])
+    assert message in str(exit_info.value)
