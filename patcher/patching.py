@@ -36,6 +36,7 @@ from .layers.out_pair import out_pair_reason, undo_out_pair
 from .layers.plans import Planner, check_layer, check_placement
 from .layers.weights import is_int4
 from .models.spec import ArchSpec
+from .parallel import sharding_reason, tp_styles
 from .registry import REGISTRY, Entry
 from .report import ModuleRecord, PatchReport
 
@@ -170,9 +171,14 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
     final_norm = getattr(base, spec.final_norm, None)
 
     # 1. Decide for every module, changing nothing yet.
-    reasons = [check_layer(layer, spec, config, backend) for layer in layers]
+    styles = tp_styles(model)
+    reasons = [check_layer(layer, spec, config, backend, styles) for layer in layers]
     final_reason = (
-        "no final norm" if final_norm is None else check_norm(final_norm, spec) or check_placement(final_norm, backend)
+        "no final norm"
+        if final_norm is None
+        else check_norm(final_norm, spec)
+        or check_placement(final_norm, backend)
+        or sharding_reason("norm", final_norm, spec, config, styles)
     )
     patchable = [m for m, r in zip(layers + [final_norm], reasons + [final_reason]) if r is None]
     devices = sorted({next(m.parameters()).device for m in patchable}, key=str)
@@ -190,7 +196,7 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         layers_total=len(layers),
         launches_per_layer=_launches_per_layer(spec, parallel) if patchable else {},
     )
-    planner = Planner(spec, config, backend, report)
+    planner = Planner(spec, config, backend, report, styles)
     state = PatchState(report, spec=spec, planner=planner)
     records = {}
 
