@@ -36,7 +36,7 @@ from .layers.out_pair import out_pair_reason, undo_out_pair
 from .layers.plans import Planner, check_layer, check_placement
 from .layers.weights import is_int4
 from .models.spec import ArchSpec
-from .parallel import sharding_reason, tp_styles
+from .parallel import sharding_reason, tp_detail, tp_styles
 from .registry import REGISTRY, Entry
 from .report import ModuleRecord, PatchReport
 
@@ -224,11 +224,13 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         if is_int4(getattr(attn, spec.qkv[0])):
             qkv_detail = "GPTQ int4 q/k/v side by side" if len(spec.qkv) > 1 else "GPTQ int4 QKV"
         undo = functools.partial(undo_attention_plan, attn)
-        swap(attn, "attention", entry.attention, f"{qkv_detail} + rope_qkv ({ops_name})", undo)
+        tp = tp_detail(attn, spec.out_proj)
+        swap(attn, "attention", entry.attention, f"{qkv_detail} + rope_qkv ({ops_name}){tp}", undo)
         mlp_detail = "fused gate/up GEMM + silu_and_mul" if spec.mlp_gated else "GEMM + bias_gelu"
         if is_int4(getattr(mlp, spec.mlp_in[0])):
             mlp_detail = "GPTQ int4 " + ("gate/up side by side + silu_and_mul" if spec.mlp_gated else "GEMM + gelu")
-        swap(mlp, "mlp", entry.mlp, f"{mlp_detail} ({ops_name})", functools.partial(undo_mlp_plan, mlp))
+        tp = tp_detail(mlp, spec.mlp_out)
+        swap(mlp, "mlp", entry.mlp, f"{mlp_detail} ({ops_name}){tp}", functools.partial(undo_mlp_plan, mlp))
         for norm in (getattr(layer, spec.input_norm), getattr(layer, spec.post_norm)):
             swap(norm, "norm", entry.norm, f"{spec.norm} norm ({ops_name})")
         if parallel:

@@ -8,6 +8,7 @@ from .shards import (
     shard,
     sharded,
     sharding_reason,
+    tp_detail,
     tp_styles,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "shard",
     "sharded",
     "sharding_reason",
+    "tp_detail",
     "tp_styles",
 ]

@@ -125,15 +125,23 @@ def sharding_reason(kind: str, module: nn.Module, spec, config, styles: dict[int
         reason = _attention_reason(module, spec, config, styles)
     elif kind == "mlp":
         reason = _mlp_reason(module, spec, styles)
-    else:
+    else:  # a layer: each of its attention and MLP may be sharded or not (a plan may shard only some)
         attention, mlp = getattr(module, spec.attention), getattr(module, spec.mlp)
         others = [c for c in module.children() if c is not attention and c is not mlp]
-        reason = (
-            ("sharded norm weights" if any(has_sharded(c) for c in others) else None)
-            or _attention_reason(attention, spec, config, styles)
-            or _mlp_reason(mlp, spec, styles)
+        if any(has_sharded(c) for c in others) or any(sharded(t) for t in module.parameters(recurse=False)):
+            return f"{TP_REASON}: sharded norm weights"
+        return sharding_reason("attention", attention, spec, config, styles) or sharding_reason(
+            "mlp", mlp, spec, config, styles
         )
     return f"{TP_REASON}: {reason}" if reason else None
+
+
+def tp_detail(module: nn.Module, out_name: str) -> str:
+    """The report's note for a module whose output projection is row-wise sharded, or ""."""
+    weight = getattr(getattr(module, out_name, None), "weight", None)
+    if not sharded(weight):
+        return ""
+    return f"; tensor parallel: this rank's shards, {out_name} summed over {weight.device_mesh.size()} ranks"
 
 
 def local_heads(module: nn.Module, spec, config) -> tuple[int, int]:
