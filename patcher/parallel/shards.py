@@ -50,8 +50,11 @@ def has_sharded(module: nn.Module) -> bool:
 
 def tp_styles(model: nn.Module) -> dict[int, str]:
     """id(module) -> the style transformers' tensor-parallel plan gave it ("colwise", "rowwise", ...), for every
-    module the model's resolved plan (`model._tp_plan`, layer numbers written as `*`) names; empty without one."""
+    module the model's resolved plan (`model._tp_plan`, layer numbers written as `*`) names. Empty where no weight
+    is sharded: transformers resolves the config's plan for every model, also one loaded without tensor parallelism."""
     plan = getattr(model, "_tp_plan", None) or {}
+    if not plan or not has_sharded(model):
+        return {}
     styles = {}
     for name, module in model.named_modules():
         style = plan.get(re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name))
