@@ -13,7 +13,7 @@ from conftest import FP32_LOGIT_ATOL
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from patcher import patch_model, random_models, unpatch_model
-from patcher.parallel import sharding_reason, tp_styles
+from patcher.parallel import shard, sharding_reason, tp_styles
 
 tensor_parallel = pytest.importorskip("transformers.distributed.tensor_parallel")
 IDS = torch.tensor([[1, 5, 9, 33, 7, 100]])
@@ -95,3 +95,18 @@ def _spec(model):
     from patcher.registry import REGISTRY
 
     return REGISTRY[model.config.model_type].spec
+
+
+def test_repointed_shard_rebuilds_plan(mesh):
+    model = sharded_model("tiny-llama", mesh)
+    before = logits(model)
+    patch_model(model)
+    weight = model.model.layers[0].self_attn.k_proj.weight
+    # new memory under the same DTensor (its own data_ptr stays 0: the guard watches the local shard's)
+    shard(weight).data = shard(weight).detach().clone() * 0.5
+    fused = logits(model)
+    with torch.enable_grad():  # HF's forwards, on the same parameters
+        hf = model(IDS).logits.detach()
+    assert (fused - before).abs().max().item() > 1e-3  # the new weights are read
+    assert (fused - hf).abs().max().item() <= FP32_LOGIT_ATOL * max(hf.abs().max().item(), 1.0)
+    assert any("weights changed after patching" in m for m in model._patcher_state.report.messages)

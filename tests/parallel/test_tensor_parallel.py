@@ -81,6 +81,7 @@ def test_logits_match_unpatched_and_whole_model(results, name):
 def test_greedy_tokens_match_whole_model(results, name):
     for r in results[name]:
         assert r["patched_tokens"] == r["whole_tokens"]
+        assert r["patched_static_tokens"] == r["whole_tokens"]  # HF's static cache, sized for the local kv heads
         assert r["generate_path"]["path"] == "hf"  # (the decode step has no all-reduce)
         if not r["unpatched"]:
             assert "tensor-parallel" in r["generate_path"]["reason"], r["generate_path"]

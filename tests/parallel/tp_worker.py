@@ -65,8 +65,8 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits.detach().clone()
 
 
-def greedy(model, ids: torch.Tensor) -> list[int]:
-    out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)
+def greedy(model, ids: torch.Tensor, **kwargs) -> list[int]:
+    out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS, **kwargs)
     return out[0, ids.shape[1] :].tolist()
 
 
@@ -96,6 +96,7 @@ def check(model_dir: str, plan_name: str) -> dict:
     with torch.enable_grad():  # grad mode: every module runs HF's forward (on the fused buffers' views)
         result["patched_grad_mode"] = model(ids).logits.detach().clone()
     result["patched_tokens"] = greedy(model, ids)
+    result["patched_static_tokens"] = greedy(model, ids, cache_implementation="static")
     result["generate_path"] = generate_path(model)
     weights_module.rowwise_linear = rowwise_linear
 
