@@ -150,7 +150,7 @@ def tp_detail(module: nn.Module, out_name: str) -> str:
 def local_heads(module: nn.Module, spec, config) -> tuple[int, int]:
     """The query and kv heads of this rank's shards (the whole model's counts when nothing is sharded)."""
     projections = [getattr(module, name) for name in spec.qkv]
-    if not sharded(projections[0].weight):
+    if not sharded(getattr(projections[0], "weight", None)):  # (a GPTQ projection has no weight)
         return spec.num_heads(config), spec.num_kv_heads(config)
     head_dim = spec.head_dim(config)
     if len(projections) == 1:  # GPT-NeoX: [q k v] per head, as many kv heads as query heads
