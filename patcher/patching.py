@@ -141,13 +141,18 @@ def _find(model: nn.Module) -> tuple[Entry, nn.Module]:
     return entry, base
 
 
-def _launches_per_layer(spec: ArchSpec, parallel: bool) -> dict[str, int]:
+def _launches_per_layer(spec: ArchSpec, parallel: bool, layer: nn.Module | None) -> dict[str, int]:
     if parallel:
         counts = {"add+dual-norm": 1}
     else:
         counts = {"add+norm": 2}
     counts.update({"gemm": 4, "rope_qkv": 1})
     counts["silu_and_mul" if spec.mlp_gated else "bias_gelu"] = 1
+    # tensor parallel: one all-reduce per row-wise sharded output projection
+    pairs = ((spec.attention, spec.out_proj), (spec.mlp, spec.mlp_out))
+    reduces = 0 if layer is None else sum(bool(tp_detail(getattr(layer, parent), out)) for parent, out in pairs)
+    if reduces:
+        counts["all_reduce"] = reduces
     return counts
 
 
@@ -181,6 +186,7 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         or sharding_reason("norm", final_norm, spec, config, styles)
     )
     patchable = [m for m, r in zip(layers + [final_norm], reasons + [final_reason]) if r is None]
+    first = next((layer for layer, reason in zip(layers, reasons) if reason is None), None)
     devices = sorted({next(m.parameters()).device for m in patchable}, key=str)
     # Building the kernels can fail; it happens here, before any module is touched.
     backends = {device: ops_module.backend_for(device, backend) for device in devices}
@@ -194,7 +200,7 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         dtype="-",
         layers_restructured=sum(r is None for r in reasons),
         layers_total=len(layers),
-        launches_per_layer=_launches_per_layer(spec, parallel) if patchable else {},
+        launches_per_layer=_launches_per_layer(spec, parallel, first) if patchable else {},
     )
     planner = Planner(spec, config, backend, report, styles)
     state = PatchState(report, spec=spec, planner=planner)

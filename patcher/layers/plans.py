@@ -78,7 +78,7 @@ def check_layer(layer: nn.Module, spec: ArchSpec, config, backend: str, styles: 
     """Why patch_model leaves this decoder layer as it is, or None. `styles`: parallel.tp_styles of the model."""
     if type(layer).__name__ != spec.layer_class:
         return f"unexpected layer class {type(layer).__name__} (expected {spec.layer_class})"
-    reason = check_placement(layer, backend) or sharding_reason("layer", layer, spec, config, styles or {})
+    reason = check_placement(layer, backend)
     if reason:
         return reason
     if layer.training and any(getattr(config, name, 0) for name in spec.dropout_configs):
@@ -90,6 +90,7 @@ def check_layer(layer: nn.Module, spec: ArchSpec, config, backend: str, styles: 
         check_layer_norms(layer, spec, config)
         or check_attention(getattr(layer, spec.attention), spec, config)
         or check_mlp(getattr(layer, spec.mlp), spec, config)
+        or sharding_reason("layer", layer, spec, config, styles or {})
     )
 
 

@@ -66,6 +66,7 @@ def test_every_layer_patched_on_its_shards(results, name):
         layers = len([n for n, _ in r["replaced"] if n.endswith("mlp")])
         # each layer's output projections ran through the fused forward's all-reduce (two per layer)
         assert r["rowwise_calls"] == 2 * layers, r["rowwise_calls"]
+        assert r["launches"]["all_reduce"] == 2, r["launches"]
 
 
 @pytest.mark.parametrize("name", list(JOBS))
@@ -110,3 +111,4 @@ def test_partly_sharded_layers_patched(results):
         assert "summed over 2 ranks" in details["model.layers.0.mlp"]
         assert "tensor parallel" not in details["model.layers.0.self_attn"]
         assert r["rowwise_calls"] == 3  # one down_proj per layer
+        assert r["launches"]["all_reduce"] == 1, r["launches"]

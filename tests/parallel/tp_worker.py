@@ -91,6 +91,7 @@ def check(model_dir: str, plan_name: str) -> dict:
     result["report"] = str(report)
     result["unpatched"] = [(r.name, r.detail) for r in report.unpatched]
     result["replaced"] = [(r.name, r.detail) for r in report.replaced]
+    result["launches"] = dict(report.launches_per_layer)
     result["patched"] = logits(model, ids)
     result["rowwise_calls"] = rowwise_calls[0]
     with torch.enable_grad():  # grad mode: every module runs HF's forward (on the fused buffers' views)
