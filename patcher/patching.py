@@ -36,6 +36,7 @@ from .layers.out_pair import out_pair_reason, undo_out_pair
 from .layers.plans import Planner, check_layer, check_placement
 from .layers.weights import is_int4
 from .models.spec import ArchSpec
+from .parallel import sharding_reason, tp_detail, tp_styles
 from .registry import REGISTRY, Entry
 from .report import ModuleRecord, PatchReport
 
@@ -140,13 +141,18 @@ def _find(model: nn.Module) -> tuple[Entry, nn.Module]:
     return entry, base
 
 
-def _launches_per_layer(spec: ArchSpec, parallel: bool) -> dict[str, int]:
+def _launches_per_layer(spec: ArchSpec, parallel: bool, layer: nn.Module | None) -> dict[str, int]:
     if parallel:
         counts = {"add+dual-norm": 1}
     else:
         counts = {"add+norm": 2}
     counts.update({"gemm": 4, "rope_qkv": 1})
     counts["silu_and_mul" if spec.mlp_gated else "bias_gelu"] = 1
+    # tensor parallel: one all-reduce per row-wise sharded output projection
+    pairs = ((spec.attention, spec.out_proj), (spec.mlp, spec.mlp_out))
+    reduces = 0 if layer is None else sum(bool(tp_detail(getattr(layer, parent), out)) for parent, out in pairs)
+    if reduces:
+        counts["all_reduce"] = reduces
     return counts
 
 
@@ -170,11 +176,17 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
     final_norm = getattr(base, spec.final_norm, None)
 
     # 1. Decide for every module, changing nothing yet.
-    reasons = [check_layer(layer, spec, config, backend) for layer in layers]
+    styles = tp_styles(model)
+    reasons = [check_layer(layer, spec, config, backend, styles) for layer in layers]
     final_reason = (
-        "no final norm" if final_norm is None else check_norm(final_norm, spec) or check_placement(final_norm, backend)
+        "no final norm"
+        if final_norm is None
+        else check_norm(final_norm, spec)
+        or check_placement(final_norm, backend)
+        or sharding_reason("norm", final_norm, spec, config, styles)
     )
     patchable = [m for m, r in zip(layers + [final_norm], reasons + [final_reason]) if r is None]
+    first = next((layer for layer, reason in zip(layers, reasons) if reason is None), None)
     devices = sorted({next(m.parameters()).device for m in patchable}, key=str)
     # Building the kernels can fail; it happens here, before any module is touched.
     backends = {device: ops_module.backend_for(device, backend) for device in devices}
@@ -188,9 +200,9 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         dtype="-",
         layers_restructured=sum(r is None for r in reasons),
         layers_total=len(layers),
-        launches_per_layer=_launches_per_layer(spec, parallel) if patchable else {},
+        launches_per_layer=_launches_per_layer(spec, parallel, first) if patchable else {},
     )
-    planner = Planner(spec, config, backend, report)
+    planner = Planner(spec, config, backend, report, styles)
     state = PatchState(report, spec=spec, planner=planner)
     records = {}
 
@@ -218,11 +230,13 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         if is_int4(getattr(attn, spec.qkv[0])):
             qkv_detail = "GPTQ int4 q/k/v side by side" if len(spec.qkv) > 1 else "GPTQ int4 QKV"
         undo = functools.partial(undo_attention_plan, attn)
-        swap(attn, "attention", entry.attention, f"{qkv_detail} + rope_qkv ({ops_name})", undo)
+        tp = tp_detail(attn, spec.out_proj)
+        swap(attn, "attention", entry.attention, f"{qkv_detail} + rope_qkv ({ops_name}){tp}", undo)
         mlp_detail = "fused gate/up GEMM + silu_and_mul" if spec.mlp_gated else "GEMM + bias_gelu"
         if is_int4(getattr(mlp, spec.mlp_in[0])):
             mlp_detail = "GPTQ int4 " + ("gate/up side by side + silu_and_mul" if spec.mlp_gated else "GEMM + gelu")
-        swap(mlp, "mlp", entry.mlp, f"{mlp_detail} ({ops_name})", functools.partial(undo_mlp_plan, mlp))
+        tp = tp_detail(mlp, spec.mlp_out)
+        swap(mlp, "mlp", entry.mlp, f"{mlp_detail} ({ops_name}){tp}", functools.partial(undo_mlp_plan, mlp))
         for norm in (getattr(layer, spec.input_norm), getattr(layer, spec.post_norm)):
             swap(norm, "norm", entry.norm, f"{spec.norm} norm ({ops_name})")
         if parallel:

@@ -107,6 +107,8 @@ def model_reason(model) -> str | None:
         return f"a forward hook or pre-hook on {hooked or 'the model'} (the decode graph calls no modules)"
     if model.training and state.planner.dropout:
         return "training mode with dropout (the decode step has no dropout)"
+    if state.planner.tensor_parallel:
+        return "a tensor-parallel model (the decode step has no all-reduce between ranks)"
     if report.backend != "kernels" or len(report.devices) != 1 or not report.devices[0].startswith("cuda"):
         return (
             f"the decode path runs on one CUDA device with the kernels backend (have {report.backend} on "

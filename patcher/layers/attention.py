@@ -24,6 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..models.spec import ArchSpec
 from ..ops import Backend, int4
 from ..ops.int4 import Int4Linear
+from ..parallel import local_heads, reduce_group, shard
 from . import weights
 
 FUSED_QKV = "_patcher_qkv_weight"
@@ -45,6 +46,7 @@ class AttentionPlan:
     extra_kwargs: dict = field(default_factory=dict)
     qkv_int4: Int4Linear | None = None
     out_int4: Int4Linear | None = None
+    group: object = None  # tensor parallel: the process group summing the output projection's partial products
 
 
 def check_attention(module: nn.Module, spec: ArchSpec, config) -> str | None:
@@ -84,23 +86,26 @@ def attention_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> A
         qkv_weight = qkv_bias = None
     elif len(qkv) == 1:
         qkv_weight, qkv_bias = qkv[0].weight, qkv[0].bias
+        qkv_weight, qkv_bias = shard(qkv_weight), None if qkv_bias is None else shard(qkv_bias)
     else:
         qkv_weight = weights.fuse(module, FUSED_QKV, [p.weight for p in qkv])
         qkv_bias = None if qkv[0].bias is None else weights.fuse(module, FUSED_QKV_BIAS, [p.bias for p in qkv])
+    heads, kv_heads = local_heads(module, spec, config)  # (tensor parallel: this rank's heads)
     return AttentionPlan(
         ops=ops,
         qkv_weight=qkv_weight,
         qkv_bias=qkv_bias,
-        out_weight=None if out_int4 else out.weight,
-        out_bias=None if out_int4 else out.bias,
-        num_heads=spec.num_heads(config),
-        num_kv_heads=spec.num_kv_heads(config),
+        out_weight=None if out_int4 else shard(out.weight),
+        out_bias=None if out_int4 or out.bias is None else shard(out.bias),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
         head_dim=spec.head_dim(config),
         interleaved=spec.qkv_interleaved,
         eager_attention=sys.modules[type(module).__module__].eager_attention_forward,
         extra_kwargs={name: getattr(module, name) for name in spec.attention_kwargs},
         qkv_int4=qkv_int4,
         out_int4=out_int4,
+        group=reduce_group(out),
     )
 
 
@@ -134,4 +139,4 @@ def attention_forward(
         self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **plan.extra_kwargs, **kwargs
     )
     out = out.reshape(bsz, q_len, -1)
-    return weights.project(plan.ops, out, plan.out_weight, plan.out_bias, plan.out_int4), attn_weights
+    return weights.project(plan.ops, out, plan.out_weight, plan.out_bias, plan.out_int4, plan.group), attn_weights

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from ..parallel import shard
 from .stream import ResidualStream, materialize
 
 # transformers installs this forward hook on every decoder layer and attention module the first time a caller asks
@@ -81,7 +82,8 @@ class Watch:
     def __init__(self, owners: list[nn.Module]):
         self.dicts = [owners[0]._modules] + [d for m in owners for d in (m._parameters, m._buffers) if d]
         self.seen = list(chain.from_iterable(map(dict.values, self.dicts)))
-        self.tensors = [t for t in self.seen if isinstance(t, torch.Tensor)]
+        # (a DTensor's own data_ptr is 0: its local shard holds the memory)
+        self.tensors = [shard(t) for t in self.seen if isinstance(t, torch.Tensor)]
         self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
 
     def changed(self) -> bool:
@@ -193,7 +195,7 @@ def weights_signature(model: nn.Module) -> list:
     """Every parameter and buffer of `model`, module by module: identity, memory, dtype and in-place version (freed
     memory may be reused, by a tensor of another dtype too)."""
     return [
-        (id(t), t.data_ptr(), t.dtype, _version(t))
+        (id(t), shard(t).data_ptr(), t.dtype, _version(shard(t)))
         for m in model.modules()
         for d in (m._parameters, m._buffers)
         for t in d.values()

@@ -15,6 +15,7 @@ from torch import nn
 from ..models.spec import ArchSpec
 from ..ops import Backend, int4
 from ..ops.int4 import Int4Linear
+from ..parallel import reduce_group, shard
 from . import weights
 
 FUSED_GATE_UP = "_patcher_gate_up_weight"
@@ -34,6 +35,7 @@ class MlpPlan:
     tanh: bool = False  # GELU variant (plain MLP only)
     in_int4: Int4Linear | None = None  # gated: gate and up side by side
     out_int4: Int4Linear | None = None
+    group: object = None  # tensor parallel: the process group summing the output projection's partial products
 
 
 def check_mlp(module: nn.Module, spec: ArchSpec, config) -> str | None:
@@ -70,14 +72,20 @@ def mlp_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> MlpPlan
         else:
             plan.out_bias = out.bias
         return plan
+    # (tensor parallel: this rank's shards; the output projection's partial products are summed over `group`)
+    out_weight, out_bias, group = shard(out.weight), _shard(out.bias), reduce_group(out)
     if spec.mlp_gated:
         gate, up = (getattr(module, name) for name in spec.mlp_in)
         in_weight = weights.fuse(module, FUSED_GATE_UP, [gate.weight, up.weight])
         in_bias = None if gate.bias is None else weights.fuse(module, FUSED_GATE_UP_BIAS, [gate.bias, up.bias])
-        return MlpPlan(ops, in_weight, in_bias, out.weight, out.bias)
+        return MlpPlan(ops, in_weight, in_bias, out_weight, out_bias, group=group)
     fc_in = getattr(module, spec.mlp_in[0])
     tanh = GELU_ACTIVATIONS[getattr(config, spec.act_config)]
-    return MlpPlan(ops, fc_in.weight, fc_in.bias, out.weight, out.bias, tanh)
+    return MlpPlan(ops, shard(fc_in.weight), _shard(fc_in.bias), out_weight, out_bias, tanh, group=group)
+
+
+def _shard(bias):
+    return None if bias is None else shard(bias)
 
 
 def undo_mlp_plan(module: nn.Module) -> None:
@@ -88,11 +96,11 @@ def undo_mlp_plan(module: nn.Module) -> None:
 def gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     plan: MlpPlan = self._patcher
     h = plan.ops.silu_and_mul(weights.project(plan.ops, x, plan.in_weight, plan.in_bias, plan.in_int4))
-    return weights.project(plan.ops, h, plan.out_weight, plan.out_bias, plan.out_int4)
+    return weights.project(plan.ops, h, plan.out_weight, plan.out_bias, plan.out_int4, plan.group)
 
 
 def gelu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     plan: MlpPlan = self._patcher
     # (int4: the GPTQ bias is added in the int4 op, as GPTQLinear adds it; in_bias is None)
     h = plan.ops.bias_gelu(weights.project(plan.ops, x, plan.in_weight, None, plan.in_int4), plan.in_bias, plan.tanh)
-    return weights.project(plan.ops, h, plan.out_weight, plan.out_bias, plan.out_int4)
+    return weights.project(plan.ops, h, plan.out_weight, plan.out_bias, plan.out_int4, plan.group)

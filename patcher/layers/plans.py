@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import ops as ops_module
 from ..models.spec import ArchSpec
+from ..parallel import sharding_reason
 from ..report import PatchReport
 from .attention import attention_plan, check_attention
 from .decoder import LayerPlan
@@ -73,8 +74,8 @@ def check_layer_norms(layer: nn.Module, spec: ArchSpec, config) -> str | None:
     return None
 
 
-def check_layer(layer: nn.Module, spec: ArchSpec, config, backend: str) -> str | None:
-    """Why patch_model leaves this decoder layer as it is, or None."""
+def check_layer(layer: nn.Module, spec: ArchSpec, config, backend: str, styles: dict | None = None) -> str | None:
+    """Why patch_model leaves this decoder layer as it is, or None. `styles`: parallel.tp_styles of the model."""
     if type(layer).__name__ != spec.layer_class:
         return f"unexpected layer class {type(layer).__name__} (expected {spec.layer_class})"
     reason = check_placement(layer, backend)
@@ -89,6 +90,7 @@ def check_layer(layer: nn.Module, spec: ArchSpec, config, backend: str) -> str |
         check_layer_norms(layer, spec, config)
         or check_attention(getattr(layer, spec.attention), spec, config)
         or check_mlp(getattr(layer, spec.mlp), spec, config)
+        or sharding_reason("layer", layer, spec, config, styles or {})
     )
 
 
@@ -98,8 +100,14 @@ class Planner:
     config: object
     backend: str  # what patch_model was asked for: "auto", "kernels" or "reference"
     report: PatchReport
+    styles: dict = field(default_factory=dict)  # parallel.tp_styles of the model: id(module) -> its TP style
     placements: dict = field(default_factory=dict)  # module name -> (device, dtype, backend name) of its plan
     unplanned: dict = field(default_factory=dict)  # module name -> why HF's forward serves it now
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether transformers sharded any module of the model (its plans then read local shards)."""
+        return bool(self.styles)
 
     @property
     def dropout(self) -> bool:
@@ -129,7 +137,7 @@ class Planner:
             "layer": lambda: check_layer_norms(module, spec, config),
         }[kind]
         reason = check_placement(module, self.backend) if _has_parameters(module) else _buffers_reason(module)
-        reason = reason or check()
+        reason = reason or check() or sharding_reason(kind, module, spec, config, self.styles)
         if reason:
             raise Unplannable(reason)
         ops = self.ops(module)

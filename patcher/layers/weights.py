@@ -11,12 +11,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..parallel import rowwise_linear, shard
+
 
 def fuse(owner: nn.Module, name: str, params: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenates `params` along dim 0 into `owner.<name>` and makes each parameter a view of its slice."""
-    fused = torch.cat([p.detach() for p in params], dim=0)
+    """Concatenates `params` along dim 0 into `owner.<name>` and makes each parameter a view of its slice. A
+    tensor-parallel (DTensor) parameter contributes this rank's shard, and its shard becomes the view."""
+    shards = [shard(p) for p in params]
+    fused = torch.cat([p.detach() for p in shards], dim=0)
     start = 0
-    for p in params:
+    for p in shards:
         stop = start + p.shape[0]
         p.data = fused[start:stop]
         start = stop
@@ -34,6 +38,7 @@ def unfuse(owner: nn.Module, name: str) -> None:
     storage = fused.untyped_storage().data_ptr()
     for module in owner.modules():
         for t in (*module._parameters.values(), *module._buffers.values()):
+            t = None if t is None else shard(t)
             if t is not None and t.untyped_storage().data_ptr() == storage:
                 t.data = t.data.clone()
 
@@ -60,8 +65,11 @@ def is_int4(module: nn.Module) -> bool:
     return type(module).__name__ == "GPTQLinear"
 
 
-def project(ops, x: torch.Tensor, weight, bias, int4) -> torch.Tensor:
-    """x @ W^T + b for a dense projection, or the int4 op for a GPTQ one (int4 is an ops.int4.Int4Linear)."""
+def project(ops, x: torch.Tensor, weight, bias, int4, group=None) -> torch.Tensor:
+    """x @ W^T + b for a dense projection, or the int4 op for a GPTQ one (int4 is an ops.int4.Int4Linear). With a
+    process group, `weight` is this rank's row-wise shard: the ranks' partial products are summed, then b added."""
     if int4 is not None:
         return ops.int4_linear(x, *int4.args())
+    if group is not None:
+        return rowwise_linear(x, weight, bias, group)
     return torch.nn.functional.linear(x, weight, bias)

@@ -1,0 +1,25 @@
+"""Tensor-parallel models as transformers shards them (`from_pretrained(path, tp_plan="auto")` under torchrun)."""
+
+from .shards import (
+    has_sharded,
+    local_heads,
+    reduce_group,
+    rowwise_linear,
+    shard,
+    sharded,
+    sharding_reason,
+    tp_detail,
+    tp_styles,
+)
+
+__all__ = [
+    "has_sharded",
+    "local_heads",
+    "reduce_group",
+    "rowwise_linear",
+    "shard",
+    "sharded",
+    "sharding_reason",
+    "tp_detail",
+    "tp_styles",
+]

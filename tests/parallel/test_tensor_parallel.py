@@ -1,0 +1,114 @@
+"""patch_model on models transformers shards for tensor parallelism (`tp_plan`), two gloo processes on the CPU.
+
+tp_worker.py runs every check on both ranks in one `torch.distributed.run` launch; the tests here assert on what
+each rank saved. The fused forwards read each rank's shards and sum the row-wise outputs by all_reduce; a layout
+they do not read stays as it was, named in the report. fp32 logits: patched against the same sharded model
+unpatched and against the whole model in one process, within FP32_LOGIT_ATOL relative to the logits' scale.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import FP32_LOGIT_ATOL, REPO
+
+from patcher import random_models
+
+pytestmark = pytest.mark.slow  # (one launch of two processes for every job below: about 20 s on two cores)
+
+RANKS = 2
+# job name -> (random model, plan: "auto" is the config's own, others are tp_worker.PLANS)
+JOBS = {
+    "llama": ("tiny-llama", "auto"),
+    "qwen2": ("tiny-qwen2", "auto"),
+    "pythia": ("tiny-pythia", "auto"),
+    "neox-sequential": ("tiny-neox-sequential", "auto"),
+    "llama-gathered-mlp": ("tiny-llama", "gathered-mlp"),
+    "llama-mlp-only": ("tiny-llama", "mlp-only"),
+}
+AUTO = [name for name, (_, plan) in JOBS.items() if plan == "auto"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    for model in {model for model, _ in JOBS.values()}:
+        random_models.build(model).save_pretrained(root / model)
+    jobs = [f"{name}={root / model}:{plan}" for name, (model, plan) in JOBS.items()]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", "--standalone"]
+    command += [str(REPO / "tests" / "parallel" / "tp_worker.py"), str(root / "out"), *jobs]
+    run = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"tp_worker failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
+    return {
+        name: [torch.load(root / "out" / name / f"rank{r}.pt", weights_only=False) for r in range(RANKS)]
+        for name in JOBS
+    }
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    scale = max(expected.abs().max().item(), 1.0)
+    err = (actual.double() - expected.double()).abs().max().item()
+    assert err <= FP32_LOGIT_ATOL * scale, f"{what}: max |difference| {err:.3g} > {FP32_LOGIT_ATOL} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("name", AUTO)
+def test_every_layer_patched_on_its_shards(results, name):
+    for rank, r in enumerate(results[name]):
+        assert r["unpatched"] == [], f"rank {rank}: {r['unpatched']}"
+        attention_details = [d for n, d in r["replaced"] if n.endswith(("self_attn", "attention"))]
+        assert attention_details and all("summed over 2 ranks" in d for d in attention_details), r["report"]
+        layers = len([n for n, _ in r["replaced"] if n.endswith("mlp")])
+        # each layer's output projections ran through the fused forward's all-reduce (two per layer)
+        assert r["rowwise_calls"] == 2 * layers, r["rowwise_calls"]
+        assert r["launches"]["all_reduce"] == 2, r["launches"]
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_logits_match_unpatched_and_whole_model(results, name):
+    for rank, r in enumerate(results[name]):
+        assert_close(r["patched"], r["sharded"], f"{name} rank {rank}: patched against sharded unpatched")
+        assert_close(r["patched"], r["whole"], f"{name} rank {rank}: patched against the whole model")
+        assert_close(r["patched_grad_mode"], r["sharded"], f"{name} rank {rank}: grad mode (HF's forwards)")
+    assert torch.equal(results[name][0]["patched"], results[name][1]["patched"]), "the ranks' logits differ"
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_greedy_tokens_match_whole_model(results, name):
+    for r in results[name]:
+        assert r["patched_tokens"] == r["whole_tokens"]
+        assert r["patched_static_tokens"] == r["whole_tokens"]  # HF's static cache, sized for the local kv heads
+        assert r["generate_path"]["path"] == "hf"  # (the decode step has no all-reduce)
+        if not r["unpatched"]:
+            assert "tensor-parallel" in r["generate_path"]["reason"], r["generate_path"]
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_unpatch_restores_exact_outputs(results, name):
+    for r in results[name]:
+        assert torch.equal(r["unpatched_again"], r["sharded"])
+        assert "DTensor" in r["state_dict_types"]  # the parameters are still transformers' sharded ones
+
+
+def test_unsupported_layout_left_as_it_was(results):
+    for r in results["llama-gathered-mlp"]:
+        layers = [(n, reason) for n, reason in r["unpatched"] if n.startswith("model.layers.")]
+        assert len(layers) == 3, r["report"]
+        for name, reason in layers:
+            assert "tensor-parallel (DTensor) weights" in reason and "colwise_gather_output" in reason, reason
+        assert r["rowwise_calls"] == 0
+
+
+def test_partly_sharded_layers_patched(results):
+    for r in results["llama-mlp-only"]:
+        assert r["unpatched"] == [], r["report"]
+        details = dict(r["replaced"])
+        assert "summed over 2 ranks" in details["model.layers.0.mlp"]
+        assert "tensor parallel" not in details["model.layers.0.self_attn"]
+        assert r["rowwise_calls"] == 3  # one down_proj per layer
+        assert r["launches"]["all_reduce"] == 1, r["launches"]

@@ -1,0 +1,124 @@
+"""One rank of a tensor-parallel check, run by test_tensor_parallel.py under torch.distributed.run (gloo, CPU).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/parallel/tp_worker.py OUT_DIR NAME=MODEL_DIR:PLAN ...
+
+PLAN is "auto" (the config's own tensor-parallel plan) or the name of a plan in PLANS. For each job, each rank loads
+the model twice from MODEL_DIR (whole, and sharded by the plan), runs the checks below and saves what the test
+asserts on to OUT_DIR/NAME/rank<r>.pt: logits of the whole model, of the sharded model unpatched, patched, and
+unpatched again; greedy tokens of `generate`; the report; how many row-wise projections ran through the fused
+forward's all-reduce. One launch runs every job: starting the processes costs more than a tiny model's checks.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+import patcher
+import patcher.layers.weights as weights_module
+from patcher.decode import generate_path
+
+_LAYERS = "model.layers.*"
+PLANS = {
+    # the MLP gathers its column-wise output and splits it again inside the row-wise projection: transformers runs
+    # it correctly, the fused MLP does not read this layout, so those layers stay as they were
+    "gathered-mlp": {
+        f"{_LAYERS}.self_attn.q_proj": "colwise",
+        f"{_LAYERS}.self_attn.k_proj": "colwise",
+        f"{_LAYERS}.self_attn.v_proj": "colwise",
+        f"{_LAYERS}.self_attn.o_proj": "rowwise",
+        f"{_LAYERS}.mlp.gate_proj": "colwise_gather_output",
+        f"{_LAYERS}.mlp.up_proj": "colwise_gather_output",
+        f"{_LAYERS}.mlp.down_proj": "rowwise_split_input",
+    },
+    # only the MLPs sharded (a plan given to from_pretrained updates the config's): the attention runs whole on
+    # every rank, the MLP on its shards
+    "mlp-only": {
+        f"{_LAYERS}.self_attn.q_proj": "replicate",
+        f"{_LAYERS}.self_attn.k_proj": "replicate",
+        f"{_LAYERS}.self_attn.v_proj": "replicate",
+        f"{_LAYERS}.self_attn.o_proj": "replicate",
+        f"{_LAYERS}.mlp.gate_proj": "colwise",
+        f"{_LAYERS}.mlp.up_proj": "colwise",
+        f"{_LAYERS}.mlp.down_proj": "rowwise",
+    },
+}
+PROMPT = [[1, 5, 9, 33, 7, 100, 42, 17]]
+NEW_TOKENS = 8
+
+
+def load_sharded(path: str, plan):
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:  # transformers before the DistributedConfig API
+        return AutoModelForCausalLM.from_pretrained(path, tp_plan=plan, dtype=torch.float32)
+    config = DistributedConfig(tp_plan=plan)
+    return AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=torch.float32)
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.detach().clone()
+
+
+def greedy(model, ids: torch.Tensor, **kwargs) -> list[int]:
+    out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS, **kwargs)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def check(model_dir: str, plan_name: str) -> dict:
+    ids = torch.tensor(PROMPT)
+    whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    result = {"whole": logits(whole, ids), "whole_tokens": greedy(whole, ids)}
+    del whole
+
+    model = load_sharded(model_dir, "auto" if plan_name == "auto" else PLANS[plan_name]).eval()
+    result["sharded"] = logits(model, ids)
+
+    rowwise_calls = [0]
+    rowwise_linear = weights_module.rowwise_linear
+
+    def counted(*args):
+        rowwise_calls[0] += 1
+        return rowwise_linear(*args)
+
+    weights_module.rowwise_linear = counted
+    report = patcher.patch_model(model)
+    result["report"] = str(report)
+    result["unpatched"] = [(r.name, r.detail) for r in report.unpatched]
+    result["replaced"] = [(r.name, r.detail) for r in report.replaced]
+    result["launches"] = dict(report.launches_per_layer)
+    result["patched"] = logits(model, ids)
+    result["rowwise_calls"] = rowwise_calls[0]
+    with torch.enable_grad():  # grad mode: every module runs HF's forward (on the fused buffers' views)
+        result["patched_grad_mode"] = model(ids).logits.detach().clone()
+    result["patched_tokens"] = greedy(model, ids)
+    result["patched_static_tokens"] = greedy(model, ids, cache_implementation="static")
+    result["generate_path"] = generate_path(model)
+    weights_module.rowwise_linear = rowwise_linear
+
+    patcher.unpatch_model(model)
+    result["unpatched_again"] = logits(model, ids)
+    result["state_dict_types"] = sorted({type(t).__name__ for t in model.state_dict().values()})
+    return result
+
+
+def main(out_dir: str, jobs: list[str]) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for job in jobs:
+        name, _, rest = job.partition("=")
+        model_dir, _, plan_name = rest.rpartition(":")
+        result = check(model_dir, plan_name)
+        (Path(out_dir) / name).mkdir(parents=True, exist_ok=True)
+        torch.save(result, Path(out_dir) / name / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
