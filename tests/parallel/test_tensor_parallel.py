@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 from conftest import FP32_LOGIT_ATOL, REPO
+from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
 
 from patcher import random_models
 
@@ -30,6 +31,8 @@ JOBS = {
     "llama-gathered-mlp": ("tiny-llama", "gathered-mlp"),
     "llama-mlp-only": ("tiny-llama", "mlp-only"),
 }
+if "replicate" not in ALL_PARALLEL_STYLES:  # a style name of later 5.x releases (5.24; not 5.17)
+    del JOBS["llama-mlp-only"]
 AUTO = [name for name, (_, plan) in JOBS.items() if plan == "auto"]
 
 
@@ -104,6 +107,7 @@ def test_unsupported_layout_left_as_it_was(results):
         assert r["rowwise_calls"] == 0
 
 
+@pytest.mark.skipif("llama-mlp-only" not in JOBS, reason="this transformers release has no 'replicate' TP style")
 def test_partly_sharded_layers_patched(results):
     for r in results["llama-mlp-only"]:
         assert r["unpatched"] == [], r["report"]
