@@ -169,12 +169,16 @@ def sync(device: torch.device) -> None:
 
 
 def wall_time(fn, device: torch.device) -> float:
-    """Seconds for fn(), synchronized before and after."""
+    """Seconds for fn(), synchronized before and after; in a tensor-parallel run every rank starts together and
+    each gets rank 0's time (so that decisions taken from it agree)."""
+    from . import distributed
+
     sync(device)
+    distributed.barrier()
     start = time.perf_counter()
     fn()
     sync(device)
-    return time.perf_counter() - start
+    return distributed.rank0_value(time.perf_counter() - start)
 
 
 MAX_TIMING_TRIES = 5  # per repeat, for a (1 token, N + 1 tokens) pair whose difference is not positive
@@ -226,7 +230,10 @@ def hbm_read_bandwidth_gbs(device: torch.device, gib: int = 4) -> float:
 
 
 def write_json(path: str | None, payload: dict, announce: bool = True) -> None:
-    if path:
+    """Writes the JSON (rank 0 only in a tensor-parallel run)."""
+    from . import distributed
+
+    if path and distributed.is_main():
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")
         if announce:

@@ -1,4 +1,5 @@
-"""Perplexity, patched against unpatched, in one process: `patcher-perplexity` or `python -m evals.perplexity`.
+"""Perplexity, patched against unpatched: `patcher-perplexity` or `python -m evals.perplexity` (one process; one a
+shard with --tp under torchrun).
 
 The strided sliding window of HF's perplexity guide: windows of --ctx tokens every --stride tokens, each scoring
 only the tokens not scored before (the first ctx - stride tokens of a window are context). One run evaluates the
@@ -8,6 +9,10 @@ unpatched, and max |logit difference| and top-1 agreement on the first window.
 
 Data: WikiText-2 raw test through `datasets` (the rows joined with "\\n\\n", as the guide does), or --text-file.
 A model without a tokenizer (--random-config) reads the text as UTF-8 bytes.
+
+Tensor parallelism: `--tp N` under torchrun shards the model with transformers' tp_plan="auto" (--model or
+--random-config) and evaluates it on every rank; rank 0 prints and writes the JSON (with tp and the backend):
+  torchrun --nproc-per-node 2 -m evals.perplexity --model PATH --tp 2 --json ppl.json
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import common
+from . import common, distributed
 
 
 def load_text(args) -> tuple[str, str]:
@@ -66,7 +71,8 @@ def evaluate(model, ids: torch.Tensor, ctx: int, stride: int, device, desc: str)
     spans = list(windows(len(ids), ctx, stride))
     start = time.perf_counter()
     with torch.no_grad():
-        for begin, end, scored in tqdm(spans, desc=desc, file=sys.stderr, leave=False):
+        bar = tqdm(spans, desc=desc, file=sys.stderr, leave=False, disable=not distributed.is_main())
+        for begin, end, scored in bar:
             input_ids = ids[begin:end].unsqueeze(0).to(device)
             labels = input_ids.clone()
             labels[:, :-scored] = -100
@@ -95,6 +101,7 @@ def main(argv=None) -> int:
         prog=common.prog("evals.perplexity"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     common.add_model_args(parser)
+    distributed.add_tp_arg(parser)
     parser.add_argument("--text-file", help="evaluate this text instead of WikiText-2 from datasets")
     parser.add_argument("--ctx", type=int, default=None, help="window length (default 2048 or the model's maximum)")
     parser.add_argument("--stride", type=int, default=512)
@@ -110,8 +117,11 @@ def main(argv=None) -> int:
 
     import patcher
 
+    distributed.check(args, "evals.perplexity", argv)
+    distributed.setup(args)
     device, dtype = common.resolve(args)
-    model, tokenizer, name = common.load_model(args, device, dtype)
+    model, tokenizer, name, device = distributed.load_model(args, device, dtype)
+    say = print if distributed.is_main() else (lambda *a, **k: None)  # rank 0 reports
     text, source = load_text(args)
     ids = encode(text, tokenizer, model.config.vocab_size)
     total_tokens = len(ids)
@@ -120,7 +130,7 @@ def main(argv=None) -> int:
     ctx = args.ctx or min(2048, getattr(model.config, "max_position_embeddings", 2048))
     if args.stride <= 0 or args.stride > ctx:
         parser.error(f"--stride must be in 1..ctx ({ctx})")
-    print(
+    say(
         f"{name}, {str(dtype).replace('torch.', '')}, {source}: {total_tokens} tokens"
         + (f" (first {len(ids)})" if args.max_tokens else "")
         + f", ctx {ctx}, stride {args.stride}",
@@ -131,7 +141,7 @@ def main(argv=None) -> int:
     base_logits = first_window_logits(model, ids, ctx, device)
     results["unpatched"] = evaluate(model, ids, ctx, args.stride, device, "unpatched")
     report = patcher.patch_model(model, backend=args.backend)
-    print(report, file=sys.stderr)
+    say(report, file=sys.stderr)
     patched_logits = first_window_logits(model, ids, ctx, device)
     results["patched"] = evaluate(model, ids, ctx, args.stride, device, "patched")
     patcher.unpatch_model(model)
@@ -147,7 +157,7 @@ def main(argv=None) -> int:
     unpatch_identical = bool(torch.equal(restored_logits, base_logits))
 
     rows = [{"mode": m, **r} for m, r in results.items()]
-    print(
+    say(
         common.table(
             rows,
             [
@@ -162,7 +172,7 @@ def main(argv=None) -> int:
             ],
         )
     )
-    print(f"unpatch restores the baseline (first window logits bit-identical): {unpatch_identical}")
+    say(f"unpatch restores the baseline (first window logits bit-identical): {unpatch_identical}")
     common.write_json(
         args.json,
         {
@@ -173,11 +183,13 @@ def main(argv=None) -> int:
             "text_tokens": total_tokens,
             "settings": {"ctx": ctx, "stride": args.stride, "max_tokens": args.max_tokens, "backend": args.backend},
             "environment": common.environment(device, "evals.perplexity"),
+            "parallel": distributed.describe(),
             "patch_report": report.to_dict(),
             "results": results,
             "unpatch_restores_baseline": unpatch_identical,
         },
     )
+    distributed.finish()
     return 0 if unpatch_identical else 1
 
 

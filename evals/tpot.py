@@ -1,4 +1,5 @@
-"""Decode speed, patched against unpatched, side by side in one process: `patcher-tpot` or `python -m evals.tpot`.
+"""Decode speed, patched against unpatched, side by side: `patcher-tpot` or `python -m evals.tpot` (one process; one
+a shard with --tp under torchrun).
 
 TPOT (time per output token) excludes prefill: (time(generate N+1) - time(generate 1)) / N, after warm-up, with
 the GPU synchronized, median over repeats. Each mode also reports TTFT (generate 1), tokens/s, kernels per decode
@@ -43,6 +44,11 @@ turns it on), and each row adds "x_greedy" (TPOT over the greedy preset's, same 
 patcher.decode.generate_path reports, with a warning line where `patched` did not take the graph path.
 
 With no model argument it runs Pythia-2.8B-shaped random weights on a GPU, a tiny model on a CPU.
+
+Tensor parallelism: `--tp N` under torchrun shards the model with transformers' tp_plan="auto" (--model or
+--random-config); every rank runs every mode, the ranks start each timed generate together and rank 0's times are
+reported; rank 0 prints and writes the JSON (with tp and the backend); bytes per step are one rank's:
+  torchrun --nproc-per-node 2 -m evals.tpot --model PATH --tp 2 --json tpot.json
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from . import common, presets
+from . import common, distributed, presets
 from .kernel_profile import KERNEL_COLUMNS, step_profile
 
 GPU_MODES = ["hf-eager", "hf-static-compiled", "patched-eager", "patched", "patched-static-compiled"]  # the default
@@ -75,7 +81,7 @@ PRESET_GPU_MODES = ["hf-static-compiled", "patched"]  # the default with --gener
 def weight_bytes(model) -> int:
     """Bytes of weights one decode step reads: every parameter and GPTQ tensor once, but only one row of an untied
     input embedding."""
-    params = {id(p): p for p in model.parameters()}
+    params = {id(p): p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()}  # a rank's shards
     total = sum(p.numel() * p.element_size() for p in params.values())
     for module in model.modules():  # GPTQ and GGUF linears keep their tensors as buffers (g_idx is not read)
         if type(module).__name__ == "GPTQLinear":
@@ -84,6 +90,7 @@ def weight_bytes(model) -> int:
         elif type(module).__name__ == "GGUFLinear":
             total += sum(t.numel() * t.element_size() for t in (module.qweight, module.bias) if t is not None)
     embedding = model.get_input_embeddings().weight
+    embedding = embedding.to_local() if hasattr(embedding, "to_local") else embedding
     output = model.get_output_embeddings()
     if output is None or output.weight is not embedding:
         total -= embedding.numel() * embedding.element_size()
@@ -97,7 +104,7 @@ def kv_bytes(model, batch: int, context: float) -> float:
     config = model.config
     spec = REGISTRY[config.model_type].spec
     per_token = 2 * config.num_hidden_layers * spec.num_kv_heads(config) * spec.head_dim(config)
-    return per_token * batch * context * model.dtype.itemsize
+    return per_token * batch * context * model.dtype.itemsize / distributed.world_size()  # heads split over ranks
 
 
 @contextlib.contextmanager
@@ -315,6 +322,7 @@ def main(argv=None) -> int:
         prog=common.prog("evals.tpot"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     common.add_model_args(parser)
+    distributed.add_tp_arg(parser)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
@@ -338,6 +346,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write every figure and the run's settings here")
     args = parser.parse_args(argv)
 
+    distributed.check(args, "evals.tpot", argv)
     device, dtype = common.resolve(args)
     gpu_modes = PRESET_GPU_MODES if args.generate_args else GPU_MODES
     modes = args.modes.split(",") if args.modes else (gpu_modes if device.type == "cuda" else CPU_MODES)
@@ -357,7 +366,10 @@ def main(argv=None) -> int:
     if (args.sweep_context or args.sweep_batch) and importlib.util.find_spec("matplotlib") is None:
         parser.error("the sweeps are plotted with matplotlib: pip install 'fused-patcher[plots]'")
 
-    model, tokenizer, name = common.load_model(args, device, dtype)
+    distributed.setup(args)
+    model, tokenizer, name, device = distributed.load_model(args, device, dtype)
+    main_rank = distributed.is_main()
+    say = print if main_rank else (lambda *a, **k: None)  # rank 0 reports
     model.generation_config.eos_token_id = None  # always generate exactly the requested number of tokens
     model.generation_config.pad_token_id = 0
     longest = max(contexts) + args.new_tokens + 1
@@ -371,7 +383,7 @@ def main(argv=None) -> int:
         if tokenizer is None and presets.NEEDS_TOKENIZER & set(args.generate_args):
             setup.tokenizer = presets.offline_tokenizer(setup.vocab_size)
     bandwidth = common.hbm_read_bandwidth_gbs(device) if device.type == "cuda" else None
-    print(
+    say(
         f"{name}, {str(dtype).replace('torch.', '')}, batch {','.join(map(str, batches))}, {args.new_tokens} new tokens"
         + (f", measured HBM read bandwidth {bandwidth:.0f} GB/s" if bandwidth else ""),
         file=sys.stderr,
@@ -384,6 +396,7 @@ def main(argv=None) -> int:
         "hbm_read_bandwidth_gbs": bandwidth,
         "weight_bytes": weight_bytes(model),
         "environment": common.environment(device, "evals.tpot"),
+        "parallel": distributed.describe(),
         "complete": False,
         "results": [],
     }
@@ -394,6 +407,8 @@ def main(argv=None) -> int:
         # (a time limit, a mode that hangs) keeps what it has.
         rows.append(row)
         presets.add_ratios(rows)
+        if not main_rank:
+            return
         figures = f"{row['tpot_ms']:.3f} ms" if "tpot_ms" in row else f"failed: {row['error']}"
         figures += "".join(f", {k} {row[k]:.2f}" for k in ("x_greedy", "x_hf_static") if k in row)
         tqdm.write(f"tpot: {label(row)}: {figures}", file=sys.stderr)
@@ -402,45 +417,46 @@ def main(argv=None) -> int:
         common.write_json(args.json, payload, announce=False)
 
     total = len(batches) * len(contexts) * len(modes) * len(args.generate_args or [None])
-    with tqdm(total=total, desc="tpot", file=sys.stderr) as progress:
+    with tqdm(total=total, desc="tpot", file=sys.stderr, disable=not main_rank) as progress:
         for batch in batches:
             for context in contexts:
                 run(model, args, device, context, batch, bandwidth, modes, on_row, progress, setup)
 
-    print(common.table(rows, table_columns(args)))
+    say(common.table(rows, table_columns(args)))
     for row in rows:
         if off_graph(row):
-            print(off_graph(row))
+            say(off_graph(row))
     failed = [r for r in rows if "error" in r]
     for row in failed:
-        print(f"{label(row)} failed: {row['error']}")
+        say(f"{label(row)} failed: {row['error']}")
     if args.kernel_table:
         for row in rows:
             if row.get("top_kernels"):
-                print(
+                say(
                     f"\n{label(row)}: a kernel running {row['critical_us_per_step']:.0f} us "
                     f"of {row['tpot_ms'] * 1e3:.0f} us per step ({100 * row['gpu_busy']:.0f}%); durations sum to "
                     f"{row['kernel_us_per_step']:.0f} us (they overlap under programmatic dependent launch)"
                 )
-                print(common.table(row["top_kernels"], KERNEL_COLUMNS))
+                say(common.table(row["top_kernels"], KERNEL_COLUMNS))
                 if row.get("kernel_places"):
-                    print("\nthe kernels that run several times a layer, by their place in it (#1 first):")
-                    print(common.table(row["kernel_places"], KERNEL_COLUMNS))
+                    say("\nthe kernels that run several times a layer, by their place in it (#1 first):")
+                    say(common.table(row["kernel_places"], KERNEL_COLUMNS))
     if bandwidth:
         roof = rows[0]["roofline_ms"]
-        print(
+        say(
             f"roofline at context {rows[0]['context']}: {rows[0]['bytes_per_step'] / 1e9:.3f} GB per step / "
             f"{bandwidth:.0f} GB/s = {roof:.3f} ms"
         )
     payload["complete"] = True
     common.write_json(args.json, payload)
-    if args.sweep_context or args.sweep_batch:
+    if (args.sweep_context or args.sweep_batch) and main_rank:
         path = args.plot or (args.json.rsplit(".", 1)[0] + ".png" if args.json else "tpot_sweep.png")
         measured = [r for r in rows if "tpot_ms" in r]
         if args.sweep_context:
             plot(measured, path, f"{name} {payload['dtype']}, batch {args.batch}: TPOT vs context")
         else:
             plot(measured, path, f"{name} {payload['dtype']}, context {args.prompt_len}: TPOT vs batch", x="batch")
+    distributed.finish()
     return 1 if failed else 0
 
 
