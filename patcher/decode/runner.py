@@ -109,13 +109,15 @@ class TokenFeed:
         self.own_criteria, self.scores, self.prompt_len = own_criteria, scores, input_ids.shape[1]
         self.cuda = st.tokens.is_cuda
         self.pending: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
-        self.history = [input_ids.cpu()]
+        # the sequences so far on the host, filled a column a step (the criteria read a prefix of it)
+        self.ids = torch.empty(st.batch, st.tokens.shape[1], dtype=torch.long)
+        self.ids[:, : input_ids.shape[1]] = input_ids.cpu()
         self.length = input_ids.shape[1]  # tokens taken so far, prompt included
         self.finished = torch.zeros(st.batch, dtype=torch.bool)
         self.stopped = torch.zeros(st.batch, dtype=torch.bool)  # finished by a criterion, not by EOS
         self.done = False
         if streamer is not None:
-            streamer.put(self.history[0])
+            streamer.put(self.ids[:, : self.length].clone())
 
     def queue(self) -> None:
         """After a step (or the prefill's token) is queued: copy its tokens out, and take the step before."""
@@ -135,7 +137,7 @@ class TokenFeed:
             if event is not None:
                 event.synchronize()
             host[self.stopped] = self.pad
-            self.history.append(host[:, None])
+            self.ids[:, self.length] = host
             self.length += 1
             if self.streamer is not None:
                 self.streamer.put(host)
@@ -150,11 +152,11 @@ class TokenFeed:
         scores = None if self.scores is None else tuple(self.scores[: self.length - self.prompt_len])
         hit = torch.zeros_like(self.finished)
         if self.criteria:
-            ids = torch.cat(self.history, dim=1)
+            ids = self.ids[:, : self.length]
             for criterion in self.criteria:
                 hit = hit | torch.as_tensor(criterion(ids, scores)).cpu()
         if self.own_criteria:
-            ids = self.st.tokens[:, : self.length].clone()  # the device's tokens match the history (see stop)
+            ids = self.st.tokens[:, : self.length].clone()  # the device's tokens match self.ids (see stop)
             for criterion in self.own_criteria:
                 hit = hit | torch.as_tensor(criterion(ids, scores)).cpu()
         return hit.bool().expand_as(self.finished)
