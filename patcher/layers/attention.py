@@ -85,8 +85,7 @@ def attention_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> A
     if qkv_int4 is not None:
         qkv_weight = qkv_bias = None
     elif len(qkv) == 1:
-        qkv_weight, qkv_bias = qkv[0].weight, qkv[0].bias
-        qkv_weight, qkv_bias = shard(qkv_weight), None if qkv_bias is None else shard(qkv_bias)
+        qkv_weight, qkv_bias = shard(qkv[0].weight), shard(qkv[0].bias)
     else:
         qkv_weight = weights.fuse(module, FUSED_QKV, [p.weight for p in qkv])
         qkv_bias = None if qkv[0].bias is None else weights.fuse(module, FUSED_QKV_BIAS, [p.bias for p in qkv])
@@ -96,7 +95,7 @@ def attention_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> A
         qkv_weight=qkv_weight,
         qkv_bias=qkv_bias,
         out_weight=None if out_int4 else shard(out.weight),
-        out_bias=None if out_int4 or out.bias is None else shard(out.bias),
+        out_bias=None if out_int4 else shard(out.bias),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=spec.head_dim(config),

@@ -195,11 +195,12 @@ def weights_signature(model: nn.Module) -> list:
     """Every parameter and buffer of `model`, module by module: identity, memory, dtype and in-place version (freed
     memory may be reused, by a tensor of another dtype too)."""
     return [
-        (id(t), shard(t).data_ptr(), t.dtype, _version(shard(t)))
+        (id(t), local.data_ptr(), t.dtype, _version(local))
         for m in model.modules()
         for d in (m._parameters, m._buffers)
         for t in d.values()
         if t is not None
+        for local in (shard(t),)  # (a DTensor's own data_ptr is 0: its local shard's memory is what moves)
     ]
 
 

@@ -73,7 +73,7 @@ def mlp_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> MlpPlan
             plan.out_bias = out.bias
         return plan
     # (tensor parallel: this rank's shards; the output projection's partial products are summed over `group`)
-    out_weight, out_bias, group = shard(out.weight), _shard(out.bias), reduce_group(out)
+    out_weight, out_bias, group = shard(out.weight), shard(out.bias), reduce_group(out)
     if spec.mlp_gated:
         gate, up = (getattr(module, name) for name in spec.mlp_in)
         in_weight = weights.fuse(module, FUSED_GATE_UP, [gate.weight, up.weight])
@@ -81,11 +81,7 @@ def mlp_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> MlpPlan
         return MlpPlan(ops, in_weight, in_bias, out_weight, out_bias, group=group)
     fc_in = getattr(module, spec.mlp_in[0])
     tanh = GELU_ACTIVATIONS[getattr(config, spec.act_config)]
-    return MlpPlan(ops, shard(fc_in.weight), _shard(fc_in.bias), out_weight, out_bias, tanh, group=group)
-
-
-def _shard(bias):
-    return None if bias is None else shard(bias)
+    return MlpPlan(ops, shard(fc_in.weight), shard(fc_in.bias), out_weight, out_bias, tanh, group=group)
 
 
 def undo_mlp_plan(module: nn.Module) -> None:

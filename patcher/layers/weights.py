@@ -38,7 +38,7 @@ def unfuse(owner: nn.Module, name: str) -> None:
     storage = fused.untyped_storage().data_ptr()
     for module in owner.modules():
         for t in (*module._parameters.values(), *module._buffers.values()):
-            t = None if t is None else shard(t)
+            t = shard(t)
             if t is not None and t.untyped_storage().data_ptr() == storage:
                 t.data = t.data.clone()
 

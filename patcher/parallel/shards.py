@@ -38,9 +38,9 @@ def sharded(t) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
-def shard(t: torch.Tensor) -> torch.Tensor:
+def shard(t: torch.Tensor | None) -> torch.Tensor | None:
     """The tensor holding this rank's values: a DTensor's local tensor (the object the DTensor reads, so re-pointing
-    its `.data` re-points the DTensor's values), or `t` itself for a plain tensor."""
+    its `.data` re-points the DTensor's values), or `t` itself for a plain tensor (and None for None)."""
     return t._local_tensor if sharded(t) else t
 
 
