@@ -118,3 +118,23 @@ def round_activations_to_q8_1(layers) -> list:
         return ((q.float() * d.unsqueeze(-1)).reshape(x.shape).to(x.dtype), *args[1:])
 
     return [layer.register_forward_pre_hook(hook) for layer in layers]
+
+
+def set_mode(model, quantize_activations: bool) -> None:
+    """Every GGUF linear of `model` in W4A8 (True) or W4A16 (False)."""
+    from patcher.gguf import GGUFLinear
+
+    for module in model.modules():
+        if isinstance(module, GGUFLinear):
+            module.quantize_activations = quantize_activations
+
+
+def patched_logits(model, tokens: torch.Tensor):
+    """patch_model's report and the patched model's logits for `tokens`; the model is unpatched again after."""
+    from patcher import patch_model, unpatch_model
+
+    report = patch_model(model)
+    try:
+        return report, model(tokens).logits
+    finally:
+        unpatch_model(model)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import max_err
-from gguf_blocks import random_blocks, round_activations_to_q8_1, write_tiny_model
+from gguf_blocks import patched_logits, random_blocks, round_activations_to_q8_1, set_mode, write_tiny_model
 
-from patcher import load_gguf, patch_model, unpatch_model
+from patcher import load_gguf
 from patcher.gguf import GGUFLinear
 from patcher.gguf import format as fmt
 from patcher.gguf import reference as ref
@@ -94,8 +94,7 @@ def test_load_gguf_logits_w4a16_equal_and_w4a8_close(tiny):
         rounded = model(TINY_TOKENS).logits
         for hook in hooks:
             hook.remove()
-        for layer in layers:
-            layer.quantize_activations = True
+        set_mode(model, True)
         w4a8 = model(TINY_TOKENS).logits
     assert max_err(w4a8, rounded) <= 1e-5 * reference.abs().max().item()
     assert max_err(w4a8, reference) > 100 * max_err(w4a8, rounded)  # the activations were quantized
@@ -112,8 +111,7 @@ def test_load_gguf_dtype_and_refusals(tiny, tmp_path):
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     with torch.no_grad():
         assert model(TINY_TOKENS).logits.dtype == torch.bfloat16
-        for layer in gguf_layers(model).values():
-            layer.quantize_activations = False
+        set_mode(model, False)
         expected = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
         assert torch.equal(model(TINY_TOKENS).logits, expected.eval()(TINY_TOKENS).logits)
     with pytest.raises(FileNotFoundError):
@@ -129,13 +127,9 @@ def test_patch_model_leaves_gguf_layers_to_hf(tiny, quantize_activations):
     model = load_gguf(path, dtype=torch.float32, quantize_activations=quantize_activations)
     with torch.no_grad():
         expected = model(TINY_TOKENS).logits
-        report = patch_model(model)
-        try:
-            assert report.layers_restructured == 0 and len(report.unpatched) == 2
-            assert all("GGUF linears (q_proj Q4_0" in r.detail for r in report.unpatched)
-            got = model(TINY_TOKENS).logits
-        finally:
-            unpatch_model(model)
+        report, got = patched_logits(model, TINY_TOKENS)
+        assert report.layers_restructured == 0 and len(report.unpatched) == 2
+        assert all("GGUF linears (q_proj Q4_0" in r.detail for r in report.unpatched)
         assert torch.equal(got, expected)
         assert torch.equal(model(TINY_TOKENS).logits, expected)
 
@@ -152,7 +146,6 @@ def test_load_gguf_on_cuda_matches_the_cpu(tiny, quantize_activations):
     with torch.no_grad():
         expected = cpu(TINY_TOKENS).logits
         got = cuda(TINY_TOKENS.cuda()).logits.cpu()
-        for layer in gguf_layers(cpu).values():
-            layer.quantize_activations = False
+        set_mode(cpu, False)
         quantization = max_err(expected, cpu(TINY_TOKENS).logits)  # 0 for W4A16
     assert max_err(got, expected) <= 1e-4 * expected.abs().max().item() + 0.1 * quantization

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import smollm2_gguf
+from gguf_blocks import patched_logits, set_mode
 
-from patcher import load_gguf, patch_model, unpatch_model
+from patcher import load_gguf
 from patcher.gguf import GGUFLinear
 
 GGUF = smollm2_gguf()
@@ -41,12 +42,6 @@ def dequantized_logits(tokens):
 @pytest.fixture(scope="module")
 def model():
     return load_gguf(GGUF, dtype=torch.float32, quantize_activations=False)
-
-
-def set_mode(model, quantize_activations: bool) -> None:
-    for module in model.modules():
-        if isinstance(module, GGUFLinear):
-            module.quantize_activations = quantize_activations
 
 
 def nll(logits: torch.Tensor, tokens: torch.Tensor) -> float:
@@ -87,13 +82,9 @@ def test_patch_model_leaves_the_logits_as_they_were(model, tokens, quantize_acti
     try:
         with torch.no_grad():
             expected = model(tokens).logits
-            report = patch_model(model)
-            try:
-                assert report.layers_restructured == 0 and len(report.unpatched) == 30
-                assert all("GGUF linears" in record.detail for record in report.unpatched)
-                got = model(tokens).logits
-            finally:
-                unpatch_model(model)
+            report, got = patched_logits(model, tokens)
     finally:
         set_mode(model, False)
+    assert report.layers_restructured == 0 and len(report.unpatched) == 30
+    assert all("GGUF linears" in record.detail for record in report.unpatched)
     assert torch.equal(got, expected)
