@@ -115,15 +115,17 @@ def describe() -> dict:
     return {"tp": 1, "backend": None}
 
 
-def _load_sharded(path: str, dtype: torch.dtype, attn: str):
+def load_sharded(path: str, dtype: torch.dtype, attn: str | None = None, plan: str | dict = "auto"):
+    """The model at `path`, this rank's shards of it by transformers' tensor-parallel `plan` ("auto": the config's);
+    `attn`: the attention implementation (None: transformers' default)."""
     from transformers import AutoModelForCausalLM
 
+    kwargs = {"dtype": dtype} if attn is None else {"dtype": dtype, "attn_implementation": attn}
     try:
         from transformers.distributed import DistributedConfig
     except ImportError:  # transformers before the DistributedConfig API
-        return AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype, attn_implementation=attn)
-    config = DistributedConfig(tp_plan="auto")
-    return AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=dtype, attn_implementation=attn)
+        return AutoModelForCausalLM.from_pretrained(path, tp_plan=plan, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan=plan), **kwargs)
 
 
 def load_model(args, device: torch.device, dtype: torch.dtype):
@@ -138,7 +140,7 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
     if args.model and args.random_config:
         sys.exit("error: give one of --model, --random-config")
     if args.model:
-        model = _load_sharded(args.model, dtype, args.attn).eval()
+        model = load_sharded(args.model, dtype, args.attn).eval()
         return model, AutoTokenizer.from_pretrained(args.model), args.model, model.device
     name = args.random_config or args.default_random
     if name is None:
@@ -163,7 +165,7 @@ def _random_sharded(name: str, dtype: torch.dtype, device: torch.device, attn: s
             whole.save_pretrained(path)
             del whole
         barrier()
-        model = _load_sharded(str(path), dtype, attn)
+        model = load_sharded(str(path), dtype, attn)
         barrier()
     finally:
         if local_first:

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 import patcher
 import patcher.layers.weights as weights_module
+from evals.distributed import load_sharded
 from patcher.decode import generate_path
 
 _LAYERS = "model.layers.*"
@@ -51,15 +52,6 @@ PROMPT = [[1, 5, 9, 33, 7, 100, 42, 17]]
 NEW_TOKENS = 8
 
 
-def load_sharded(path: str, plan):
-    try:
-        from transformers.distributed import DistributedConfig
-    except ImportError:  # transformers before the DistributedConfig API
-        return AutoModelForCausalLM.from_pretrained(path, tp_plan=plan, dtype=torch.float32)
-    config = DistributedConfig(tp_plan=plan)
-    return AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=torch.float32)
-
-
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(ids).logits.detach().clone()
@@ -76,7 +68,8 @@ def check(model_dir: str, plan_name: str) -> dict:
     result = {"whole": logits(whole, ids), "whole_tokens": greedy(whole, ids)}
     del whole
 
-    model = load_sharded(model_dir, "auto" if plan_name == "auto" else PLANS[plan_name]).eval()
+    plan = "auto" if plan_name == "auto" else PLANS[plan_name]
+    model = load_sharded(model_dir, torch.float32, plan=plan).eval()
     result["sharded"] = logits(model, ids)
 
     rowwise_calls = [0]
