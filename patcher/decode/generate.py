@@ -394,8 +394,9 @@ def _generate(self, inputs, generation_config, **kwargs):
         if state.runner is None:
             state.runner = DecodeRunner(self)
         batch = prepared["input_ids"].shape[0]
-        if batch > state.runner.max_batch:
-            reason = f"batch {batch} ({state.runner.batch_limit_reason()})"
+        limit, why = state.runner.batch_limit()
+        if batch > limit:
+            reason = f"batch {batch} ({why})"
     if reason is not None:
         state.last_generate = {"path": "hf", "reason": reason}
         if reason not in state.warned and state.fast_generate:

@@ -203,21 +203,20 @@ class DecodeRunner:
 
     @property
     def max_batch(self) -> int:
-        """The most rows a step of this model takes: MAX_BATCH, but KERNEL_MAX_ROWS where the step has GPTQ int4
-        linears, or (CUDA) where dense linears stay on the GEMV kernels past KERNEL_MAX_ROWS rows."""
-        if self.decode_step.int4.linears:
-            return KERNEL_MAX_ROWS
-        if self.device.type == "cuda" and self.options.cublas_min_batch > KERNEL_MAX_ROWS + 1:
-            return KERNEL_MAX_ROWS
-        return MAX_BATCH
+        """The most rows a step of this model takes (batch_limit)."""
+        return self.batch_limit()[0]
 
-    def batch_limit_reason(self) -> str:
+    def batch_limit(self) -> tuple[int, str]:
+        """The most rows a step of this model takes, and why: MAX_BATCH, but KERNEL_MAX_ROWS where the step has
+        GPTQ int4 linears, or (CUDA) where dense linears stay on the GEMV kernels past KERNEL_MAX_ROWS rows."""
         if self.decode_step.int4.linears:
-            return f"the GPTQ int4 decode kernels take 1 to {KERNEL_MAX_ROWS} rows"
-        if self.max_batch < MAX_BATCH:
-            return (f"the dense GEMV kernels take 1 to {KERNEL_MAX_ROWS} rows (DecodeOptions.cublas_min_batch "
-                    f"{self.options.cublas_min_batch})")  # fmt: skip
-        return f"the decode step takes 1 to {MAX_BATCH} rows (the next_token kernel)"
+            return KERNEL_MAX_ROWS, f"the GPTQ int4 decode kernels take 1 to {KERNEL_MAX_ROWS} rows"
+        if self.device.type == "cuda" and self.options.cublas_min_batch > KERNEL_MAX_ROWS + 1:
+            return KERNEL_MAX_ROWS, (
+                f"the dense GEMV kernels take 1 to {KERNEL_MAX_ROWS} rows (DecodeOptions.cublas_min_batch "
+                f"{self.options.cublas_min_batch})"
+            )
+        return MAX_BATCH, f"the decode step takes 1 to {MAX_BATCH} rows (the next_token kernel)"
 
     def cache_bytes(self, batch: int, capacity: int) -> int:
         step = self.decode_step
@@ -348,8 +347,9 @@ class DecodeRunner:
                 "the old ones); build a new DecodeRunner (model.generate does so by itself)"
             )
         B, T = input_ids.shape
-        if not 1 <= B <= self.max_batch:
-            raise ValueError(f"batch {B}: {self.batch_limit_reason()}")
+        limit, why = self.batch_limit()
+        if not 1 <= B <= limit:
+            raise ValueError(f"batch {B}: {why}")
         keep = outputs is not None and (outputs.get("scores", False) or outputs.get("logits", False))
         st = self.state_for(B, T + new_tokens)
         has_eos = bool(eos)
