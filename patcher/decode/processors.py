@@ -131,10 +131,10 @@ class Processors:
         length = st.slot + 1  # the sequence so far, as HF's input_ids.shape[-1]
         if p.repetition_penalty != 1.0:
             positions = torch.arange(st.tokens.shape[1], device=scores.device)
-            seen = (positions <= st.slot) & ((positions >= st.pad[:, None]) | (not PENALTY_SKIPS_PADDING))
-            ids = st.tokens.masked_fill(~seen, self.vocab).clamp(max=self.vocab)
-            hit = torch.zeros(scores.shape[0], self.vocab + 1, dtype=torch.bool, device=scores.device)
-            hit = hit.scatter(1, ids, True)[:, : self.vocab]
+            seen = (positions <= st.slot).expand_as(st.tokens)
+            if PENALTY_SKIPS_PADDING:
+                seen = seen & (positions >= st.pad[:, None])
+            hit = self._hits(seen, st.tokens)
             penalized = torch.where(scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty)
             scores = torch.where(hit, penalized, scores)
         if p.no_repeat_ngram_size:
