@@ -185,8 +185,7 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
     new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - T
     if new_tokens is None or new_tokens < 1:
         return "no new tokens requested", {}
-    eos = config.eos_token_id
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    eos = list(_ids(config.eos_token_id))
     if len(eos) > MAX_EOS_IDS:
         return f"more than {MAX_EOS_IDS} EOS ids", {}
     if own_processors is not None:
