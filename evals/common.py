@@ -72,6 +72,15 @@ def resolve(args) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
+def random_name(args, device: torch.device) -> str:
+    """The random-weight model to build: --random-config, the tool's default, else Pythia-2.8B's shape on a GPU and a
+    tiny model on a CPU."""
+    name = args.random_config or args.default_random
+    if name is None:
+        name = "pythia-2.8b" if device.type == "cuda" else "tiny-pythia"
+    return name
+
+
 def load_model(args, device: torch.device, dtype: torch.dtype):
     """Returns (model, tokenizer or None, name)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -113,9 +122,7 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
         return model.to(device).eval(), AutoTokenizer.from_pretrained(args.model), args.model
     from patcher import random_models
 
-    name = args.random_config or args.default_random
-    if name is None:
-        name = "pythia-2.8b" if device.type == "cuda" else "tiny-pythia"
+    name = random_name(args, device)
     model = random_models.build(name, dtype=dtype, device=device, attn_implementation=args.attn)
     if getattr(args, "int4_random", None):
         random_models.quantize_random(model, args.int4_random)

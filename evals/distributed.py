@@ -142,9 +142,7 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
     if args.model:
         model = load_sharded(args.model, dtype, args.attn).eval()
         return model, AutoTokenizer.from_pretrained(args.model), args.model, model.device
-    name = args.random_config or args.default_random
-    if name is None:
-        name = "pythia-2.8b" if device.type == "cuda" else "tiny-pythia"
+    name = common.random_name(args, device)
     model = _random_sharded(name, dtype, device, args.attn).eval()
     return model, None, name, model.device
 
