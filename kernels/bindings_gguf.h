@@ -1,0 +1,78 @@
+// The CUDA implementation of the GGUF op (schema and reference: patcher/ops/gguf.py; kernels: gguf/), a part of
+// bindings.cpp, which includes it once and registers it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdint>
+#include <string>
+
+#include "glue.h"
+#include "gguf/params.h"
+
+namespace {
+
+using namespace patcher_glue;
+
+int32_t gguf_kind(c10::string_view kind) {
+  if (kind == "Q4_0") return patcher::kGgufQ4_0;
+  if (kind == "Q4_1") return patcher::kGgufQ4_1;
+  if (kind == "Q8_0") return patcher::kGgufQ8_0;
+  TORCH_CHECK(false, "patcher: gguf_gemv takes Q4_0, Q4_1 and Q8_0 blocks, got '", std::string(kind),
+              "' (other types run the reference: patcher.gguf.reference)");
+}
+
+// y [..., N] = x [..., K] . W^T (+ bias) for the 1 to 8 rows of a decode step, W the GGUF rows `blocks`
+// [N, K / 32 * block bytes] as GGUFLinear holds them.
+Tensor gguf_gemv(const Tensor& x, const Tensor& blocks, c10::string_view kind, const OptTensor& bias,
+                 bool quantize_activations) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::GgufGemvParams p{};
+  p.dtype = dtype_of(x);
+  p.kind = gguf_kind(kind);
+  p.quantize_activations = quantize_activations;
+  const int64_t bytes = patcher::gguf_block_bytes(p.kind);
+  TORCH_CHECK(blocks.is_cuda() && blocks.device() == x.device(), "patcher: blocks must be on ", x.device(),
+              ", got ", blocks.device());
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, "patcher: blocks must be uint8 [out_features, ",
+              "in_features / 32 * ", std::to_string(bytes), "], got ", blocks.scalar_type(), " ", dims(blocks.sizes()));
+  TORCH_CHECK(blocks.is_contiguous(), "patcher: blocks must be contiguous, got strides ", dims(blocks.strides()));
+  TORCH_CHECK(blocks.size(1) > 0 && blocks.size(1) % bytes == 0, "patcher: ", std::string(kind), " rows of ",
+              std::to_string(blocks.size(1)), " bytes are not whole ", std::to_string(bytes), "-byte blocks");
+  TORCH_CHECK((reinterpret_cast<uintptr_t>(blocks.data_ptr()) & 1) == 0,
+              "patcher: blocks must start at an even address (their fp16 scales are read as 2-byte words)");
+  TORCH_CHECK(x.dim() >= 1, "patcher: x must have at least one dimension");
+  p.k = blocks.size(1) / bytes * 32;
+  TORCH_CHECK(x.size(-1) % 32 == 0, "patcher: gguf_gemv needs in_features to be a multiple of 32 (one block), got ",
+              std::to_string(x.size(-1)));
+  TORCH_CHECK(x.size(-1) == p.k, "patcher: x ", dims(x.sizes()), " does not match the weight's in_features ",
+              std::to_string(p.k));
+  p.batch = x.numel() / p.k;
+  TORCH_CHECK(p.batch <= patcher::kGgufMaxBatch, "patcher: gguf_gemv takes 1 to 8 rows of x (a decode step), got ",
+              std::to_string(p.batch), "; more rows run the reference (dequantize + matmul)");
+  p.n = blocks.size(0);
+  p.x = x.data_ptr();
+  p.x_stride = row_stride(x, "x");
+  p.blocks = static_cast<const uint8_t*>(blocks.data_ptr());
+  p.row_bytes = blocks.size(1);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_cuda() && bias->device() == x.device(), "patcher: bias must be on ", x.device(), ", got ",
+                bias->device());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == p.n && bias->stride(0) == 1, "patcher: bias must be a ",
+                "contiguous [", std::to_string(p.n), "] tensor, got ", dims(bias->sizes()));
+    p.bias = bias->data_ptr();
+    p.bias_dtype = dtype_of(*bias);
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = p.n;
+  Tensor out = at::empty(sizes, x.options());
+  p.out = out.data_ptr();
+  check_launch(patcher::launch_gguf_gemv(p, c10::cuda::getCurrentCUDAStream()), "gguf_gemv");
+  return out;
+}
+
+}  // namespace

@@ -1,0 +1,10 @@
+// The GGUF decode GEMV for float activations (one file per dtype: see gguf_gemv.cuh).
+#include "gguf/gguf_gemv.cuh"
+
+namespace patcher {
+
+cudaError_t launch_gguf_gemv_float(const GgufGemvParams& p, cudaStream_t stream) {
+  return launch_gguf_gemv_typed<float>(p, stream);
+}
+
+}  // namespace patcher
