@@ -15,7 +15,9 @@ class GGUFLinear(nn.Module):
     Buffers: `qweight` uint8 [out_features, in_features / block * type_size] (each row the blocks along the input
     dimension, exactly as the file stores them; format.py has the layouts) and `bias` (optional, float).
     forward: with quantize_activations, W4A8 (activations quantized to Q8_1, reference.linear_w4a8); otherwise
-    W4A16 (the weight dequantized and cast to the activation dtype, reference.linear_w4a16).
+    W4A16 (the weight dequantized and cast to the activation dtype, reference.linear_w4a16). Inputs of 1 to 8 rows
+    (a decode step) of a type the GEMV kernel takes run the `gguf_gemv` op of their device's backend: the CUDA kernel
+    on a GPU, the same reference elsewhere; more rows run the reference (dequantize + matmul) on any device.
     """
 
     def __init__(
@@ -61,9 +63,26 @@ class GGUFLinear(nn.Module):
         return fmt.dequantize(self.qweight, self.kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._takes_gemv(x):
+            from .. import ops  # (patcher.ops imports patcher.gguf through its gguf family)
+
+            backend = ops.backend_for(x.device)
+            return backend.gguf_gemv(x, self.qweight, self.kind, self.bias, self.quantize_activations)
         if self.quantize_activations:
             return reference.linear_w4a8(x, self.qweight, self.kind, self.bias)
         return reference.linear_w4a16(x, self.qweight, self.kind, self.bias)
+
+    def _takes_gemv(self, x: torch.Tensor) -> bool:
+        """Whether x is a decode step's input the gguf_gemv op takes: 1 to 8 rows of fp16/bf16/fp32 values, a block
+        type of its kernel, and no gradient to record (the op has no backward)."""
+        from ..ops.gguf import GEMV_KINDS, GEMV_MAX_ROWS
+
+        if self.kind not in GEMV_KINDS or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return False
+        if torch.is_grad_enabled() and x.requires_grad:
+            return False
+        rows = x.numel() // self.in_features if x.dim() and x.shape[-1] == self.in_features else 0
+        return 1 <= rows <= GEMV_MAX_ROWS
 
     def extra_repr(self) -> str:
         mode = "W4A8 (Q8_1 activations)" if self.quantize_activations else "W4A16"

@@ -1,8 +1,8 @@
 """The registration machinery of the `patcher::` torch ops.
 
-Each op family (norm.py, rope.py, activation.py, gemv.py, attention.py, sampling.py, int4_ops.py) calls `define`
-once per op with its schema line, its pure-torch reference and its fake kernel, side by side. The reference serves
-as the CPU kernel; the CUDA kernels are registered for the same names by the compiled library
+Each op family (norm.py, rope.py, activation.py, gemv.py, attention.py, sampling.py, int4_ops.py, gguf.py) calls
+`define` once per op with its schema line, its pure-torch reference and its fake kernel, side by side. The reference
+serves as the CPU kernel; the CUDA kernels are registered for the same names by the compiled library
 (`kernels/bindings.cpp`, `TORCH_LIBRARY_IMPL(patcher, CUDA, m)`), which is loaded on first use on a CUDA machine.
 The fake kernels give shapes to torch.compile and FakeTensor tracing; every op returns fresh contiguous tensors that
 alias none of its inputs. The ops that also write into an argument (the decode path's KV caches, workspaces and

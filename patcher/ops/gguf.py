@@ -1,0 +1,42 @@
+"""GGUF block-quantized linears (kernels/gguf/): the decode GEMV of 1 to 8 rows against GGUF blocks as GGUFLinear
+holds them (uint8 [out_features, bytes per row]). Its reference is patcher/gguf/reference.py: W4A8 (activations
+quantized to Q8_1 blocks, integer dot products a block, scaled in fp32) or W4A16 (the weights dequantized and cast to
+the activations' dtype, then F.linear). The CUDA kernel takes Q4_0, Q4_1 and Q8_0 (GEMV_KINDS); the reference takes
+every type patcher.gguf.format reads, so on the CPU the op runs them all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .library import define
+
+GEMV_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the block types the CUDA kernel takes
+GEMV_MAX_ROWS = 8  # rows of x the CUDA kernel takes (a decode step)
+
+
+def gguf_gemv(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    kind: str,
+    bias: torch.Tensor | None = None,
+    quantize_activations: bool = True,
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, W the GGUF rows `blocks` [N, K / block * type size] of
+    `kind`: reference.linear_w4a8 with quantize_activations, else reference.linear_w4a16."""
+    from ..gguf import reference  # (patcher.gguf imports the patching module, which imports this one)
+
+    if quantize_activations:
+        return reference.linear_w4a8(x, blocks, kind, bias)
+    return reference.linear_w4a16(x, blocks, kind, bias)
+
+
+def _gguf_gemv_fake(x, blocks, kind, bias=None, quantize_activations=True):
+    return x.new_empty((*x.shape[:-1], blocks.shape[0]))
+
+
+define(
+    "gguf_gemv(Tensor x, Tensor blocks, str kind, Tensor? bias=None, bool quantize_activations=True) -> Tensor",
+    gguf_gemv,
+    _gguf_gemv_fake,
+)
