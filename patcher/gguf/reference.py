@@ -55,7 +55,10 @@ def quantize_q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     if x.shape[-1] % Q8_1_BLOCK:
         raise ValueError(f"Q8_1 needs a multiple of {Q8_1_BLOCK} values per row, got {x.shape[-1]}")
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // Q8_1_BLOCK, Q8_1_BLOCK)
-    d = blocks.abs().amax(dim=-1) / 127
+    amax = blocks.abs().amax(dim=-1)
+    # A tensor divisor: torch's CUDA division by a Python scalar multiplies by its reciprocal, which can differ from
+    # the quotient in the last bit; dividing by a tensor divides on every device.
+    d = amax / torch.full_like(amax, 127.0)
     inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
     q = roundf(blocks * inv.unsqueeze(-1)).to(torch.int8)
     d = d.to(torch.float16).float()

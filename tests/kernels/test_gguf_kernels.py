@@ -1,0 +1,267 @@
+"""The GGUF decode GEMV (patcher::gguf_gemv, kernels/gguf/) against its reference, patcher/gguf/reference.py.
+
+W4A16 (quantize_activations=False) follows the suite's 2x rule (conftest.check_op): the kernel forms each weight as
+the reference does (dequantized in fp32, rounded to the dtype) and sums in fp32, as cuBLAS does.
+
+W4A8 has its own bound, W4A8 BOUND below, because its reference is not a float64 computation: the kernel and the
+reference quantize x to the same Q8_1 integers and scales (bit for bit, which the bound relies on: a single
+different q would cost a whole d_a * d_w), form the same exact integer dot product per block and the same fp32
+products (d_w * d_a) * isum and m_w * s_a, and differ only in the order those fp32 terms are added, then in the one
+final rounding to the dtype. Summing n terms t_i in fp32 in any order lands within (n - 1) 2^-24 sum|t_i| of the
+exact sum, so two orders differ by less than n 2^-23 A, A = sum|t_i| (+ |bias|); rounding both to the dtype adds at
+most one unit in its last place, eps * |y| (eps = torch.finfo(dtype).eps, with eps * tiny for subnormals):
+
+    W4A8 BOUND:  |kernel - reference| <= n 2^-23 A + eps (|reference| + tiny),   n = 2 * K / 32 + 2
+
+(n counts Q4_1's offset terms and the two final adds). The reference runs on CPU copies of the inputs: its meaning
+is the CPU computation, which the kernel must reproduce on the GPU.
+
+CPU tests (no marker): the op's reference is reference.linear_w4a8 / linear_w4a16 bit for bit, its schema and fake
+kernel pass torch.library.opcheck, and GGUFLinear routes 1 to 8 rows through the backend's op and more rows through
+the reference with unchanged results.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from conftest import check_op, max_err, poison_cuda_cache
+
+from patcher import random_models as rm
+from patcher.gguf import GGUFLinear
+from patcher.gguf import reference as ref
+from patcher.gguf.random_weights import quantize_random, random_blocks
+from patcher.ops import KERNELS, REFERENCE
+from patcher.ops.gguf import GEMV_KINDS
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# (N, K): a single row, odd widths, rows of misaligned bytes (K = 96: 54/60/102-byte rows), K of 64 blocks, and
+# Llama-3.1-8B's down_proj K (448 blocks: 14 chunks of 32).
+SHAPES = [(1, 32), (33, 96), (4097, 2048), (33, 14336), (4097, 14336)]
+
+
+@functools.cache
+def weights(kind: str, n: int, k: int, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Random blocks [n, bytes] of `kind` on the CPU (weights about 1/sqrt(K)) and a bias, made once per shape."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    blocks = random_blocks(kind, n, k, gen)
+    return blocks, (torch.randn(n, generator=gen) * 0.5 if bias else None)
+
+
+def w4a8_bound(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias, expected: torch.Tensor) -> torch.Tensor:
+    """W4A8 BOUND of the module docstring, elementwise, on the CPU (float64 from the reference's own parts)."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).cpu()
+    q_w, scale, offset, _ = ref.affine(blocks.cpu(), kind)
+    q_a, d_a, s_a = ref.quantize_q8_1(rows)
+    nb = k // 32
+    isum = torch.einsum("mbi,nbi->mnb", q_a.double(), q_w.double().reshape(-1, nb, 32)).abs()  # exact
+    total = (isum * (scale.double().unsqueeze(0) * d_a.double().unsqueeze(1)).abs()).sum(-1)
+    if offset is not None:
+        total = total + s_a.double().abs() @ offset.double().abs().T
+    if bias is not None:
+        total = total + bias.cpu().double().abs()
+    finfo = torch.finfo(expected.dtype)
+    n_terms = 2 * nb + 2
+    bound = n_terms * 2.0**-23 * total + finfo.eps * (
+        expected.reshape(-1, blocks.shape[0]).cpu().double().abs() + finfo.tiny
+    )
+    return bound.reshape(expected.shape)
+
+
+def assert_w4a8_close(got: torch.Tensor, x, blocks, kind, bias, what=""):
+    """The kernel's W4A8 output against the reference on CPU copies, within W4A8 BOUND."""
+    expected = ref.linear_w4a8(x.cpu(), blocks.cpu(), kind, None if bias is None else bias.cpu())
+    assert got.shape == expected.shape and got.dtype == expected.dtype and got.is_contiguous(), what
+    err = (got.cpu().double() - expected.double()).abs()
+    bound = w4a8_bound(x, blocks, kind, bias, expected)
+    worst = (err - bound).max().item() if err.numel() else -1.0
+    assert bool((err <= bound).all()), (
+        f"{what}: error exceeds the W4A8 bound by {worst:.3g} (max error {err.max():.3g})"
+    )
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from patcher.ops import build
+
+    build.load()
+    return KERNELS
+
+
+# ---- the kernel (GPU) ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize_activations", [True, False])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", GEMV_KINDS)
+def test_gguf_gemv(kernels, kind, dtype, rows, n, k, bias, quantize_activations):
+    blocks, b = weights(kind, n, k, bias)
+    blocks, b = blocks.cuda(), None if b is None else b.cuda()
+    x = torch.randn(rows, k, device="cuda").to(dtype)
+    if quantize_activations:
+        poison_cuda_cache()
+        got = kernels.gguf_gemv(x, blocks, kind, b, True)
+        assert_w4a8_close(got, x, blocks, kind, b, f"{kind} {dtype} {rows}x{k} -> {n}")
+    else:
+        check_op("gguf_gemv", (x, blocks, kind, b, False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize_activations", [True, False])
+@pytest.mark.parametrize("kind", GEMV_KINDS)
+def test_gguf_gemv_strided_and_shaped_inputs(kernels, kind, quantize_activations):
+    """x rows with a stride (a slice of wider rows, at an offset that breaks 16-byte alignment), x with leading
+    dimensions, and blocks that start mid-allocation at a 2-byte boundary (rows of 54/60/102 bytes)."""
+    k, n = 96, 40
+    full, bias = weights(kind, n + 1, k, True)
+    blocks, bias = full.cuda()[1:], bias[1:].cuda().half()  # a view one row in; an fp16 bias
+    assert blocks.is_contiguous() and blocks.data_ptr() % 16
+    wide = torch.randn(5, k + 40, device="cuda", dtype=torch.float16)
+    inputs = {"strided rows": wide[:, 3 : 3 + k], "leading dims": torch.randn(2, 3, k, device="cuda").half()}
+    for what, x in inputs.items():
+        got = kernels.gguf_gemv(x, blocks, kind, bias, quantize_activations)
+        assert got.shape == (*x.shape[:-1], n)
+        if quantize_activations:
+            assert_w4a8_close(got, x, blocks, kind, bias, what)
+        else:
+            check_op("gguf_gemv", (x, blocks, kind, bias, False))
+
+
+@pytest.mark.gpu
+def test_gguf_gemv_quantizes_like_the_reference(kernels):
+    """Values on Q8_1 rounding edges: x * (1 / d) = j + 0.5 exactly (max |x| = 127 c, so d = c; c = 1/64), which
+    roundf takes away from zero and torch.round would take to even; zeros, an all-zero block (d = 0) and a block
+    with one non-zero value. A single q off by one would exceed the bound by about d_a * d_w."""
+    k, n = 128, 64
+    blocks, _ = weights("Q8_0", n, k, False)
+    blocks = blocks.cuda()
+    c = 1 / 64
+    x = torch.zeros(2, k)
+    x[0, 0] = -127 * c
+    x[0, 1:32] = (torch.arange(31) - 16 + 0.5) * c
+    x[0, 64] = 3.0  # one value in an otherwise zero block; x[0, 32:64] is an all-zero block
+    x[1, 32:64] = torch.linspace(-1, 1, 32)
+    for dtype in (torch.float32, torch.float16):
+        xd = x.to(dtype).cuda()
+        assert_w4a8_close(kernels.gguf_gemv(xd, blocks, "Q8_0", None, True), xd, blocks, "Q8_0", None, str(dtype))
+
+
+@pytest.mark.gpu
+def test_gguf_gemv_bad_inputs(kernels):
+    blocks, bias = (t.cuda() for t in weights("Q4_0", 33, 96, True))
+    x = torch.randn(2, 96, device="cuda").half()
+    torch.library.opcheck(torch.ops.patcher.gguf_gemv.default, (x, blocks, "Q4_0", bias, True))
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1 and Q8_0"):
+        kernels.gguf_gemv(x, blocks, "Q4_K", None, True)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        kernels.gguf_gemv(torch.randn(9, 96, device="cuda").half(), blocks, "Q4_0", None, True)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.gguf_gemv(torch.randn(2, 100, device="cuda").half(), blocks, "Q4_0", None, True)
+    with pytest.raises(RuntimeError, match="in_features"):
+        kernels.gguf_gemv(torch.randn(2, 64, device="cuda").half(), blocks, "Q4_0", None, True)
+    with pytest.raises(RuntimeError, match="unsupported dtype"):
+        kernels.gguf_gemv(x.double(), blocks, "Q4_0", None, True)
+    with pytest.raises(RuntimeError, match="uint8"):
+        kernels.gguf_gemv(x, blocks.view(torch.int8), "Q4_0", None, True)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.gguf_gemv(x, torch.cat([blocks, blocks], dim=1)[:, :54], "Q4_0", None, True)
+    with pytest.raises(RuntimeError, match="whole"):
+        kernels.gguf_gemv(x, blocks[:, :50].contiguous(), "Q4_0", None, True)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernels.gguf_gemv(x, blocks, "Q4_0", bias[:5], True)
+    with pytest.raises(RuntimeError, match="blocks must be on"):
+        kernels.gguf_gemv(x, blocks.cpu(), "Q4_0", None, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize_activations", [True, False])
+def test_gguf_model_on_cuda_matches_the_cpu(kernels, quantize_activations):
+    """tiny-llama (hidden 256, MLP 384) with random Q4_0/Q4_1/Q8_0 blocks, fp32: 6 tokens (6 rows, the kernel's
+    path) on CUDA against the same model on the CPU (the reference). Every GGUF linear's output, given the input
+    it got on CUDA, is within the op's tolerance (W4A8 BOUND; W4A16 the 2x rule); the logits agree to 1e-3 of their
+    size: other modules (attention, norms) round differently on the two devices, and in W4A8 an activation that
+    lands within that noise of a Q8_1 rounding edge moves one q by one, about d_a / sqrt(K) in a layer's output
+    (~1e-4 relative), far below what quantizing the activations changes (checked too)."""
+    kinds = {"q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q8_0", "o_proj": "Q4_1"}
+    kinds |= {"gate_proj": "Q4_0", "up_proj": "Q8_0", "down_proj": "Q4_0"}
+    cpu = quantize_random(rm.build("tiny-llama"), kinds, quantize_activations=quantize_activations)
+    gpu = copy.deepcopy(cpu).cuda()
+    tokens = torch.randint(0, cpu.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
+    seen = []
+    hooks = [
+        m.register_forward_hook(lambda m, args, out: seen.append((m, args[0], out)))
+        for m in gpu.modules()
+        if isinstance(m, GGUFLinear)
+    ]
+    with torch.no_grad():
+        got = gpu(tokens.cuda()).logits.cpu()
+        expected = cpu(tokens).logits
+    for hook in hooks:
+        hook.remove()
+    assert len(seen) == 7 * cpu.config.num_hidden_layers
+    for m, x, out in seen:
+        if quantize_activations:
+            assert_w4a8_close(out, x, m.qweight, m.kind, m.bias, f"{m.kind} {tuple(m.qweight.shape)}")
+        else:
+            check_op("gguf_gemv", (x, m.qweight, m.kind, m.bias, False))
+    scale = expected.abs().max().item()
+    assert max_err(got, expected) <= 1e-3 * scale
+    if quantize_activations:
+        for m in cpu.modules():
+            if isinstance(m, GGUFLinear):
+                m.quantize_activations = False
+        with torch.no_grad():
+            w4a16 = cpu(tokens).logits
+        assert max_err(w4a16, expected) > 10 * max_err(got, expected)
+
+
+# ---- the reference and the schema (CPU) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quantize_activations", [True, False])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_gguf_gemv_reference_and_schema(kind, quantize_activations):
+    """On the CPU the op is the reference matmul bit for bit (for every type, the K-quants too), with fresh
+    outputs; opcheck tests its schema and fake kernel."""
+    k, n = 512, 24
+    blocks, bias = weights(kind, n, k, True)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2))
+    linear = ref.linear_w4a8 if quantize_activations else ref.linear_w4a16
+    for b in (None, bias):
+        expected = linear(x, blocks, kind, b)
+        got = KERNELS.gguf_gemv(x, blocks, kind, b, quantize_activations)
+        assert torch.equal(got, expected) and got.is_contiguous()
+        assert torch.equal(REFERENCE.gguf_gemv(x, blocks, kind, b, quantize_activations), expected)
+    torch.library.opcheck(torch.ops.patcher.gguf_gemv.default, (x, blocks, kind, bias, quantize_activations))
+    torch.library.opcheck(torch.ops.patcher.gguf_gemv.default, (x[:1].half(), blocks, kind, None, True))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9])
+@pytest.mark.parametrize("quantize_activations", [True, False])
+def test_gguf_linear_takes_the_op_for_decode_rows(monkeypatch, rows, quantize_activations):
+    """GGUFLinear calls its backend's gguf_gemv for 1 to 8 rows of a kernel type (on the CPU: the reference, so its
+    outputs are unchanged) and the reference directly for more rows, for K-quants and under autograd."""
+    calls = []
+    op = REFERENCE.gguf_gemv
+    monkeypatch.setattr(REFERENCE, "gguf_gemv", lambda *args: calls.append(args) or op(*args))
+    blocks, bias = weights("Q4_1", 40, 64, True)
+    layer = GGUFLinear.from_blocks(blocks, "Q4_1", bias, quantize_activations)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(3))
+    linear = ref.linear_w4a8 if quantize_activations else ref.linear_w4a16
+    with torch.no_grad():
+        assert torch.equal(layer(x), linear(x, blocks, "Q4_1", bias))
+    assert len(calls) == (1 if rows <= 8 else 0)
+    calls.clear()
+    k_quant = GGUFLinear.from_blocks(weights("Q4_K", 8, 256, False)[0], "Q4_K", None, quantize_activations)
+    with torch.no_grad():
+        k_quant(torch.randn(1, 256))
+    layer(x.clone().requires_grad_())
+    assert not calls
