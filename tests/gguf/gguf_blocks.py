@@ -107,17 +107,13 @@ def _k_scales(n: int, gen: torch.Generator) -> torch.Tensor:
     return (torch.rand(n, generator=gen) * 0.0005 + 0.0001).to(torch.float16)
 
 
-def round_activations_to_q8_1(layers) -> list:
-    """Forward pre-hooks on GGUF layers that replace each input by its Q8_1 value (d * q) in the input's dtype: a
-    W4A16 layer then computes, in float, what its W4A8 form computes with integer dot products."""
+def q8_1_value(x: torch.Tensor) -> torch.Tensor:
+    """x with each 32-value block replaced by its Q8_1 value (d * q), in x's dtype: a W4A16 layer fed this computes,
+    in float, what its W4A8 form computes with integer dot products."""
     from patcher.gguf import reference
 
-    def hook(module, args):
-        x = args[0]
-        q, d, _ = reference.quantize_q8_1(x)
-        return ((q.float() * d.unsqueeze(-1)).reshape(x.shape).to(x.dtype), *args[1:])
-
-    return [layer.register_forward_pre_hook(hook) for layer in layers]
+    q, d, _ = reference.quantize_q8_1(x)
+    return (q.float() * d.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
 
 
 def set_mode(model, quantize_activations: bool) -> None:
