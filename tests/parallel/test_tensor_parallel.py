@@ -8,20 +8,16 @@ unpatched and against the whole model in one process, within FP32_LOGIT_ATOL rel
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from conftest import FP32_LOGIT_ATOL, REPO
+from launch import RANKS, torchrun
 from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
 
 from patcher import random_models
 
 pytestmark = pytest.mark.slow  # (one launch of two processes for every job below: about 20 s on two cores)
 
-RANKS = 2
 # job name -> (random model, plan: "auto" is the config's own, others are tp_worker.PLANS)
 JOBS = {
     "llama": ("tiny-llama", "auto"),
@@ -42,11 +38,7 @@ def results(tmp_path_factory):
     for model in {model for model, _ in JOBS.values()}:
         random_models.build(model).save_pretrained(root / model)
     jobs = [f"{name}={root / model}:{plan}" for name, (model, plan) in JOBS.items()]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", "--standalone"]
-    command += [str(REPO / "tests" / "parallel" / "tp_worker.py"), str(root / "out"), *jobs]
-    run = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    run = torchrun([str(REPO / "tests" / "parallel" / "tp_worker.py"), str(root / "out"), *jobs], timeout=600)
     assert run.returncode == 0, f"tp_worker failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
     return {
         name: [torch.load(root / "out" / name / f"rank{r}.pt", weights_only=False) for r in range(RANKS)]

@@ -4,30 +4,20 @@ writing the JSON; the launch checks run in this process (they exit before any pr
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO
+from launch import RANKS, torchrun
 
 from evals import perplexity, tpot
 
-RANKS = 2
 PERPLEXITY_ARGS = ["--random-config", "tiny-llama", "--device", "cpu", "--max-tokens", "600", "--ctx", "128"]
 PERPLEXITY_ARGS += ["--stride", "64"]
 
 
 def launch(module: str, args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    env["OMP_NUM_THREADS"] = "1"
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", "--standalone"]
-    run = subprocess.run(
-        [*command, "-m", module, *args], check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    run = torchrun(["-m", module, *args], timeout=300)
     assert run.returncode == 0, f"{module} --tp {RANKS} failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
     return run
 
