@@ -2,7 +2,8 @@
 # The checks a change to the kernels or the decode path must pass on a CUDA machine, run from the repository root
 # (python3 there has the project installed, with pytest and pytest-xdist):
 #   tools/gpu_run.sh tests [ARGS]  build the CUDA kernels, then run the test suite (GPU tests included), or the
-#                                  pytest selection ARGS; JOBS workers (default 15)
+#                                  pytest selection ARGS; JOBS workers (default 15); with PATCHER_REAL_SIZE=1
+#                                  the real-size model tests follow in one process (tests_real_size.log)
 #   tools/gpu_run.sh tpot    decode TPOT of the four model shapes the README reports, fp16 and GPTQ int4 (group size
 #                            128), random weights, one JSON file each
 #   tools/gpu_run.sh presets [MODEL...]  TPOT of every generate-argument preset (evals/presets.py), patched against
@@ -20,9 +21,16 @@ case "${1:-}" in
     export OMP_NUM_THREADS=1
     # One line a test (-v), so that a run cut short still names what failed; pytest-xdist spreads the tests over
     # the CPU cores (the GPU tests are small); extra arguments select a subset, e.g. tests/decode -m gpu.
-    python3 -m pytest -v -rfE --durations=20 -p no:randomly -n "${JOBS:-15}" "${@:-tests}" > "$OUT/tests.log" 2>&1 || status=$?
+    # The real-size tests (PATCHER_REAL_SIZE=1) hold up to 40 GB each: they run after the others, one at a time.
+    env -u PATCHER_REAL_SIZE python3 -m pytest -v -rfE --durations=20 -p no:randomly -n "${JOBS:-15}" "${@:-tests}" \
+      > "$OUT/tests.log" 2>&1 || status=$?
     grep -E "FAILED|ERROR" "$OUT/tests.log" || true
     tail -3 "$OUT/tests.log"
+    if [[ -n "${PATCHER_REAL_SIZE:-}" ]]; then
+      python3 -m pytest -v -rfE -p no:randomly -k real_size "${@:-tests}" > "$OUT/tests_real_size.log" 2>&1 || status=$?
+      grep -E "FAILED|ERROR" "$OUT/tests_real_size.log" || true
+      tail -1 "$OUT/tests_real_size.log"
+    fi
     exit "${status:-0}"
     ;;
   tpot)
