@@ -1,4 +1,5 @@
-"""patch_model on models transformers shards for tensor parallelism (`tp_plan`), two gloo processes on the CPU.
+"""patch_model on models transformers shards for tensor parallelism (`tp_plan`): two gloo processes on the CPU, and
+two NCCL processes on two GPUs (the kernels) where a machine has them.
 
 tp_worker.py runs every check on both ranks in one `torch.distributed.run` launch; the tests here assert on what
 each rank saved. The fused forwards read each rank's shards and sum the row-wise outputs by all_reduce; a layout
@@ -32,13 +33,17 @@ if "replicate" not in ALL_PARALLEL_STYLES:  # a style name of later 5.x releases
 AUTO = [name for name, (_, plan) in JOBS.items() if plan == "auto"]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def results(request, tmp_path_factory):
+    device = request.param
+    if device == "cuda" and torch.cuda.device_count() < RANKS:
+        pytest.skip(f"tensor parallelism over NCCL needs {RANKS} GPUs, this machine has {torch.cuda.device_count()}")
     root = tmp_path_factory.mktemp("tp")
     for model in {model for model, _ in JOBS.values()}:
         random_models.build(model).save_pretrained(root / model)
     jobs = [f"{name}={root / model}:{plan}" for name, (model, plan) in JOBS.items()]
-    run = torchrun([str(REPO / "tests" / "parallel" / "tp_worker.py"), str(root / "out"), *jobs], timeout=600)
+    worker = str(REPO / "tests" / "parallel" / "tp_worker.py")
+    run = torchrun([worker, device, str(root / "out"), *jobs], timeout=600, cuda=device == "cuda")
     assert run.returncode == 0, f"tp_worker failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
     return {
         name: [torch.load(root / "out" / name / f"rank{r}.pt", weights_only=False) for r in range(RANKS)]

@@ -1,6 +1,7 @@
-"""One rank of a tensor-parallel check, run by test_tensor_parallel.py under torch.distributed.run (gloo, CPU).
+"""One rank of a tensor-parallel check, run by test_tensor_parallel.py under torch.distributed.run: on the CPU
+(gloo) or on the GPU of its local rank (NCCL).
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/parallel/tp_worker.py OUT_DIR NAME=MODEL_DIR:PLAN ...
+    python -m torch.distributed.run --nproc-per-node 2 tests/parallel/tp_worker.py cpu|cuda OUT_DIR NAME=MODEL_DIR:PLAN ...
 
 PLAN is "auto" (the config's own tensor-parallel plan) or the name of a plan in PLANS. For each job, each rank loads
 the model twice from MODEL_DIR (whole, and sharded by the plan), runs the checks below and saves what the test
@@ -11,6 +12,7 @@ forward's all-reduce. One launch runs every job: starting the processes costs mo
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -54,7 +56,7 @@ NEW_TOKENS = 8
 
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return model(ids).logits.detach().clone()
+        return model(ids).logits.detach().cpu()
 
 
 def greedy(model, ids: torch.Tensor, **kwargs) -> list[int]:
@@ -62,9 +64,9 @@ def greedy(model, ids: torch.Tensor, **kwargs) -> list[int]:
     return out[0, ids.shape[1] :].tolist()
 
 
-def check(model_dir: str, plan_name: str) -> dict:
-    ids = torch.tensor(PROMPT)
-    whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def check(model_dir: str, plan_name: str, device: torch.device) -> dict:
+    ids = torch.tensor(PROMPT, device=device)
+    whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     result = {"whole": logits(whole, ids), "whole_tokens": greedy(whole, ids)}
     del whole
 
@@ -88,7 +90,7 @@ def check(model_dir: str, plan_name: str) -> dict:
     result["patched"] = logits(model, ids)
     result["rowwise_calls"] = rowwise_calls[0]
     with torch.enable_grad():  # grad mode: every module runs HF's forward (on the fused buffers' views)
-        result["patched_grad_mode"] = model(ids).logits.detach().clone()
+        result["patched_grad_mode"] = model(ids).logits.detach().cpu()
     result["patched_tokens"] = greedy(model, ids)
     result["patched_static_tokens"] = greedy(model, ids, cache_implementation="static")
     result["generate_path"] = generate_path(model)
@@ -100,13 +102,19 @@ def check(model_dir: str, plan_name: str) -> dict:
     return result
 
 
-def main(out_dir: str, jobs: list[str]) -> None:
-    dist.init_process_group("gloo")
+def main(device_type: str, out_dir: str, jobs: list[str]) -> None:
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     for job in jobs:
         name, _, rest = job.partition("=")
         model_dir, _, plan_name = rest.rpartition(":")
-        result = check(model_dir, plan_name)
+        result = check(model_dir, plan_name, device)
         (Path(out_dir) / name).mkdir(parents=True, exist_ok=True)
         torch.save(result, Path(out_dir) / name / f"rank{rank}.pt")
     dist.barrier()
@@ -114,4 +122,4 @@ def main(out_dir: str, jobs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
