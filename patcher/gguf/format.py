@@ -123,7 +123,8 @@ def unpack(blocks: torch.Tensor, kind: str | int) -> dict[str, torch.Tensor]:
         return {"q": q, "d": d.unsqueeze(-1), "dm": dm.unsqueeze(-1)}
     # Q6_K
     ql = _nibbles(blocks[:, 0:128].reshape(n, 2, 64)).reshape(n, 8, 32)  # group 4 * half + 2 * nibble + byte half
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)
+    # (arange, not a tensor from a list: a host-to-device copy can't run inside the decode step's graph capture)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)
     qh = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 0x03  # [half, group in half, e]
     q = (ql | (qh.reshape(n, 8, 32) << 4)).to(torch.int16) - 32
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
