@@ -34,7 +34,7 @@ from .layers.norm import check_norm
 from .layers.out_pair import FUSED as OUT_PAIR_FUSED
 from .layers.out_pair import out_pair_reason, undo_out_pair
 from .layers.plans import Planner, check_layer, check_placement
-from .layers.weights import is_int4
+from .layers.weights import is_gguf, is_int4
 from .models.spec import ArchSpec
 from .parallel import sharding_reason, tp_detail, tp_styles
 from .registry import REGISTRY, Entry
@@ -146,7 +146,18 @@ def _launches_per_layer(spec: ArchSpec, parallel: bool, layer: nn.Module | None)
         counts = {"add+dual-norm": 1}
     else:
         counts = {"add+norm": 2}
-    counts.update({"gemm": 4, "rope_qkv": 1})
+    # A GGUF projection runs one op per GGUFLinear, then a cat where it has several.
+    projections = ((spec.attention, spec.qkv), (spec.attention, (spec.out_proj,)), (spec.mlp, spec.mlp_in),
+                   (spec.mlp, (spec.mlp_out,)))  # fmt: skip
+    gguf = [] if layer is None else [n for p, n in projections if is_gguf(getattr(getattr(layer, p), n[0]))]
+    if len(gguf) < len(projections):
+        counts["gemm"] = len(projections) - len(gguf)
+    if gguf:
+        counts["gguf_linear"] = sum(map(len, gguf))
+    cats = sum(len(names) > 1 for names in gguf)
+    if cats:
+        counts["cat"] = cats
+    counts["rope_qkv"] = 1
     counts["silu_and_mul" if spec.mlp_gated else "bias_gelu"] = 1
     # tensor parallel: one all-reduce per row-wise sharded output projection
     pairs = ((spec.attention, spec.out_proj), (spec.mlp, spec.mlp_out))
@@ -229,12 +240,16 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
         qkv_detail = "fused q/k/v GEMM" if len(spec.qkv) > 1 else "QKV GEMM"
         if is_int4(getattr(attn, spec.qkv[0])):
             qkv_detail = "GPTQ int4 q/k/v side by side" if len(spec.qkv) > 1 else "GPTQ int4 QKV"
+        elif is_gguf(getattr(attn, spec.qkv[0])):
+            qkv_detail = f"GGUF {_kinds(attn, spec.qkv)}"
         undo = functools.partial(undo_attention_plan, attn)
         tp = tp_detail(attn, spec.out_proj)
         swap(attn, "attention", entry.attention, f"{qkv_detail} + rope_qkv ({ops_name}){tp}", undo)
         mlp_detail = "fused gate/up GEMM + silu_and_mul" if spec.mlp_gated else "GEMM + bias_gelu"
         if is_int4(getattr(mlp, spec.mlp_in[0])):
             mlp_detail = "GPTQ int4 " + ("gate/up side by side + silu_and_mul" if spec.mlp_gated else "GEMM + gelu")
+        elif is_gguf(getattr(mlp, spec.mlp_in[0])):
+            mlp_detail = f"GGUF {_kinds(mlp, spec.mlp_in)} + " + ("silu_and_mul" if spec.mlp_gated else "bias_gelu")
         tp = tp_detail(mlp, spec.mlp_out)
         swap(mlp, "mlp", entry.mlp, f"{mlp_detail} ({ops_name}){tp}", functools.partial(undo_mlp_plan, mlp))
         for norm in (getattr(layer, spec.input_norm), getattr(layer, spec.post_norm)):
@@ -293,6 +308,15 @@ def patch_model(model: nn.Module, *, backend: str = "auto") -> PatchReport:
     state.weights = weights_signature(model)
     model._patcher_state = state
     return report
+
+
+def _kinds(module: nn.Module, names) -> str:
+    """The block types of a GGUF projection's modules, as the report names them: "q/k/v (Q4_K, Q4_K, Q6_K), one
+    op each, concatenated"."""
+    kinds = ", ".join(getattr(module, n).kind for n in names)
+    if len(names) == 1:
+        return f"{names[0]} ({kinds})"
+    return f"{'/'.join(n.removesuffix('_proj') for n in names)} ({kinds}), one op each, concatenated"
 
 
 def _layer_detail(layer: nn.Module, spec: ArchSpec, parallel: bool, next_patched: bool, ops_name: str) -> str:

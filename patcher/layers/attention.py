@@ -1,6 +1,7 @@
 """The patched attention: one QKV GEMM, one kernel for RoPE + head layout, then HF's own cache and attention.
 
-    qkv = x @ W_qkv^T (+ b)                       one GEMM (LLaMA/Qwen2 q, k, v weights fused at patch time)
+    qkv = x @ W_qkv^T (+ b)                       one GEMM (LLaMA/Qwen2 q, k, v weights fused at patch time);
+                                                  GGUF: [q | k | v], each GGUFLinear's own op
     q, k, v = rope_qkv(qkv, cos, sin)             one kernel: split, rotate (partial for Pythia), head layout
     k, v = cache.update(k, v)                     HF's cache classes, unchanged
     out = attention_interface(q, k, v, mask)      HF's SDPA / flash / eager, unchanged
@@ -34,7 +35,7 @@ FUSED_QKV_BIAS = "_patcher_qkv_bias"
 @dataclass
 class AttentionPlan:
     ops: Backend
-    qkv_weight: torch.Tensor | None  # None when the projections are GPTQ int4 (qkv_int4)
+    qkv_weight: torch.Tensor | None  # None when the projections are GPTQ int4 (qkv_int4) or GGUF (qkv_gguf)
     qkv_bias: torch.Tensor | None
     out_weight: torch.Tensor | None
     out_bias: torch.Tensor | None
@@ -46,6 +47,8 @@ class AttentionPlan:
     extra_kwargs: dict = field(default_factory=dict)
     qkv_int4: Int4Linear | None = None
     out_int4: Int4Linear | None = None
+    qkv_gguf: weights.GGUFProjection | None = None
+    out_gguf: weights.GGUFProjection | None = None
     group: object = None  # tensor parallel: the process group summing the output projection's partial products
 
 
@@ -82,7 +85,9 @@ def attention_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> A
     out = getattr(module, spec.out_proj)
     qkv_int4 = int4.from_modules(qkv) if weights.is_int4(qkv[0]) else None
     out_int4 = int4.from_modules([out]) if weights.is_int4(out) else None
-    if qkv_int4 is not None:
+    qkv_gguf = weights.GGUFProjection(qkv) if weights.is_gguf(qkv[0]) else None
+    out_gguf = weights.GGUFProjection([out]) if weights.is_gguf(out) else None
+    if qkv_int4 is not None or qkv_gguf is not None:
         qkv_weight = qkv_bias = None
     elif len(qkv) == 1:
         qkv_weight, qkv_bias = shard(qkv[0].weight), shard(qkv[0].bias)
@@ -94,8 +99,8 @@ def attention_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> A
         ops=ops,
         qkv_weight=qkv_weight,
         qkv_bias=qkv_bias,
-        out_weight=None if out_int4 else shard(out.weight),
-        out_bias=None if out_int4 else shard(out.bias),
+        out_weight=None if out_int4 or out_gguf else shard(out.weight),
+        out_bias=None if out_int4 or out_gguf else shard(out.bias),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=spec.head_dim(config),
@@ -104,6 +109,8 @@ def attention_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> A
         extra_kwargs={name: getattr(module, name) for name in spec.attention_kwargs},
         qkv_int4=qkv_int4,
         out_int4=out_int4,
+        qkv_gguf=qkv_gguf,
+        out_gguf=out_gguf,
         group=reduce_group(out),
     )
 
@@ -128,7 +135,7 @@ def attention_forward(
     if cache is None:  # under a name this code does not know (it was renamed once): a cache must never be dropped
         cache = next((v for v in kwargs.values() if isinstance(v, Cache)), None)
     bsz, q_len = hidden_states.shape[:2]
-    qkv = weights.project(plan.ops, hidden_states, plan.qkv_weight, plan.qkv_bias, plan.qkv_int4)
+    qkv = weights.project(plan.ops, hidden_states, plan.qkv_weight, plan.qkv_bias, plan.qkv_int4, gguf=plan.qkv_gguf)
     cos, sin = position_embeddings
     q, k, v = plan.ops.rope_qkv(qkv, cos, sin, plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.interleaved)
     if cache is not None:
@@ -138,4 +145,5 @@ def attention_forward(
         self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **plan.extra_kwargs, **kwargs
     )
     out = out.reshape(bsz, q_len, -1)
-    return weights.project(plan.ops, out, plan.out_weight, plan.out_bias, plan.out_int4, plan.group), attn_weights
+    out = weights.project(plan.ops, out, plan.out_weight, plan.out_bias, plan.out_int4, plan.group, plan.out_gguf)
+    return out, attn_weights

@@ -3,6 +3,7 @@
 Gated (LLaMA/Qwen2, SwiGLU):  down( silu_and_mul( x @ [W_gate; W_up]^T ) )   gate and up fused into one GEMM
 Plain (GPT-NeoX, GELU):       fc_out( bias_gelu( x @ W_in^T, b_in ) )          the bias is added inside the GELU
                                                                               kernel instead of the GEMM
+GGUF projections run each GGUFLinear's own op (gate and up concatenated, weights.GGUFProjection), bias included.
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ GELU_ACTIVATIONS = {"gelu": False, "gelu_pytorch_tanh": True}  # name -> tanh ap
 @dataclass
 class MlpPlan:
     ops: Backend
-    in_weight: torch.Tensor | None  # gated: [gate; up] fused; None when GPTQ int4 (in_int4)
+    in_weight: torch.Tensor | None  # gated: [gate; up] fused; None when GPTQ int4 (in_int4) or GGUF (in_gguf)
     in_bias: torch.Tensor | None
     out_weight: torch.Tensor | None
     out_bias: torch.Tensor | None
     tanh: bool = False  # GELU variant (plain MLP only)
     in_int4: Int4Linear | None = None  # gated: gate and up side by side
     out_int4: Int4Linear | None = None
+    in_gguf: weights.GGUFProjection | None = None  # gated: gate and up, each its own op, concatenated
+    out_gguf: weights.GGUFProjection | None = None
     group: object = None  # tensor parallel: the process group summing the output projection's partial products
 
 
@@ -56,32 +59,27 @@ def check_mlp(module: nn.Module, spec: ArchSpec, config) -> str | None:
 
 
 def mlp_plan(module: nn.Module, spec: ArchSpec, config, ops: Backend) -> MlpPlan:
-    out = getattr(module, spec.mlp_out)
-    inputs = [getattr(module, name) for name in spec.mlp_in]
-    if weights.is_int4(inputs[0]) or weights.is_int4(out):
-        tanh = False if spec.mlp_gated else GELU_ACTIVATIONS[getattr(config, spec.act_config)]
-        plan = MlpPlan(ops, None, None, out.weight if not weights.is_int4(out) else None, None, tanh)
-        if weights.is_int4(inputs[0]):
-            plan.in_int4 = int4.from_modules(inputs)
-        elif spec.mlp_gated:
-            plan.in_weight = weights.fuse(module, FUSED_GATE_UP, [p.weight for p in inputs])
-        else:
-            plan.in_weight, plan.in_bias = inputs[0].weight, inputs[0].bias
-        if weights.is_int4(out):
-            plan.out_int4 = int4.from_modules([out])
-        else:
-            plan.out_bias = out.bias
-        return plan
+    inputs, out = [getattr(module, name) for name in spec.mlp_in], getattr(module, spec.mlp_out)
+    tanh = False if spec.mlp_gated else GELU_ACTIVATIONS[getattr(config, spec.act_config)]
     # (tensor parallel: this rank's shards; the output projection's partial products are summed over `group`)
-    out_weight, out_bias, group = shard(out.weight), shard(out.bias), reduce_group(out)
-    if spec.mlp_gated:
-        gate, up = (getattr(module, name) for name in spec.mlp_in)
-        in_weight = weights.fuse(module, FUSED_GATE_UP, [gate.weight, up.weight])
-        in_bias = None if gate.bias is None else weights.fuse(module, FUSED_GATE_UP_BIAS, [gate.bias, up.bias])
-        return MlpPlan(ops, in_weight, in_bias, out_weight, out_bias, group=group)
-    fc_in = getattr(module, spec.mlp_in[0])
-    tanh = GELU_ACTIVATIONS[getattr(config, spec.act_config)]
-    return MlpPlan(ops, shard(fc_in.weight), shard(fc_in.bias), out_weight, out_bias, tanh, group=group)
+    plan = MlpPlan(ops, None, None, None, None, tanh, group=reduce_group(out))
+    if weights.is_int4(inputs[0]):
+        plan.in_int4 = int4.from_modules(inputs)
+    elif weights.is_gguf(inputs[0]):
+        plan.in_gguf = weights.GGUFProjection(inputs)
+    elif spec.mlp_gated:
+        plan.in_weight = weights.fuse(module, FUSED_GATE_UP, [p.weight for p in inputs])
+        if inputs[0].bias is not None:
+            plan.in_bias = weights.fuse(module, FUSED_GATE_UP_BIAS, [p.bias for p in inputs])
+    else:
+        plan.in_weight, plan.in_bias = shard(inputs[0].weight), shard(inputs[0].bias)
+    if weights.is_int4(out):
+        plan.out_int4 = int4.from_modules([out])
+    elif weights.is_gguf(out):
+        plan.out_gguf = weights.GGUFProjection([out])
+    else:
+        plan.out_weight, plan.out_bias = shard(out.weight), shard(out.bias)
+    return plan
 
 
 def undo_mlp_plan(module: nn.Module) -> None:
@@ -91,12 +89,15 @@ def undo_mlp_plan(module: nn.Module) -> None:
 
 def gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     plan: MlpPlan = self._patcher
-    h = plan.ops.silu_and_mul(weights.project(plan.ops, x, plan.in_weight, plan.in_bias, plan.in_int4))
-    return weights.project(plan.ops, h, plan.out_weight, plan.out_bias, plan.out_int4, plan.group)
+    h = plan.ops.silu_and_mul(
+        weights.project(plan.ops, x, plan.in_weight, plan.in_bias, plan.in_int4, gguf=plan.in_gguf)
+    )
+    return weights.project(plan.ops, h, plan.out_weight, plan.out_bias, plan.out_int4, plan.group, plan.out_gguf)
 
 
 def gelu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     plan: MlpPlan = self._patcher
-    # (int4: the GPTQ bias is added in the int4 op, as GPTQLinear adds it; in_bias is None)
-    h = plan.ops.bias_gelu(weights.project(plan.ops, x, plan.in_weight, None, plan.in_int4), plan.in_bias, plan.tanh)
-    return weights.project(plan.ops, h, plan.out_weight, plan.out_bias, plan.out_int4, plan.group)
+    # (int4 and GGUF: the bias is added in the projection, as GPTQLinear and GGUFLinear add it; in_bias is None)
+    h = weights.project(plan.ops, x, plan.in_weight, None, plan.in_int4, gguf=plan.in_gguf)
+    h = plan.ops.bias_gelu(h, plan.in_bias, plan.tanh)
+    return weights.project(plan.ops, h, plan.out_weight, plan.out_bias, plan.out_int4, plan.group, plan.out_gguf)

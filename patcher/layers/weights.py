@@ -45,29 +45,58 @@ def unfuse(owner: nn.Module, name: str) -> None:
 
 def projection_reason(modules: list[nn.Module], names) -> str | None:
     """Why these projections (read as one: q/k/v, gate/up, or a single one) can't be patched, or None.
-    They must all be nn.Linear, or all GPTQLinear in a layout the int4 kernels read."""
+    They must all be nn.Linear, all GPTQLinear in a layout the int4 kernels read, or all GGUFLinear."""
     from ..gptq.linear import GPTQLinear  # (patcher.gptq imports the patching module, which imports this one)
     from ..ops.int4 import int4_reason
 
     kinds = {type(m) for m in modules}
-    if kinds == {nn.Linear}:
+    if kinds == {nn.Linear} or all(map(is_gguf, modules)):
         return None
     if kinds == {GPTQLinear}:
         return int4_reason(modules)
-    gguf = [f"{n} {m.kind}" for n, m in zip(names, modules) if type(m).__name__ == "GGUFLinear"]
-    if gguf:
-        return f"GGUF linears ({', '.join(gguf)}) are not fused: HF's forward runs them (GGUFLinear's reference matmul)"
-    found = ", ".join(f"{n} is {type(m).__name__}" for n, m in zip(names, modules))
-    return f"{found}: expected nn.Linear, or GPTQLinear for all of them"
+    found = ", ".join(f"{n} is {_describe(m)}" for n, m in zip(names, modules))
+    if any(map(is_gguf, modules)):
+        return f"{found}: GGUF linears are read as one projection only with each other (all GGUFLinear or none)"
+    return f"{found}: expected nn.Linear, or GPTQLinear or GGUFLinear for all of them"
+
+
+def _describe(module: nn.Module) -> str:
+    return f"GGUFLinear ({module.kind})" if is_gguf(module) else type(module).__name__
 
 
 def is_int4(module: nn.Module) -> bool:
     return type(module).__name__ == "GPTQLinear"
 
 
-def project(ops, x: torch.Tensor, weight, bias, int4, group=None) -> torch.Tensor:
-    """x @ W^T + b for a dense projection, or the int4 op for a GPTQ one (int4 is an ops.int4.Int4Linear). With a
-    process group, `weight` is this rank's row-wise shard: the ranks' partial products are summed, then b added."""
+def is_gguf(module: nn.Module) -> bool:
+    return type(module).__name__ == "GGUFLinear"
+
+
+class GGUFProjection:
+    """GGUF linears read as one projection (q/k/v, gate/up, or a single one): each module runs its own forward and
+    the outputs are concatenated along the last dimension, as the fused dense weight's output would be. The blocks
+    are never concatenated: the modules of one projection may hold different block types (a Q4_K_M file mixes Q4_K
+    and Q6_K). Each module adds its own bias, so the plan holds none."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = tuple(modules)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(m.kind for m in self.modules)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.modules) == 1:
+            return self.modules[0](x)
+        return torch.cat([m(x) for m in self.modules], -1)
+
+
+def project(ops, x: torch.Tensor, weight, bias, int4, group=None, gguf: GGUFProjection | None = None) -> torch.Tensor:
+    """x @ W^T + b for a dense projection, the int4 op for a GPTQ one (int4 is an ops.int4.Int4Linear), or the GGUF
+    modules' own forwards for a GGUF one (gguf). With a process group, `weight` is this rank's row-wise shard: the
+    ranks' partial products are summed, then b added."""
+    if gguf is not None:
+        return gguf(x)
     if int4 is not None:
         return ops.int4_linear(x, *int4.args())
     if group is not None:

@@ -1,5 +1,5 @@
-"""GGUFLinear, load_gguf on small GGUF files written here (LLaMA and Qwen2, every supported type and one that is
-not), and patch_model on such a model."""
+"""GGUFLinear, and load_gguf on small GGUF files written here (LLaMA and Qwen2, every supported type and one that is
+not). patch_model on such models: test_gguf_patch.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import max_err
-from gguf_blocks import patched_logits, q8_1_value, random_blocks, set_mode, write_tiny_model
+from gguf_blocks import q8_1_value, random_blocks, set_mode, write_tiny_model
 
 from patcher import load_gguf
 from patcher.gguf import GGUFLinear
@@ -128,20 +128,6 @@ def test_load_gguf_dtype_and_refusals(tiny, tmp_path):
         load_gguf(tmp_path / "missing.gguf")
     with pytest.raises(NotImplementedError, match="one device"):
         load_gguf(path, device_map={"": "cpu"})
-
-
-@pytest.mark.parametrize("quantize_activations", [False, True])
-def test_patch_model_leaves_gguf_layers_to_hf(tiny, quantize_activations):
-    """Layers with GGUF linears stay on HF's forward, named with the reason; the logits do not change."""
-    path, _, _ = tiny
-    model = load_gguf(path, dtype=torch.float32, quantize_activations=quantize_activations)
-    with torch.no_grad():
-        expected = model(TINY_TOKENS).logits
-        report, got = patched_logits(model, TINY_TOKENS)
-        assert report.layers_restructured == 0 and len(report.unpatched) == 2
-        assert all("GGUF linears (q_proj Q4_0" in r.detail for r in report.unpatched)
-        assert torch.equal(got, expected)
-        assert torch.equal(model(TINY_TOKENS).logits, expected)
 
 
 @pytest.mark.gpu
