@@ -6,7 +6,7 @@ top-p, min-p) with the logits processors of processors.py (repetition_penalty, n
 min_length, min_new_tokens, suppress_tokens, begin_suppress_tokens, forced BOS/EOS), a streamer, stop_strings and
 max_time, the caller's own stopping criteria (run on the host a step behind, runner.TokenFeed), the dict output
 with scores and logits, the caller's own logits processors (run between graph replays), batch 1 to 64 (1 to 8 for a
-model with GPTQ int4 linears, whose kernels take at most 8 rows), token ids with a left-padded (or absent)
+model with GPTQ int4 or GGUF linears, whose kernels take at most 8 rows), token ids with a left-padded (or absent)
 attention mask, the model on one CUDA device with every layer patched. Anything else (beam search, attentions in
 the output, sequence_bias, prefix_allowed_tokens_fn, a caller's MaxLengthCriteria or EosTokenCriteria, ...) goes to
 transformers' own `generate` unchanged (our fused kernels still run inside its forward), and the reason is
@@ -389,7 +389,7 @@ def _generate(self, inputs, generation_config, **kwargs):
     prepared = {}
     if reason is None:
         reason, prepared = call_reason(self, generation_config, kwargs)
-    if reason is None:  # the kernels' row limits, which the runner knows (GPTQ int4 linears take 8 rows)
+    if reason is None:  # the kernels' row limits, which the runner knows (GPTQ int4 and GGUF linears take 8 rows)
         if state.runner is None:
             state.runner = DecodeRunner(self)
         batch = prepared["input_ids"].shape[0]

@@ -22,6 +22,7 @@ import torch
 
 from ..layers.guard import weights_signature
 from ..ops import REFERENCE, decode_attention_workspace, next_token_workspace
+from ..ops.gguf import GEMV_MAX_ROWS
 from .options import DecodeOptions
 from .processors import Processors, Sampling
 from .step import DecodeStep
@@ -208,9 +209,12 @@ class DecodeRunner:
 
     def batch_limit(self) -> tuple[int, str]:
         """The most rows a step of this model takes, and why: MAX_BATCH, but KERNEL_MAX_ROWS where the step has
-        GPTQ int4 linears, or (CUDA) where dense linears stay on the GEMV kernels past KERNEL_MAX_ROWS rows."""
+        GPTQ int4 linears, GEMV_MAX_ROWS where it has GGUF ones, or (CUDA) where dense linears stay on the GEMV
+        kernels past KERNEL_MAX_ROWS rows."""
         if self.decode_step.int4.linears:
             return KERNEL_MAX_ROWS, f"the GPTQ int4 decode kernels take 1 to {KERNEL_MAX_ROWS} rows"
+        if self.decode_step.gguf:
+            return GEMV_MAX_ROWS, f"the GGUF decode GEMV (gguf_gemv) takes 1 to {GEMV_MAX_ROWS} rows"
         if self.device.type == "cuda" and self.options.cublas_min_batch > KERNEL_MAX_ROWS + 1:
             return KERNEL_MAX_ROWS, (
                 f"the dense GEMV kernels take 1 to {KERNEL_MAX_ROWS} rows (DecodeOptions.cublas_min_batch "

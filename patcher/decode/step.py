@@ -14,6 +14,8 @@ What changes against the eager forward is only where an op boundary falls:
   int4_separate_norm_batch; elsewhere the norm runs as its own kernel in front, with the same values;
 - the QKV projection writes RoPE'd K/V into the static cache in its epilogue;
 - from DecodeOptions.cublas_min_batch rows dense linears run on cuBLAS, then the activation or RoPE kernel;
+- a GGUF projection (layers/weights.py GGUFProjection) runs its GGUFLinear modules' own ops (gguf_gemv), with the
+  norm kernel in front and the activation or rope_qkv_cache after it;
 - GPTQ int4 output projections may hand their sums on unmet (decode/int4_plan.py), and GPT-NeoX's int4 layer
   is three launches: both LayerNorms + QKV + the MLP's input projection, the attention, both output projections.
 The final norm takes the last layer's stream the same way, and the lm_head is a GEMV after it.
@@ -118,6 +120,11 @@ class DecodeStep:
         self.rms = spec.norm == "rms"
         layers = getattr(base, spec.layers)
         self.layers = [layer_step(layer, spec, self.parallel, options.merge_int4) for layer in layers]
+        self.gguf = any(
+            p is not None
+            for layer in self.layers
+            for p in (layer.attention.qkv_gguf, layer.attention.out_gguf, layer.mlp.in_gguf, layer.mlp.out_gguf)
+        )
         self.ops = self.layers[0].attention.ops
         self.num_layers = len(self.layers)
         self.num_heads, self.num_kv_heads = spec.num_heads(config), spec.num_kv_heads(config)
@@ -155,31 +162,37 @@ class DecodeStep:
         (w, b, eps), (w2, b2) = norm, (norm2[:2] if norm2 else (None, None))
         return (delta, delta2, w, b, w2, b2, eps, self.rms)
 
-    def _norm_linear(self, x, pro, separate, weight, bias, act: str, st, int4_linear=None, fuse=True):
+    def _norm_linear(self, x, pro, separate, weight, bias, act: str, st, int4_linear=None, fuse=True, gguf=None):
         """act(norm(x [+ deltas]) @ W^T + b) with the add + norm as the op's prologue where the kernels take it (and
-        `fuse`), else in front: int4_norm_prologue for an int4 linear, `separate` for a dense one. Returns
-        (out, sum, h2)."""
+        `fuse`), else in front: int4_norm_prologue for an int4 linear, `separate` for a dense or GGUF one (gguf: a
+        GGUFProjection, whose modules take no prologue). Returns (out, sum, h2)."""
         if int4_linear is not None:
             if not st.int4_separate_norm:
                 return self.ops.int4_gemv(x, *pro, *int4_linear.args(), act, st.int4_splits[id(int4_linear)],
                                           st.int4_workspace)  # fmt: skip
             h, total, h2 = self.ops.int4_norm_prologue(x, *pro)
-        elif st.fused_norms and fuse:
+        elif st.fused_norms and fuse and gguf is None:
             return self.ops.norm_gemv(x, *pro, weight, bias, act)
         else:
             h, total, h2 = separate(x, pro[0], pro[1])
-        return self._linear(h, weight, bias, act, st, int4_linear), total, h2
+        return self._linear(h, weight, bias, act, st, int4_linear, gguf=gguf), total, h2
 
-    def _linear(self, h, weight, bias, act: str, st, int4_linear=None, workspace=None):
-        """h @ W^T (+ b) with the MLP activation: our GEMV (epilogue fused), or cuBLAS then the activation.
-        `workspace`: the int4 workspace of the stream it runs on (default: the main stream's)."""
+    def _linear(self, h, weight, bias, act: str, st, int4_linear=None, workspace=None, gguf=None):
+        """h @ W^T (+ b) with the MLP activation: our GEMV (epilogue fused), or cuBLAS then the activation; a GGUF
+        projection (gguf) runs its modules' own ops, then the activation. `workspace`: the int4 workspace of the
+        stream it runs on (default: the main stream's)."""
         if int4_linear is not None:
             workspace = st.int4_workspace if workspace is None else workspace
             return self.ops.int4_gemv(h, *NO_PROLOGUE, *int4_linear.args(), act, st.int4_splits[id(int4_linear)],
                                       workspace)[0]  # fmt: skip
+        if gguf is not None:
+            return self._activation(gguf(h), act)
         if not st.cublas:
             return self.ops.gemv(h, weight, bias, act)
-        y = F.linear(h, weight, bias)
+        return self._activation(F.linear(h, weight, bias), act)
+
+    def _activation(self, y, act: str):
+        """The activation a GEMV's epilogue would apply, as its own op after a linear that has none."""
         if act == "silu_mul":
             return self.ops.silu_and_mul(y)
         if act != "none":
@@ -196,8 +209,10 @@ class DecodeStep:
 
     @staticmethod
     def _qkv_takes_norm(layer: LayerStep, st) -> bool:
-        """Whether the QKV op computes the input norm in its prologue (int4, or dense with fused norms)."""
-        return layer.attention.qkv_int4 is not None or st.fused_norms
+        """Whether the QKV op computes the input norm in its prologue (int4, or dense with fused norms; a GGUF
+        projection never does)."""
+        a = layer.attention
+        return a.qkv_gguf is None and (a.qkv_int4 is not None or st.fused_norms)
 
     @staticmethod
     def _rope_args(layer: LayerStep, index: int, st) -> tuple:
@@ -236,6 +251,8 @@ class DecodeStep:
         """QKV -> RoPE -> K/V into the cache slot from the norm's output h; returns q."""
         a, ops = layer.attention, self.ops
         rope = self._rope_args(layer, index, st)
+        if a.qkv_gguf is not None:
+            return ops.rope_qkv_cache(a.qkv_gguf(h), *rope, a.interleaved)
         if a.qkv_int4 is not None:
             lin = a.qkv_int4
             return ops.int4_qkv_rope_cache(h, *NO_PROLOGUE, *lin.args(), *rope, a.interleaved, st.int4_splits[id(lin)],
@@ -271,7 +288,7 @@ class DecodeStep:
             out = self.ops.decode_attention_qkv_acc(q.acc, q.bias_rows, st.cos, st.sin, st.slot, st.pad, st.k[index],
                                                     st.v[index], a.num_heads, a.interleaved, layer.scale, st.splits,
                                                     st.workspace)  # fmt: skip
-        return self._linear(out, a.out_weight, a.out_bias, "none", st, a.out_int4) if project else out
+        return self._linear(out, a.out_weight, a.out_bias, "none", st, a.out_int4, gguf=a.out_gguf) if project else out
 
     def _branch_mlp(self, layer: LayerStep, h, st):
         """GPT-NeoX's MLP on h = ln2(x), on the branch stream where there is one: it then runs beside the attention
@@ -283,10 +300,10 @@ class DecodeStep:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # after the work queued so far
             workspace = st.branch_int4_workspace
         with torch.cuda.stream(stream):  # None: a no-op, the work stays on the current stream
-            inner = self._linear(h, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4, workspace)
+            inner = self._linear(h, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4, workspace, m.in_gguf)
             if layer.out_pair is not None:
                 return inner
-            return self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4, workspace)
+            return self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4, workspace, m.out_gguf)
 
     # ---- a layer, per residual kind --------------------------------------------------------------------------
     def sequential_layer(self, layer: LayerStep, i: int, residual, delta, delta2, st) -> tuple:
@@ -306,11 +323,11 @@ class DecodeStep:
             attn, attn2 = self._attention(layer, q, st, i), None
         pro = self._prologue(attn, attn2, post_norm)
         inner, residual, _ = self._norm_linear(
-            residual, pro, layer.separate_norms[1], m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4
+            residual, pro, layer.separate_norms[1], m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4, gguf=m.in_gguf
         )
         if ("mlp_out", i) in st.deferred:
             return (residual, *self._accumulate("mlp_out", i, inner, None, m.out_int4, st))
-        return residual, self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4), None
+        return residual, self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4, gguf=m.out_gguf), None
 
     def parallel_layer(self, layer: LayerStep, i: int, residual, delta, delta2, st) -> tuple:
         """x -> x + attn(ln1(x)) + mlp(ln2(x)), the two terms handed on as (delta, delta2) (GPT-NeoX)."""
@@ -331,7 +348,7 @@ class DecodeStep:
         if layer.qkv_mlp is None and self.branch_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.branch_stream)
         elif layer.qkv_mlp is not None and pair is None:
-            mlp_out = self._linear(mlp_out, m.out_weight, m.out_bias, "none", st, m.out_int4)
+            mlp_out = self._linear(mlp_out, m.out_weight, m.out_bias, "none", st, m.out_int4, gguf=m.out_gguf)
         if pair is None:
             return residual, attn, mlp_out
         # Both output projections as one GEMV over [attention | MLP hidden] (layers/out_pair.py). With
