@@ -239,3 +239,20 @@ def test_graph_generate_fp16_equals_the_eager_step(tiny_file, quantize_activatio
         got = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
         assert generate_path(model)["path"] == "graph", generate_path(model)
         assert torch.equal(got, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-pythia", "tiny-neox-sequential"])
+def test_gpt_neox_graph_generate_fp32_gives_hf_greedy_tokens(name):
+    """GPT-NeoX with random GGUF blocks on CUDA, fp32: the graph path (the parallel layer's MLP on its branch stream)
+    gives the unpatched model's greedy tokens."""
+    model = rm.build(name, dtype=torch.float32, device="cuda")
+    model.generation_config.eos_token_id = None
+    kinds = {"query_key_value": "Q4_1", "dense": "Q8_0", "dense_h_to_4h": "Q4_0", "dense_4h_to_h": "Q4_0"}
+    quantize_random(model, kinds, quantize_activations=True)
+    ids, mask = prompt(3, "cuda", vocab=model.config.vocab_size)
+    expected = hf_greedy(model, ids, mask, 24)
+    patch_model(model)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert generate_path(model)["path"] == "graph", generate_path(model)
+    assert torch.equal(got, expected)
