@@ -21,12 +21,16 @@ int32_t gguf_kind(c10::string_view kind) {
   if (kind == "Q4_0") return patcher::kGgufQ4_0;
   if (kind == "Q4_1") return patcher::kGgufQ4_1;
   if (kind == "Q8_0") return patcher::kGgufQ8_0;
-  TORCH_CHECK(false, "patcher: gguf_gemv takes Q4_0, Q4_1 and Q8_0 blocks, got '", std::string(kind),
+  if (kind == "Q4_K") return patcher::kGgufQ4_K;
+  if (kind == "Q5_K") return patcher::kGgufQ5_K;
+  if (kind == "Q6_K") return patcher::kGgufQ6_K;
+  TORCH_CHECK(false, "patcher: gguf_gemv takes Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks, got '", std::string(kind),
               "' (other types run the reference: patcher.gguf.reference)");
 }
 
 // y [..., N] = x [..., K] . W^T (+ bias) for the 1 to 8 rows of a decode step, W the GGUF rows `blocks`
-// [N, K / 32 * block bytes] as GGUFLinear holds them.
+// [N, K / block values * block bytes] as GGUFLinear holds them (blocks of 32 values, super-blocks of 256 for the
+// K-quants).
 Tensor gguf_gemv(const Tensor& x, const Tensor& blocks, c10::string_view kind, const OptTensor& bias,
                  bool quantize_activations) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
@@ -35,20 +39,21 @@ Tensor gguf_gemv(const Tensor& x, const Tensor& blocks, c10::string_view kind, c
   p.dtype = dtype_of(x);
   p.kind = gguf_kind(kind);
   p.quantize_activations = quantize_activations;
-  const int64_t bytes = patcher::gguf_block_bytes(p.kind);
+  const int64_t bytes = patcher::gguf_block_bytes(p.kind), values = patcher::gguf_block_values(p.kind);
   TORCH_CHECK(blocks.is_cuda() && blocks.device() == x.device(), "patcher: blocks must be on ", x.device(),
               ", got ", blocks.device());
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, "patcher: blocks must be uint8 [out_features, ",
-              "in_features / 32 * ", std::to_string(bytes), "], got ", blocks.scalar_type(), " ", dims(blocks.sizes()));
+              "in_features / ", std::to_string(values), " * ", std::to_string(bytes), "], got ", blocks.scalar_type(),
+              " ", dims(blocks.sizes()));
   TORCH_CHECK(blocks.is_contiguous(), "patcher: blocks must be contiguous, got strides ", dims(blocks.strides()));
   TORCH_CHECK(blocks.size(1) > 0 && blocks.size(1) % bytes == 0, "patcher: ", std::string(kind), " rows of ",
               std::to_string(blocks.size(1)), " bytes are not whole ", std::to_string(bytes), "-byte blocks");
   TORCH_CHECK((reinterpret_cast<uintptr_t>(blocks.data_ptr()) & 1) == 0,
               "patcher: blocks must start at an even address (their fp16 scales are read as 2-byte words)");
   TORCH_CHECK(x.dim() >= 1, "patcher: x must have at least one dimension");
-  p.k = blocks.size(1) / bytes * 32;
-  TORCH_CHECK(x.size(-1) % 32 == 0, "patcher: gguf_gemv needs in_features to be a multiple of 32 (one block), got ",
-              std::to_string(x.size(-1)));
+  p.k = blocks.size(1) / bytes * values;
+  TORCH_CHECK(x.size(-1) % values == 0, "patcher: gguf_gemv needs in_features to be a multiple of ",
+              std::to_string(values), " (one ", std::string(kind), " block), got ", std::to_string(x.size(-1)));
   TORCH_CHECK(x.size(-1) == p.k, "patcher: x ", dims(x.sizes()), " does not match the weight's in_features ",
               std::to_string(p.k));
   p.batch = x.numel() / p.k;

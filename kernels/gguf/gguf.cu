@@ -1,5 +1,5 @@
-// The GGUF decode GEMV's entry point: checks, then the kernel built for the dtype (gguf_gemv.cuh, one
-// gguf_<dtype>.cu each).
+// The GGUF decode GEMV's entry point: checks, then the kernels built for the dtype (gguf_gemv.cuh and
+// gguf_kquant.cuh, one gguf_<dtype>.cu each).
 #include "common/common.cuh"
 #include "gguf/params.h"
 
@@ -11,10 +11,11 @@ cudaError_t launch_gguf_gemv_float(const GgufGemvParams& p, cudaStream_t stream)
 
 cudaError_t launch_gguf_gemv(const GgufGemvParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.n == 0) return cudaSuccess;
-  const int bytes = gguf_block_bytes(p.kind);
-  // The kernel reads block fields as 2-byte words; rows follow each other without padding.
-  if (p.batch < 0 || p.batch > kGgufMaxBatch || bytes == 0 || p.k <= 0 || p.k % 32 ||
-      p.row_bytes != p.k / 32 * bytes || (reinterpret_cast<uintptr_t>(p.blocks) & 1))
+  const int bytes = gguf_block_bytes(p.kind), values = gguf_block_values(p.kind);
+  // The kernels read block fields as 2-byte words (every block size is even); rows follow each other without
+  // padding; K is walked in whole blocks (super-blocks for the K-quants).
+  if (p.batch < 0 || p.batch > kGgufMaxBatch || bytes == 0 || p.k <= 0 || p.k % values ||
+      p.row_bytes != p.k / values * bytes || (reinterpret_cast<uintptr_t>(p.blocks) & 1))
     return cudaErrorInvalidValue;
   switch (p.dtype) {
     case DType::kFloat16:

@@ -1,5 +1,5 @@
-// The GGUF decode GEMV for float activations (one file per dtype: see gguf_gemv.cuh).
-#include "gguf/gguf_gemv.cuh"
+// The GGUF decode GEMV for float activations (one file per dtype: see gguf_gemv.cuh and gguf_kquant.cuh).
+#include "gguf/gguf_kquant.cuh"
 
 namespace patcher {
 

@@ -1,6 +1,7 @@
-// The GGUF decode GEMV (Q4_0, Q4_1, Q8_0 blocks; 1 to 8 rows of x), a template over the activation dtype included
-// by one .cu file per dtype (gguf_half.cu, gguf_bf16.cu, gguf_float.cu); the entry point is in gguf.cu. What it
-// computes, and the rounding points: gguf/params.h.
+// The GGUF decode GEMV (Q4_0, Q4_1, Q8_0 blocks; 1 to 8 rows of x), a template over the activation dtype, and the
+// parts the K-quants' kernel shares with it (gguf_kquant.cuh, which includes this file and is included by one .cu
+// file per dtype: gguf_half.cu, gguf_bf16.cu, gguf_float.cu); the entry point is in gguf.cu. What it computes, and
+// the rounding points: gguf/params.h.
 //
 // Work split. A block has 8 warps, one output row each; K is walked in chunks of 32 blocks (1024 values), one
 // 32-value block a lane. Per chunk the whole block first stages x's chunk in shared memory: quantized to Q8_1
@@ -31,19 +32,34 @@ constexpr int kQ8Stride = 36;        // bytes of a staged Q8_1 block: q int8[32]
 constexpr int kXfStride = 33;        // floats of a staged W4A16 block (33: conflict-free for the same reason)
 
 template <int KIND>
-constexpr int kBlockBytes = KIND == kGgufQ4_0 ? 18 : KIND == kGgufQ4_1 ? 20 : 34;
+constexpr bool kKQuant = KIND == kGgufQ4_K || KIND == kGgufQ5_K || KIND == kGgufQ6_K;
+
+// Bytes and values of a block (a super-block for the K-quants), as gguf_block_bytes / gguf_block_values.
+template <int KIND>
+constexpr int kBlockBytes = KIND == kGgufQ4_0   ? 18
+                            : KIND == kGgufQ4_1 ? 20
+                            : KIND == kGgufQ8_0 ? 34
+                            : KIND == kGgufQ4_K ? 144
+                            : KIND == kGgufQ5_K ? 176
+                                                : 210;
+template <int KIND>
+constexpr int kBlockValues = kKQuant<KIND> ? 256 : 32;
+
+// Weight bytes of one row's chunk of K (kChunkBlocks * 32 values): 32 blocks, or 4 super-blocks.
+template <int KIND>
+constexpr int kChunkBytes = kChunkBlocks * 32 / kBlockValues<KIND> * kBlockBytes<KIND>;
 
 // A warp's weight stage: one chunk's bytes, placed at the global address's offset mod 16 so that the aligned body
 // lands on 16-byte boundaries of shared memory.
 template <int KIND>
-constexpr int kStageBytes = (kChunkBlocks * kBlockBytes<KIND> + 15 + 15) / 16 * 16;
+constexpr int kStageBytes = (kChunkBytes<KIND> + 15 + 15) / 16 * 16;
 
-// 16-byte vectors of a chunk per lane: a chunk's body has at most 2 * block bytes of them.
+// 16-byte vectors of a chunk per lane: a chunk's body has at most chunk bytes / 16 of them.
 template <int KIND>
-constexpr int kVecsPerLane = (2 * kBlockBytes<KIND> + 31) / 32;
+constexpr int kVecsPerLane = (kChunkBytes<KIND> / 16 + 31) / 32;
 
 // The bytes [lo, hi) of one row's chunk: head [lo, a) and tail [e, hi) are under 16 bytes each, the body [a, e)
-// 16-byte aligned. hi - lo >= 18 (one block), so lo <= a <= e <= hi.
+// 16-byte aligned. hi - lo >= 18 (one block, the smallest), so lo <= a <= e <= hi.
 struct ByteWindow {
   const uint8_t *lo, *a, *e, *hi;
 };
@@ -291,20 +307,6 @@ template <typename T, int KIND>
 cudaError_t launch_gguf_mode(const GgufGemvParams& p, cudaStream_t stream) {
   return p.quantize_activations ? launch_gguf_batch<T, KIND, true>(p, stream)
                                 : launch_gguf_batch<T, KIND, false>(p, stream);
-}
-
-// The dtype's launcher, which gguf_<dtype>.cu instantiates.
-template <typename T>
-cudaError_t launch_gguf_gemv_typed(const GgufGemvParams& p, cudaStream_t stream) {
-  switch (p.kind) {
-    case kGgufQ4_0:
-      return launch_gguf_mode<T, kGgufQ4_0>(p, stream);
-    case kGgufQ4_1:
-      return launch_gguf_mode<T, kGgufQ4_1>(p, stream);
-    case kGgufQ8_0:
-      return launch_gguf_mode<T, kGgufQ8_0>(p, stream);
-  }
-  return cudaErrorInvalidValue;
 }
 
 }  // namespace

@@ -13,19 +13,25 @@
 
 namespace patcher {
 
-// The GGUF block types the kernels take (ggml's type numbers), each 32 values a block (patcher/gguf/format.py):
-//   Q4_0  18 bytes: d fp16 | qs[16]           w = d * (nibble - 8)
-//   Q4_1  20 bytes: d fp16 | m fp16 | qs[16]   w = d * nibble + m
-//   Q8_0  34 bytes: d fp16 | qs int8[32]       w = d * q
+// The GGUF block types the kernels take (ggml's type numbers; layouts in patcher/gguf/format.py):
+//   Q4_0   32 values, 18 bytes: d fp16 | qs[16]           w = d * (nibble - 8)
+//   Q4_1   32 values, 20 bytes: d fp16 | m fp16 | qs[16]   w = d * nibble + m
+//   Q8_0   32 values, 34 bytes: d fp16 | qs int8[32]       w = d * q
 // Nibbles: element i < 16 is the low nibble of qs[i], element i >= 16 the high nibble of qs[i - 16].
-enum GgufKind : int32_t { kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ8_0 = 8 };
+// The K-quants, super-blocks of 256 values in 8 sub-blocks of 32 (16 groups of 16 for Q6_K's scales):
+//   Q4_K  144 bytes: d fp16 | dmin fp16 | scales[12] | qs[128]            w = (d * sc[j]) * q - dmin * mn[j]
+//   Q5_K  176 bytes: d fp16 | dmin fp16 | scales[12] | qh[32] | qs[128]   w as Q4_K, q of 5 bits
+//   Q6_K  210 bytes: ql[128] | qh[64] | scales int8[16] | d fp16            w = (d * scales[g]) * (q - 32)
+enum GgufKind : int32_t { kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ8_0 = 8, kGgufQ4_K = 12, kGgufQ5_K = 13, kGgufQ6_K = 14 };
 
-// y [batch, n] = x [batch, k] . W^T + bias, W [n, k] the GGUF rows `blocks` (n rows of k / 32 blocks, row after row,
-// each row `row_bytes` = k / 32 * block bytes long). Two modes (patcher/gguf/reference.py):
+// y [batch, n] = x [batch, k] . W^T + bias, W [n, k] the GGUF rows `blocks` (n rows of k / block values blocks, row
+// after row, each row `row_bytes` = k / block values * block bytes long). Two modes (patcher/gguf/reference.py):
 //   quantize_activations (W4A8): each row of x quantized to Q8_1 blocks of 32 (d = max|x| / 127 stored as fp16,
 //     q = roundf(x / d), s = d * sum(q)); per block the integer dot product isum of the weight's and the activation's
 //     integers, then  y = sum_blocks (d_w * d_a) * isum  +  sum_blocks m_w * s_a  (Q4_1 only)  +  bias  in fp32,
-//     each product and sum rounded once (no fused multiply-add), rounded to the dtype once at the end.
+//     each product and sum rounded once (no fused multiply-add), rounded to the dtype once at the end. The K-quants
+//     take the same form per 32-value sub-block, d_w = d * sc[j] and m_w = -(dmin * mn[j]) (each an fp32 product);
+//     Q6_K per 16-value group, d_w = d * scales[g], with the d_a of the Q8_1 block the group lies in, no m_w.
 //   otherwise (W4A16): the weights dequantized in fp32 as gguf.quants forms them, rounded to the dtype (the
 //     reference's weight.to(x.dtype)), multiplied with x in fp32, plus the bias rounded to the dtype, rounded once.
 struct GgufGemvParams {
@@ -34,7 +40,7 @@ struct GgufGemvParams {
   bool quantize_activations;
   int64_t batch;  // rows of x, 1..8
   int64_t n;      // output features (rows of W)
-  int64_t k;      // input features, a positive multiple of 32
+  int64_t k;      // input features, a positive multiple of the kind's block values (32, or 256 for the K-quants)
   const void* x;  // [batch, k], row stride x_stride, last dimension contiguous
   int64_t x_stride;
   const uint8_t* blocks;  // [n, row_bytes] contiguous
@@ -43,9 +49,27 @@ struct GgufGemvParams {
   DType bias_dtype;
   void* out;  // [batch, n] contiguous
 };
-// Bytes per 32-value block of a GgufKind, 0 for any other value.
+// Bytes per block of a GgufKind, 0 for any other value.
 PATCHER_HOST_DEVICE inline int gguf_block_bytes(int32_t kind) {
-  return kind == kGgufQ4_0 ? 18 : kind == kGgufQ4_1 ? 20 : kind == kGgufQ8_0 ? 34 : 0;
+  switch (kind) {
+    case kGgufQ4_0:
+      return 18;
+    case kGgufQ4_1:
+      return 20;
+    case kGgufQ8_0:
+      return 34;
+    case kGgufQ4_K:
+      return 144;
+    case kGgufQ5_K:
+      return 176;
+    case kGgufQ6_K:
+      return 210;
+  }
+  return 0;
+}
+// Values per block of a GgufKind: 256 for the K-quants' super-blocks, 32 otherwise.
+PATCHER_HOST_DEVICE inline int gguf_block_values(int32_t kind) {
+  return kind == kGgufQ4_K || kind == kGgufQ5_K || kind == kGgufQ6_K ? 256 : 32;
 }
 constexpr int64_t kGgufMaxBatch = 8;
 cudaError_t launch_gguf_gemv(const GgufGemvParams& p, cudaStream_t stream);

@@ -1,8 +1,9 @@
 """GGUF block-quantized linears (kernels/gguf/): the decode GEMV of 1 to 8 rows against GGUF blocks as GGUFLinear
 holds them (uint8 [out_features, bytes per row]). Its reference is patcher/gguf/reference.py: W4A8 (activations
 quantized to Q8_1 blocks, integer dot products a block, scaled in fp32) or W4A16 (the weights dequantized and cast to
-the activations' dtype, then F.linear). The CUDA kernel takes Q4_0, Q4_1 and Q8_0 (GEMV_KINDS); the reference takes
-every type patcher.gguf.format reads, so on the CPU the op runs them all.
+the activations' dtype, then F.linear). The CUDA kernels take Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K
+(GEMV_KINDS: every type patcher.gguf.format reads), whose rows are whole super-blocks of 256 values; the reference
+takes the same types, so on the CPU the op runs them all.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 
 from .library import define
 
-GEMV_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the block types the CUDA kernel takes
+GEMV_KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K")  # the block types the CUDA kernels take
 GEMV_MAX_ROWS = 8  # rows of x the CUDA kernel takes (a decode step)
 
 

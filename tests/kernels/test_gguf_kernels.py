@@ -10,8 +10,9 @@ same fp32 products t = (d_w * d_a) * isum and m_w * s_a, and differ only in the 
 then in the one final rounding to the dtype. So both are measured against S, the exact sum of the same fp32 terms
 and the bias (float64 here): the reference's distance |ref - S| is computed, and the kernel's is bounded by its
 summation order, in which each term passes through at most D = K / 1024 + 7 fp32 additions (one per chunk of 1024
-values in a lane, 5 in the warp's butterfly, Q4_1's two sums and the bias), so |kernel_fp32 - S| <= (D + 1) u A,
-u = 2^-24, A = sum |terms| + |bias|; rounding to the dtype adds at most one unit in its last place:
+values in a lane, 5 in the warp's butterfly, the sums of d_w terms and m_w terms (Q4_1, Q4_K, Q5_K) or the pair of
+16-value group terms a lane adds first (Q6_K), and the bias), so |kernel_fp32 - S| <= (D + 1) u A, u = 2^-24,
+A = sum |terms| + |bias|; rounding to the dtype adds at most one unit in its last place:
 
     W4A8 BOUND:  |kernel - ref| <= |ref - S| + E + eps (|S| + E + tiny),   E = (D + 1) 2^-24 A
 
@@ -44,6 +45,13 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # of 54/60/102 bytes: misaligned for 16-byte loads), of 64 blocks and of Llama-3.1-8B's down_proj (448 blocks: 14
 # chunks of 32).
 SHAPES = [(1, 32), (1, 14336), (33, 96), (33, 2048), (33, 14336), (4097, 32), (4097, 96), (4097, 2048), (4097, 14336)]
+# The K-quants' K is whole super-blocks of 256: one super-block (a chunk of 1024 values a quarter full), 3 (Q6_K rows
+# of 630 bytes, misaligned for 16-byte loads), 5 (a full chunk and a quarter one), 8 (two full chunks) and 14336
+# (56 super-blocks: 14 chunks).
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+K_SHAPES = [(1, 256), (1, 14336), (33, 768), (33, 1280), (33, 14336), (4097, 256), (4097, 768), (4097, 2048)]
+K_SHAPES += [(4097, 14336)]
+CASES = [(kind, n, k) for kind in GEMV_KINDS for n, k in (K_SHAPES if kind in K_QUANTS else SHAPES)]
 
 
 @functools.cache
@@ -59,11 +67,13 @@ def w4a8_bound(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias, expected:
     fp32 products, summed in float64), `expected` the reference's output."""
     k = x.shape[-1]
     rows = x.reshape(-1, k).cpu()
-    q_w, scale, offset, _ = ref.affine(blocks.cpu(), kind)
+    q_w, scale, offset, group = ref.affine(blocks.cpu(), kind)  # group: 32, or Q6_K's 16
     q_a, d_a, s_a = ref.quantize_q8_1(rows)
-    nb = k // 32
-    isum = torch.einsum("mbi,nbi->mnb", q_a.double(), q_w.double().reshape(-1, nb, 32)).float()  # exact integers
-    terms = (scale.unsqueeze(0) * d_a.unsqueeze(1)) * isum  # [rows, N, blocks]: fp32 products, as both form them
+    nb, groups = k // 32, k // group
+    q_a = q_a.double().reshape(rows.shape[0], groups, group)
+    isum = torch.einsum("mgi,ngi->mng", q_a, q_w.double().reshape(-1, groups, group)).float()  # exact integers
+    d_groups = d_a.repeat_interleave(32 // group, dim=1)  # each group takes the d_a of its Q8_1 block
+    terms = (scale.unsqueeze(0) * d_groups.unsqueeze(1)) * isum  # [rows, N, groups]: fp32 products, as both form
     exact, total = terms.double().sum(-1), terms.double().abs().sum(-1)
     if offset is not None:
         offsets = offset.unsqueeze(0) * s_a.unsqueeze(1)  # m_w * s_a in fp32
@@ -103,11 +113,10 @@ def kernels():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantize_activations", [True, False])
-@pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", GEMV_KINDS)
-def test_gguf_gemv(kernels, kind, dtype, rows, n, k, quantize_activations):
+@pytest.mark.parametrize("kind,n,k", CASES)
+def test_gguf_gemv(kernels, kind, n, k, dtype, rows, quantize_activations):
     bias = (n + rows) % 2 == 0  # every shape with and without a bias (rows 1 and 3 with, 8 without)
     blocks, b = weights(kind, n, k, bias)
     blocks, b = blocks.cuda(), None if b is None else b.cuda()
@@ -121,14 +130,38 @@ def test_gguf_gemv(kernels, kind, dtype, rows, n, k, quantize_activations):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("quantize_activations", [True, False])
+@pytest.mark.parametrize("kind", K_QUANTS)
+def test_gguf_gemv_k_quants_every_batch(kernels, kind, quantize_activations, rows):
+    """The K-quants at every batch the kernel takes (each of its 1, 2, 4 and 8-row builds partly filled), K of 5
+    super-blocks (a full chunk and a quarter one), in bf16, with and without a bias."""
+    n, k = 37, 1280
+    blocks, b = weights(kind, n, k, True)
+    blocks = blocks.cuda()
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    for bias in (None, b.cuda()):
+        if quantize_activations:
+            poison_cuda_cache()
+            got = kernels.gguf_gemv(x, blocks, kind, bias, True)
+            assert_w4a8_close(got, x, blocks, kind, bias, f"{kind} {rows} rows, bias {bias is not None}")
+        else:
+            check_op("gguf_gemv", (x, blocks, kind, bias, False))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("quantize_activations", [True, False])
 @pytest.mark.parametrize("kind", GEMV_KINDS)
 def test_gguf_gemv_strided_and_shaped_inputs(kernels, kind, quantize_activations):
     """x rows with a stride (a slice of wider rows, at an offset that breaks 16-byte alignment), x with leading
-    dimensions, and blocks that start mid-allocation at a 2-byte boundary (rows of 54/60/102 bytes)."""
-    k, n = 96, 40
+    dimensions, and blocks that start mid-allocation at a 2-byte boundary (rows of 54/60/102 bytes; K-quant rows of
+    3 super-blocks, whose Q4_K and Q5_K rows of 432 and 528 bytes are moved 2 bytes into a buffer)."""
+    k, n = (768 if kind in K_QUANTS else 96), 40
     full, bias = weights(kind, n + 1, k, True)
     blocks, bias = full.cuda()[1:], bias[1:].cuda().half()  # a view one row in; an fp16 bias
+    if blocks.data_ptr() % 16 == 0:  # rows of whole 16-byte vectors
+        buffer = torch.empty(blocks.numel() + 2, dtype=torch.uint8, device="cuda")
+        blocks = buffer[2:].view(blocks.shape).copy_(blocks)
     assert blocks.is_contiguous() and blocks.data_ptr() % 16
     wide = torch.randn(5, k + 40, device="cuda", dtype=torch.float16)
     inputs = {"strided rows": wide[:, 3 : 3 + k], "leading dims": torch.randn(2, 3, k, device="cuda").half()}
@@ -165,8 +198,8 @@ def test_gguf_gemv_bad_inputs(kernels):
     blocks, bias = (t.cuda() for t in weights("Q4_0", 33, 96, True))
     x = torch.randn(2, 96, device="cuda").half()
     torch.library.opcheck(torch.ops.patcher.gguf_gemv.default, (x, blocks, "Q4_0", bias, True))
-    with pytest.raises(RuntimeError, match="Q4_0, Q4_1 and Q8_0"):
-        kernels.gguf_gemv(x, blocks, "Q4_K", None, True)
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K"):
+        kernels.gguf_gemv(x, blocks, "Q2_K", None, True)
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
         kernels.gguf_gemv(torch.randn(9, 96, device="cuda").half(), blocks, "Q4_0", None, True)
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -188,17 +221,46 @@ def test_gguf_gemv_bad_inputs(kernels):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", K_QUANTS)
+def test_gguf_gemv_k_quant_bad_inputs(kernels, kind):
+    """K-quant rows are whole super-blocks: in_features a multiple of 256 (a multiple of 32 is not enough), rows of
+    whole 144/176/210-byte blocks."""
+    blocks, _ = weights(kind, 9, 512, False)
+    blocks = blocks.cuda()
+    x = torch.randn(2, 512, device="cuda").half()
+    torch.library.opcheck(torch.ops.patcher.gguf_gemv.default, (x, blocks, kind, None, True))
+    for bad in (288, 100):
+        with pytest.raises(RuntimeError, match="multiple of 256"):
+            kernels.gguf_gemv(torch.randn(2, bad, device="cuda").half(), blocks, kind, None, True)
+    with pytest.raises(RuntimeError, match="in_features"):
+        kernels.gguf_gemv(torch.randn(2, 256, device="cuda").half(), blocks, kind, None, False)
+    with pytest.raises(RuntimeError, match="whole"):
+        kernels.gguf_gemv(x, blocks[:, :-32].contiguous(), kind, None, True)
+    with pytest.raises(RuntimeError, match="uint8"):
+        kernels.gguf_gemv(x, blocks.view(torch.int16), kind, None, True)
+
+
+MODEL_KINDS = {
+    "32-value blocks": {"q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q8_0", "o_proj": "Q4_1", "gate_proj": "Q4_0"}
+    | {"up_proj": "Q8_0", "down_proj": "Q4_0"},
+    # down_proj takes the MLP's 384 inputs, not whole super-blocks: Q8_0 there
+    "K-quants": {"q_proj": "Q4_K", "k_proj": "Q6_K", "v_proj": "Q5_K", "o_proj": "Q6_K", "gate_proj": "Q4_K"}
+    | {"up_proj": "Q6_K", "down_proj": "Q8_0"},
+}
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("quantize_activations", [True, False])
-def test_gguf_model_on_cuda_matches_the_cpu(kernels, quantize_activations):
-    """tiny-llama (hidden 256, MLP 384) with random Q4_0/Q4_1/Q8_0 blocks, fp32: 6 tokens (6 rows, the kernel's
-    path) on CUDA against the same model on the CPU (the reference). Every GGUF linear's output, given the input
+@pytest.mark.parametrize("types", MODEL_KINDS)
+def test_gguf_model_on_cuda_matches_the_cpu(kernels, types, quantize_activations):
+    """tiny-llama (hidden 256, MLP 384) with random GGUF blocks (Q4_0/Q4_1/Q8_0, or the K-quants where the input
+    width is whole super-blocks), fp32: 6 tokens (6 rows, the kernel's path) on CUDA against the same model on the
+    CPU (the reference). Every GGUF linear's output, given the input
     it got on CUDA, is within the op's tolerance (W4A8 BOUND; W4A16 the 2x rule); the logits agree to 1e-3 of their
     size: other modules (attention, norms) round differently on the two devices, and in W4A8 an activation that
     lands within that noise of a Q8_1 rounding edge moves one q by one, about d_a / sqrt(K) in a layer's output
     (~1e-4 relative), far below what quantizing the activations changes (checked too)."""
-    kinds = {"q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q8_0", "o_proj": "Q4_1"}
-    kinds |= {"gate_proj": "Q4_0", "up_proj": "Q8_0", "down_proj": "Q4_0"}
-    cpu = quantize_random(rm.build("tiny-llama"), kinds, quantize_activations=quantize_activations)
+    cpu = quantize_random(rm.build("tiny-llama"), MODEL_KINDS[types], quantize_activations=quantize_activations)
     gpu = copy.deepcopy(cpu).cuda()
     tokens = torch.randint(0, cpu.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
     seen = []
@@ -233,7 +295,7 @@ def test_gguf_model_on_cuda_matches_the_cpu(kernels, quantize_activations):
 
 
 @pytest.mark.parametrize("quantize_activations", [True, False])
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", GEMV_KINDS)
 def test_gguf_gemv_reference_and_schema(kind, quantize_activations):
     """On the CPU the op is the reference matmul bit for bit (for every type, the K-quants too), with fresh
     outputs; opcheck tests its schema and fake kernel."""
@@ -254,7 +316,7 @@ def test_gguf_gemv_reference_and_schema(kind, quantize_activations):
 @pytest.mark.parametrize("quantize_activations", [True, False])
 def test_gguf_linear_takes_the_op_for_decode_rows(monkeypatch, rows, quantize_activations):
     """GGUFLinear calls its backend's gguf_gemv for 1 to 8 rows of a kernel type (on the CPU: the reference, so its
-    outputs are unchanged) and the reference directly for more rows, for K-quants and under autograd."""
+    outputs are unchanged) and the reference directly for more rows, the K-quants too; under autograd never."""
     calls = []
     op = REFERENCE.gguf_gemv
     monkeypatch.setattr(REFERENCE, "gguf_gemv", lambda *args: calls.append(args) or op(*args))
@@ -266,8 +328,13 @@ def test_gguf_linear_takes_the_op_for_decode_rows(monkeypatch, rows, quantize_ac
         assert torch.equal(layer(x), linear(x, blocks, "Q4_1", bias))
     assert len(calls) == (1 if rows <= 8 else 0)
     calls.clear()
-    k_quant = GGUFLinear.from_blocks(weights("Q4_K", 8, 256, False)[0], "Q4_K", None, quantize_activations)
+    k_blocks = weights("Q6_K", 8, 512, False)[0]
+    k_quant = GGUFLinear.from_blocks(k_blocks, "Q6_K", None, quantize_activations)
+    xk = torch.randn(rows, 512, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        k_quant(torch.randn(1, 256))
+        assert torch.equal(k_quant(xk), linear(xk, k_blocks, "Q6_K", None))
+    assert len(calls) == (1 if rows <= 8 else 0)
+    calls.clear()
     layer(x.clone().requires_grad_())
+    k_quant(xk.clone().requires_grad_())
     assert not calls
