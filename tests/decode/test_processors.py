@@ -9,18 +9,20 @@ captured graph.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import warnings
 
 import pytest
 import torch
 from transformers import GenerationConfig
+from transformers.generation.logits_process import TopKLogitsWarper
 
 from patcher import patch_model
 from patcher import random_models as rm
 from patcher.decode import DecodeOptions, DecodeRunner
 from patcher.decode.generate import call_reason, generate_path
-from patcher.decode.processors import Processors
+from patcher.decode.processors import SURVIVORS_PER_K, Processors, Sampling
 
 EAGER = DecodeOptions(use_graphs=False)
 VOCAB = 512  # the tiny models' vocabulary
@@ -44,6 +46,7 @@ SAMPLING_ARGS = [
     {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.1},  # Qwen2-Instruct
     {"do_sample": True, "temperature": 0.6, "top_p": 0.9},  # Llama-3.1-Instruct
     {"do_sample": True, "min_p": 0.1, "temperature": 1.3},
+    {"do_sample": True, "top_k": 0, "top_p": 0.9},  # top-k off: the warpers read the whole vocabulary
 ]
 
 
@@ -77,7 +80,8 @@ def state(tokens, pad, length: int, prompt_len: int, new_tokens: int, begin_inde
 def test_processors_give_hf_scores(args):
     """At every length from the prompt's to max_length - 1, on logits with ties and negative and positive values:
     our greedy scores equal HF's processors' exactly; with sampling, the warped scores before the draw equal HF's
-    warpers' (the draw itself differs: HF's multinomial against probs / Exp(1), the same distribution)."""
+    warpers' up to the order of tied scores (the draw itself differs: HF's multinomial against probs / Exp(1), the
+    same distribution)."""
     model = rm.build("tiny-llama")
     g = torch.Generator().manual_seed(0)
     batch, prompt, new_tokens = 3, 6, 12
@@ -92,16 +96,64 @@ def test_processors_give_hf_scores(args):
         st = state(tokens, pad, length, prompt, new_tokens, prompt)
         expected = hf(tokens[:, :length], logits.clone())
         if processors.sampling.do_sample:
-            got = processors.warp(_before_warpers(processors, logits, st))
+            before = _before_warpers(processors, logits, st)
+            assert_warped_as_hf(processors.warp(before), expected, before, f"{args} at length {length}")
         else:
-            got = processors(logits, st)
-        assert torch.equal(got, expected), f"{args} at length {length}"
+            assert torch.equal(processors(logits, st), expected), f"{args} at length {length}"
+
+
+def assert_warped_as_hf(got, expected, before, what: str) -> None:
+    """Warped scores equal HF's up to which of several equal scores top-p removes: HF sorts with torch's unstable
+    sort, whose order of equal values is the implementation's (the runner sorts top-k's survivors in id order).
+    Each row keeps the same scores, and where the two differ, the scores before warping are all one value."""
+    for row in range(got.shape[0]):
+        kept, hf_kept = got[row][got[row] > -math.inf], expected[row][expected[row] > -math.inf]
+        assert torch.equal(kept.sort().values, hf_kept.sort().values), f"{what}, row {row}: different scores kept"
+        differ = got[row] != expected[row]
+        assert before[row][differ].unique().numel() <= 1, f"{what}, row {row}: differs beyond a tie"
 
 
 def _before_warpers(processors, logits, st):
     """The processors' scores with the warpers and the draw left out."""
     greedy = Processors(dataclasses.replace(processors.sampling, do_sample=False), VOCAB, logits.device)
     return greedy(logits, st)
+
+
+def test_top_k_survivors_keep_every_tie_of_the_kth_score():
+    """More tokens than top_k tie with the k-th largest score (fewer than SURVIVORS_PER_K * top_k): HF keeps them
+    all, and so do the survivors."""
+    k = 4
+    scores = torch.linspace(-5, 0, VOCAB).repeat(2, 1)
+    scores[0, [10, 70, 130, 190, 250, 310]] = 1.0  # six tokens tie at the top: all of them are the k-th largest
+    scores[1, [3, 5]] = 2.0
+    scores[1, [7, 9, 11]] = 1.5  # the k-th largest is 1.5, tied three times: five tokens kept
+    assert 6 < SURVIVORS_PER_K * k
+    processors = Processors(Sampling(do_sample=True, top_k=k), VOCAB, scores.device)
+    expected = TopKLogitsWarper(k)(None, scores.clone())
+    assert torch.equal(processors.warp(scores), expected)
+    assert (expected > -math.inf).sum(-1).tolist() == [6, 5]
+
+
+@pytest.mark.parametrize("args", SAMPLING_ARGS, ids=lambda a: ",".join(a))
+def test_sampling_draws_from_the_warped_scores(args):
+    """What the step hands next_token: its argmax is a draw from softmax(warped scores), the warped scores it keeps
+    for the dict output are `warp`'s; 20,000 rows of one row's logits drawn at once, total variation <= 0.03."""
+    model = rm.build("tiny-llama")
+    prompt, new_tokens, rows = 6, 4, 20_000
+    ids = torch.randint(0, 40, (1, prompt), generator=torch.Generator().manual_seed(2))
+    processors, _ = ours(model, args, ids, torch.ones_like(ids), new_tokens)
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3)).mul(3).expand(rows, -1).contiguous()
+    tokens = torch.cat([ids, torch.zeros(1, new_tokens + 1, dtype=torch.long)], 1).expand(rows, -1)
+    st = state(tokens, torch.zeros(rows, dtype=torch.long), prompt, prompt, new_tokens, prompt)
+    kept = (torch.empty(rows, VOCAB), torch.empty(rows, VOCAB))
+    torch.manual_seed(4)
+    drawn = processors(logits, st, kept).argmax(-1)
+    warped = processors.warp(_before_warpers(processors, logits, st))
+    assert torch.equal(kept[0], warped) and torch.equal(kept[1], logits)
+    probs = warped[0].softmax(-1)
+    assert bool((probs[drawn] > 0).all()), "a token the warpers removed was drawn"
+    frequency = torch.bincount(drawn, minlength=VOCAB).float() / rows
+    assert (frequency - probs).abs().sum().item() / 2 <= 0.03
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-pythia"])
