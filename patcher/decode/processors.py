@@ -22,14 +22,16 @@ same order, as tensor ops that need no host sync, so the step stays one graph re
     (sampling) temperature, top_k, top_p, min_p, then a draw; with top_k on, on the SURVIVORS_PER_K * top_k
                                 largest scores only (Processors.survivors)
 
-Whatever depends on the call (the prompt length, max_length) is a device tensor of the StepState, set before the
-first step; the token ids and values are constants of `Sampling`, so a graph is captured once per Sampling. The
-n-gram and bad-word matches read the StepState's whole token buffer [B, capacity + 1] with masks built from the
-device tensor st.slot (the current token's index), so their shapes never depend on the length so far.
+Whatever depends on the call (the prompt length, max_length, min_length, min_new_tokens) is a device tensor of the
+StepState, set before the first step; the token ids and the other values are constants of `Sampling`, so a graph is
+captured once per `Sampling.graph_key()`. The n-gram and bad-word matches read the StepState's whole token buffer
+[B, capacity + 1] with masks built from the device tensor st.slot (the current token's index), so their shapes never
+depend on the length so far.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -73,6 +75,12 @@ class Sampling:
     begin_suppress_tokens: tuple[int, ...] = ()
     no_repeat_ngram_size: int = 0  # 0: off
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # as HF's NoBadWordsLogitsProcessor keeps them (EOS words out)
+
+    def graph_key(self) -> Sampling:
+        """This processing with min_length and min_new_tokens reduced to whether they are on: their values reach the
+        step as device tensors (StepState.min_length, min_new_tokens), so calls that differ only in them share the
+        processors' masks and a captured graph."""
+        return dataclasses.replace(self, min_length=min(self.min_length, 1), min_new_tokens=min(self.min_new_tokens, 1))
 
     @property
     def processes(self) -> bool:
@@ -146,9 +154,9 @@ class Processors:
         if p.bad_words_ids:
             scores = self.bad_words(scores, st, length)
         if p.eos and p.min_length > 0:
-            scores = torch.where(self.eos_mask & (length < p.min_length), -math.inf, scores)
+            scores = torch.where(self.eos_mask & (length < st.min_length), -math.inf, scores)
         if p.eos and p.min_new_tokens > 0:
-            scores = torch.where(self.eos_mask & (length - st.prompt_len < p.min_new_tokens), -math.inf, scores)
+            scores = torch.where(self.eos_mask & (length - st.prompt_len < st.min_new_tokens), -math.inf, scores)
         if self.bos_row is not None:
             scores = torch.where(length == 1, self.bos_row, scores)
         if p.forced_eos_token_ids:

@@ -68,11 +68,12 @@ def ours(model, args: dict, ids, mask, new_tokens: int):
     return Processors(prepared["sampling"], VOCAB, ids.device), prepared
 
 
-def state(tokens, pad, length: int, prompt_len: int, new_tokens: int, begin_index: int):
+def state(tokens, pad, length: int, prompt_len: int, new_tokens: int, begin_index: int, sampling: Sampling):
     """The StepState fields the processors read, for the step whose sequence so far has `length` tokens."""
     return types.SimpleNamespace(
         tokens=tokens, slot=torch.tensor([length - 1]), pad=pad, prompt_len=torch.tensor(prompt_len),
         begin_index=torch.tensor(begin_index), max_length=torch.tensor(prompt_len + new_tokens),
+        min_length=torch.tensor(sampling.min_length), min_new_tokens=torch.tensor(sampling.min_new_tokens),
     )  # fmt: skip
 
 
@@ -93,7 +94,7 @@ def test_processors_give_hf_scores(args):
     processors, _ = ours(model, args, tokens[:, :prompt], mask, new_tokens)
     for length in range(prompt, prompt + new_tokens):
         logits = torch.randn(batch, VOCAB, generator=g).mul(3).round(decimals=1)
-        st = state(tokens, pad, length, prompt, new_tokens, prompt)
+        st = state(tokens, pad, length, prompt, new_tokens, prompt, processors.sampling)
         expected = hf(tokens[:, :length], logits.clone())
         if processors.sampling.do_sample:
             before = _before_warpers(processors, logits, st)
@@ -144,7 +145,7 @@ def test_sampling_draws_from_the_warped_scores(args):
     processors, _ = ours(model, args, ids, torch.ones_like(ids), new_tokens)
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3)).mul(3).expand(rows, -1).contiguous()
     tokens = torch.cat([ids, torch.zeros(1, new_tokens + 1, dtype=torch.long)], 1).expand(rows, -1)
-    st = state(tokens, torch.zeros(rows, dtype=torch.long), prompt, prompt, new_tokens, prompt)
+    st = state(tokens, torch.zeros(rows, dtype=torch.long), prompt, prompt, new_tokens, prompt, processors.sampling)
     kept = (torch.empty(rows, VOCAB), torch.empty(rows, VOCAB))
     torch.manual_seed(4)
     drawn = processors(logits, st, kept).argmax(-1)
@@ -235,6 +236,35 @@ def test_graph_path_with_processors_matches_hf(args):
     ids = torch.randint(3, VOCAB, (2, 9), device="cuda")
     graph_path_equals_hf(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                          pad_token_id=0, **args)  # fmt: skip
+
+
+def test_min_lengths_share_one_graph_key():
+    """Calls that differ only in min_length or min_new_tokens share the processors' masks and the captured graph:
+    the values reach the step as device tensors."""
+    base = Sampling(eos=(7,), min_new_tokens=3, min_length=4)
+    assert base.graph_key() == Sampling(eos=(7,), min_new_tokens=9, min_length=30).graph_key()
+    assert base.graph_key() != Sampling(eos=(7,)).graph_key()  # off is another graph: no processing at all
+
+
+@pytest.mark.gpu
+def test_graph_is_captured_once_for_any_min_new_tokens():
+    """GPU, fp32: min_new_tokens 3, then 9, then min_length 20 on one patched model: HF's tokens each time, and the
+    second and third calls replay the first call's graph."""
+    model = rm.build("tiny-llama", device="cuda")
+    ids = torch.randint(3, VOCAB, (2, 9), device="cuda")
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 16, "do_sample": False, "pad_token_id": 0,
+              "eos_token_id": [7, 11]}  # fmt: skip
+    calls = [{"min_new_tokens": 3}, {"min_new_tokens": 9}, {"min_new_tokens": 5, "min_length": 20}]
+    with torch.no_grad():
+        expected = [model.generate(ids, **kwargs, **c) for c in calls]
+    patch_model(model)
+    graphs = []
+    for call, want in zip(calls, expected, strict=True):
+        assert torch.equal(model.generate(ids, **kwargs, **call), want), call
+        assert generate_path(model)["path"] == "graph"
+        graphs.append(model._patcher_state.runner.states[2].graph)
+    assert graphs[0] is graphs[1], "a new min_new_tokens value captured a new graph"
+    assert graphs[1] is not graphs[2]  # min_length switched on: another processing
 
 
 class Recorder:
