@@ -155,4 +155,3 @@ class Int4Plan:
         blocks = self.num_heads * batch
         whole = any(kind == "qkv" for kind, _ in self.deferred) and blocks < ATTENTION_HALF_SM_BLOCKS
         return int4.Beside(blocks, 512 if whole else int4.ATTENTION_THREADS, before)
-

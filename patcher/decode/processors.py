@@ -19,16 +19,19 @@ same order, as tensor ops that need no host sync, so the step stays one graph re
     forced_eos_token_id         at max_length - 1, every token at -inf but those ids (0)
     suppress_tokens             always -inf
     begin_suppress_tokens       -inf at the first generated position
-    (sampling) temperature, top_k, top_p, min_p, then a draw
+    (sampling) temperature, top_k, top_p, min_p, then a draw; with top_k on, on the SURVIVORS_PER_K * top_k
+                                largest scores only (Processors.survivors)
 
-Whatever depends on the call (the prompt length, max_length) is a device tensor of the StepState, set before the
-first step; the token ids and values are constants of `Sampling`, so a graph is captured once per Sampling. The
-n-gram and bad-word matches read the StepState's whole token buffer [B, capacity + 1] with masks built from the
-device tensor st.slot (the current token's index), so their shapes never depend on the length so far.
+Whatever depends on the call (the prompt length, max_length, min_length, min_new_tokens) is a device tensor of the
+StepState, set before the first step; the token ids and the other values are constants of `Sampling`, so a graph is
+captured once per `Sampling.graph_key()`. The n-gram and bad-word matches read the StepState's whole token buffer
+[B, capacity + 1] with masks built from the device tensor st.slot (the current token's index), so their shapes never
+depend on the length so far.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -48,6 +51,9 @@ def _penalty_skips_padding() -> bool:
 
 
 PENALTY_SKIPS_PADDING = _penalty_skips_padding()
+# With top-k on, the warpers and the draw read the SURVIVORS_PER_K * top_k largest scores (Processors.survivors):
+# exact unless more tokens than that tie with or beat the k-th largest.
+SURVIVORS_PER_K = 2
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,12 @@ class Sampling:
     begin_suppress_tokens: tuple[int, ...] = ()
     no_repeat_ngram_size: int = 0  # 0: off
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # as HF's NoBadWordsLogitsProcessor keeps them (EOS words out)
+
+    def graph_key(self) -> Sampling:
+        """This processing with min_length and min_new_tokens reduced to whether they are on: their values reach the
+        step as device tensors (StepState.min_length, min_new_tokens), so calls that differ only in them share the
+        processors' masks and a captured graph."""
+        return dataclasses.replace(self, min_length=min(self.min_length, 1), min_new_tokens=min(self.min_new_tokens, 1))
 
     @property
     def processes(self) -> bool:
@@ -142,9 +154,9 @@ class Processors:
         if p.bad_words_ids:
             scores = self.bad_words(scores, st, length)
         if p.eos and p.min_length > 0:
-            scores = torch.where(self.eos_mask & (length < p.min_length), -math.inf, scores)
+            scores = torch.where(self.eos_mask & (length < st.min_length), -math.inf, scores)
         if p.eos and p.min_new_tokens > 0:
-            scores = torch.where(self.eos_mask & (length - st.prompt_len < p.min_new_tokens), -math.inf, scores)
+            scores = torch.where(self.eos_mask & (length - st.prompt_len < st.min_new_tokens), -math.inf, scores)
         if self.bos_row is not None:
             scores = torch.where(length == 1, self.bos_row, scores)
         if p.forced_eos_token_ids:
@@ -155,11 +167,22 @@ class Processors:
             scores = torch.where(self.begin_mask & (length == st.begin_index), -math.inf, scores)
         if extra is not None:
             scores = extra(input_ids, scores)
-        if p.do_sample:
+        if not p.do_sample:
+            if keep is not None:
+                keep[0].copy_(scores)
+            return scores
+        survivors = self.survivors(scores)
+        if survivors is None:
             scores = self.warp(scores)
+            if keep is not None:
+                keep[0].copy_(scores)
+            return self.draw(scores)
+        values, ids = survivors
         if keep is not None:
-            keep[0].copy_(scores)
-        return self.draw(scores) if p.do_sample else scores
+            keep[0].fill_(-math.inf).scatter_(1, ids, values)
+        # next_token takes the argmax over the vocabulary: the draw's values where the survivors are, 0 elsewhere
+        # (a survivor's probs / E is > 0 for at least the one with the largest probability)
+        return torch.zeros_like(scores).scatter_(1, ids, self.draw(values))
 
     def no_repeat_ngram(self, scores: torch.Tensor, st) -> torch.Tensor:
         """HF's NoRepeatNGramLogitsProcessor on the sequence so far, st.tokens[:, : slot + 1]: each complete n-gram
@@ -197,15 +220,44 @@ class Processors:
         return hit.scatter(1, torch.where(match, ids.clamp(max=self.vocab), self.vocab), True)[:, : self.vocab]
 
     def warp(self, scores: torch.Tensor) -> torch.Tensor:
-        """HF's sampling warpers in HF's order: temperature, top-k, top-p, min-p."""
+        """HF's sampling warpers in HF's order (temperature, top-k, top-p, min-p) on the whole vocabulary: the scores
+        HF's generate reports, -inf where a warper removed the token."""
+        survivors = self.survivors(scores)
+        if survivors is None:
+            return self._warp(scores)
+        values, ids = survivors
+        return torch.full_like(scores, -math.inf).scatter_(1, ids, values)
+
+    def survivors(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """With top-k on, the warpers applied to the only tokens that can survive top-k: (warped scores [B, m],
+        their ids [B, m]) with m = min(SURVIVORS_PER_K * top_k, V), -inf where a warper removed one; None with top-k
+        off. A full-vocabulary top-p would sort all V scores; here one top-m selection and sorts of m values do.
+
+        The same as warping all V scores (`_warp`) unless more than m tokens score at least the k-th largest score
+        (ties at the k-th), and up to the order of equal scores in top-p's sort, which HF's unstable sort leaves to the
+        sort's implementation (here: id order). Dividing by the temperature keeps the order, so the k largest scaled
+        scores are among the m selected, and the softmax of the survivors is HF's softmax over the vocabulary, whose
+        other entries are -inf after top-k."""
+        p = self.sampling
+        vocab = scores.shape[-1]
+        if p.top_k <= 0:
+            return None
+        m = min(SURVIVORS_PER_K * p.top_k, vocab)
+        values, ids = torch.topk(scores, m, dim=-1)
+        ids, order = torch.sort(ids, dim=-1)
+        return self._warp(values.gather(1, order), stable=True), ids
+
+    def _warp(self, scores: torch.Tensor, stable: bool = False) -> torch.Tensor:
+        """temperature, top-k, top-p, min-p on scores [B, n] (the vocabulary, or top-k's survivors in id order,
+        `stable`); top-p sorts as HF's TopPLogitsWarper does, or stably."""
         p = self.sampling
         if p.temperature != 1.0:
             scores = scores / p.temperature
-        if 0 < p.top_k:
-            kth = torch.topk(scores, min(p.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
+        if 0 < p.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, p.top_k, dim=-1).values[..., -1:]
             scores = scores.masked_fill(scores < kth, -math.inf)
         if p.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=False)
+            sorted_scores, order = torch.sort(scores, descending=False, stable=stable)
             remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - p.top_p)
             remove[..., -1:] = False
             scores = scores.masked_fill(remove.scatter(1, order, remove), -math.inf)

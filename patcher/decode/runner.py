@@ -53,6 +53,8 @@ class StepState:
         self.prompt_len = torch.zeros((), dtype=torch.long, device=dev)
         self.begin_index = torch.zeros((), dtype=torch.long, device=dev)
         self.max_length = torch.zeros((), dtype=torch.long, device=dev)
+        self.min_length = torch.zeros((), dtype=torch.long, device=dev)
+        self.min_new_tokens = torch.zeros((), dtype=torch.long, device=dev)
         self.x = torch.zeros(batch, step.hidden, dtype=step.dtype, device=dev)  # the current tokens' embeddings
         self.next_token_workspace = next_token_workspace(batch, dev)
         self.cublas = cuda and batch >= options.cublas_min_batch
@@ -354,6 +356,7 @@ class DecodeRunner:
         limit, why = self.batch_limit()
         if not 1 <= B <= limit:
             raise ValueError(f"batch {B}: {why}")
+        lengths, sampling = (sampling.min_length, sampling.min_new_tokens), sampling.graph_key()
         keep = outputs is not None and (outputs.get("scores", False) or outputs.get("logits", False))
         st = self.state_for(B, T + new_tokens)
         has_eos = bool(eos)
@@ -389,6 +392,8 @@ class DecodeRunner:
         # one-token prompt.
         st.begin_index.fill_(T + 1 if T == 1 and sampling.forced_bos_token_id is not None else T)
         st.max_length.fill_(T + new_tokens)
+        st.min_length.fill_(lengths[0])
+        st.min_new_tokens.fill_(lengths[1])
         st.finished.zero_()
         st.pad.copy_((attention_mask == 0).sum(-1))
         st.tokens[:, :T].copy_(input_ids)

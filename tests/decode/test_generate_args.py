@@ -49,7 +49,8 @@ def test_ngram_and_bad_words_scores_equal_hf(args):
     for length in range(prompt, prompt + new_tokens):
         logits = torch.randn(batch, VOCAB, generator=g).mul(3).round(decimals=1)
         expected = hf(tokens[:, :length], logits.clone())
-        got = processors(logits, state(tokens, (mask == 0).sum(-1), length, prompt, new_tokens, prompt))
+        st = state(tokens, (mask == 0).sum(-1), length, prompt, new_tokens, prompt, processors.sampling)
+        got = processors(logits, st)
         assert torch.equal(got, expected), f"{args} at length {length}"
         banned += int(torch.isinf(expected[:, :7]).sum())
     assert banned > 10  # the histories made the processors act

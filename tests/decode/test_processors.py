@@ -9,18 +9,20 @@ captured graph.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import warnings
 
 import pytest
 import torch
 from transformers import GenerationConfig
+from transformers.generation.logits_process import TopKLogitsWarper
 
 from patcher import patch_model
 from patcher import random_models as rm
 from patcher.decode import DecodeOptions, DecodeRunner
 from patcher.decode.generate import call_reason, generate_path
-from patcher.decode.processors import Processors
+from patcher.decode.processors import SURVIVORS_PER_K, Processors, Sampling
 
 EAGER = DecodeOptions(use_graphs=False)
 VOCAB = 512  # the tiny models' vocabulary
@@ -44,6 +46,7 @@ SAMPLING_ARGS = [
     {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.1},  # Qwen2-Instruct
     {"do_sample": True, "temperature": 0.6, "top_p": 0.9},  # Llama-3.1-Instruct
     {"do_sample": True, "min_p": 0.1, "temperature": 1.3},
+    {"do_sample": True, "top_k": 0, "top_p": 0.9},  # top-k off: the warpers read the whole vocabulary
 ]
 
 
@@ -65,11 +68,12 @@ def ours(model, args: dict, ids, mask, new_tokens: int):
     return Processors(prepared["sampling"], VOCAB, ids.device), prepared
 
 
-def state(tokens, pad, length: int, prompt_len: int, new_tokens: int, begin_index: int):
+def state(tokens, pad, length: int, prompt_len: int, new_tokens: int, begin_index: int, sampling: Sampling):
     """The StepState fields the processors read, for the step whose sequence so far has `length` tokens."""
     return types.SimpleNamespace(
         tokens=tokens, slot=torch.tensor([length - 1]), pad=pad, prompt_len=torch.tensor(prompt_len),
         begin_index=torch.tensor(begin_index), max_length=torch.tensor(prompt_len + new_tokens),
+        min_length=torch.tensor(sampling.min_length), min_new_tokens=torch.tensor(sampling.min_new_tokens),
     )  # fmt: skip
 
 
@@ -77,7 +81,8 @@ def state(tokens, pad, length: int, prompt_len: int, new_tokens: int, begin_inde
 def test_processors_give_hf_scores(args):
     """At every length from the prompt's to max_length - 1, on logits with ties and negative and positive values:
     our greedy scores equal HF's processors' exactly; with sampling, the warped scores before the draw equal HF's
-    warpers' (the draw itself differs: HF's multinomial against probs / Exp(1), the same distribution)."""
+    warpers' up to the order of tied scores (the draw itself differs: HF's multinomial against probs / Exp(1), the
+    same distribution)."""
     model = rm.build("tiny-llama")
     g = torch.Generator().manual_seed(0)
     batch, prompt, new_tokens = 3, 6, 12
@@ -89,19 +94,67 @@ def test_processors_give_hf_scores(args):
     processors, _ = ours(model, args, tokens[:, :prompt], mask, new_tokens)
     for length in range(prompt, prompt + new_tokens):
         logits = torch.randn(batch, VOCAB, generator=g).mul(3).round(decimals=1)
-        st = state(tokens, pad, length, prompt, new_tokens, prompt)
+        st = state(tokens, pad, length, prompt, new_tokens, prompt, processors.sampling)
         expected = hf(tokens[:, :length], logits.clone())
         if processors.sampling.do_sample:
-            got = processors.warp(_before_warpers(processors, logits, st))
+            before = _before_warpers(processors, logits, st)
+            assert_warped_as_hf(processors.warp(before), expected, before, f"{args} at length {length}")
         else:
-            got = processors(logits, st)
-        assert torch.equal(got, expected), f"{args} at length {length}"
+            assert torch.equal(processors(logits, st), expected), f"{args} at length {length}"
+
+
+def assert_warped_as_hf(got, expected, before, what: str) -> None:
+    """Warped scores equal HF's up to which of several equal scores top-p removes: HF sorts with torch's unstable
+    sort, whose order of equal values is the implementation's (the runner sorts top-k's survivors in id order).
+    Each row keeps the same scores, and where the two differ, the scores before warping are all one value."""
+    for row in range(got.shape[0]):
+        kept, hf_kept = got[row][got[row] > -math.inf], expected[row][expected[row] > -math.inf]
+        assert torch.equal(kept.sort().values, hf_kept.sort().values), f"{what}, row {row}: different scores kept"
+        differ = got[row] != expected[row]
+        assert before[row][differ].unique().numel() <= 1, f"{what}, row {row}: differs beyond a tie"
 
 
 def _before_warpers(processors, logits, st):
     """The processors' scores with the warpers and the draw left out."""
     greedy = Processors(dataclasses.replace(processors.sampling, do_sample=False), VOCAB, logits.device)
     return greedy(logits, st)
+
+
+def test_top_k_survivors_keep_every_tie_of_the_kth_score():
+    """More tokens than top_k tie with the k-th largest score (fewer than SURVIVORS_PER_K * top_k): HF keeps them
+    all, and so do the survivors."""
+    k = 4
+    scores = torch.linspace(-5, 0, VOCAB).repeat(2, 1)
+    scores[0, [10, 70, 130, 190, 250, 310]] = 1.0  # six tokens tie at the top: all of them are the k-th largest
+    scores[1, [3, 5]] = 2.0
+    scores[1, [7, 9, 11]] = 1.5  # the k-th largest is 1.5, tied three times: five tokens kept
+    assert 6 < SURVIVORS_PER_K * k
+    processors = Processors(Sampling(do_sample=True, top_k=k), VOCAB, scores.device)
+    expected = TopKLogitsWarper(k)(None, scores.clone())
+    assert torch.equal(processors.warp(scores), expected)
+    assert (expected > -math.inf).sum(-1).tolist() == [6, 5]
+
+
+@pytest.mark.parametrize("args", SAMPLING_ARGS, ids=lambda a: ",".join(a))
+def test_sampling_draws_from_the_warped_scores(args):
+    """What the step hands next_token: its argmax is a draw from softmax(warped scores), the warped scores it keeps
+    for the dict output are `warp`'s; 20,000 rows of one row's logits drawn at once, total variation <= 0.03."""
+    model = rm.build("tiny-llama")
+    prompt, new_tokens, rows = 6, 4, 20_000
+    ids = torch.randint(0, 40, (1, prompt), generator=torch.Generator().manual_seed(2))
+    processors, _ = ours(model, args, ids, torch.ones_like(ids), new_tokens)
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3)).mul(3).expand(rows, -1).contiguous()
+    tokens = torch.cat([ids, torch.zeros(1, new_tokens + 1, dtype=torch.long)], 1).expand(rows, -1)
+    st = state(tokens, torch.zeros(rows, dtype=torch.long), prompt, prompt, new_tokens, prompt, processors.sampling)
+    kept = (torch.empty(rows, VOCAB), torch.empty(rows, VOCAB))
+    torch.manual_seed(4)
+    drawn = processors(logits, st, kept).argmax(-1)
+    warped = processors.warp(_before_warpers(processors, logits, st))
+    assert torch.equal(kept[0], warped) and torch.equal(kept[1], logits)
+    probs = warped[0].softmax(-1)
+    assert bool((probs[drawn] > 0).all()), "a token the warpers removed was drawn"
+    frequency = torch.bincount(drawn, minlength=VOCAB).float() / rows
+    assert (frequency - probs).abs().sum().item() / 2 <= 0.03
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-pythia"])
@@ -183,6 +236,35 @@ def test_graph_path_with_processors_matches_hf(args):
     ids = torch.randint(3, VOCAB, (2, 9), device="cuda")
     graph_path_equals_hf(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                          pad_token_id=0, **args)  # fmt: skip
+
+
+def test_min_lengths_share_one_graph_key():
+    """Calls that differ only in min_length or min_new_tokens share the processors' masks and the captured graph:
+    the values reach the step as device tensors."""
+    base = Sampling(eos=(7,), min_new_tokens=3, min_length=4)
+    assert base.graph_key() == Sampling(eos=(7,), min_new_tokens=9, min_length=30).graph_key()
+    assert base.graph_key() != Sampling(eos=(7,)).graph_key()  # off is another graph: no processing at all
+
+
+@pytest.mark.gpu
+def test_graph_is_captured_once_for_any_min_new_tokens():
+    """GPU, fp32: min_new_tokens 3, then 9, then min_length 20 on one patched model: HF's tokens each time, and the
+    second and third calls replay the first call's graph."""
+    model = rm.build("tiny-llama", device="cuda")
+    ids = torch.randint(3, VOCAB, (2, 9), device="cuda")
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 16, "do_sample": False, "pad_token_id": 0,
+              "eos_token_id": [7, 11]}  # fmt: skip
+    calls = [{"min_new_tokens": 3}, {"min_new_tokens": 9}, {"min_new_tokens": 5, "min_length": 20}]
+    with torch.no_grad():
+        expected = [model.generate(ids, **kwargs, **c) for c in calls]
+    patch_model(model)
+    graphs = []
+    for call, want in zip(calls, expected, strict=True):
+        assert torch.equal(model.generate(ids, **kwargs, **call), want), call
+        assert generate_path(model)["path"] == "graph"
+        graphs.append(model._patcher_state.runner.states[2].graph)
+    assert graphs[0] is graphs[1], "a new min_new_tokens value captured a new graph"
+    assert graphs[1] is not graphs[2]  # min_length switched on: another processing
 
 
 class Recorder:
