@@ -48,7 +48,7 @@ def add_model_args(parser: argparse.ArgumentParser, default_random: str | None =
         "--gguf-random",
         metavar="TYPE",
         help="with --random-config: random GGUF blocks of this type (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) in every "
-        "decoder linear",
+        "decoder linear, or of a mix's types (Q4_K_M: Q4_K, with Q6_K V and down projections in llama.cpp's layers)",
     )
     parser.add_argument(
         "--w4a16",
@@ -129,12 +129,12 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
         name += f"-int4-g{args.int4_random}"
     if gguf_random:
         from patcher.gguf import format as gguf_format
-        from patcher.gguf.random_weights import quantize_random
+        from patcher.gguf.random_weights import MIXES, quantize_random
 
         try:
-            kind = gguf_format.block_type(gguf_random).name
+            kind = gguf_random.upper() if gguf_random.upper() in MIXES else gguf_format.block_type(gguf_random).name
         except (KeyError, ValueError) as e:
-            sys.exit(f"error: --gguf-random {gguf_random}: {e}")
+            sys.exit(f"error: --gguf-random {gguf_random}: {e} (or a mix: {', '.join(MIXES)})")
         try:
             quantize_random(model, kind, quantize_activations=not args.w4a16)
         except ValueError as e:  # a row length that is not a whole number of the type's blocks

@@ -8,6 +8,10 @@
 #                            128), random weights, one JSON file each
 #   tools/gpu_run.sh presets [MODEL...]  TPOT of every generate-argument preset (evals/presets.py), patched against
 #                            HF's static cache + compile, fp16, batch 1, one JSON file a model (default: the four)
+#   tools/gpu_run.sh gguf    the GGUF goals: decode TPOT and 2048-token prefill (TTFT) of the Llama-3.1-8B shape in
+#                            fp16, GPTQ int4 g128, GGUF Q4_0 and the Q4_K_M mix (W4A8), one process each; then, with
+#                            PATCHER_SMOLLM2_GGUF and PATCHER_WIKITEXT set, the trained SmolLM2's perplexity
+#                            dequantized (fp16), W4A16 and W4A8
 # Logs and JSON files go to $OUT (default /tmp/patcher-out).
 set -euo pipefail
 OUT=${OUT:-/tmp/patcher-out}
@@ -50,8 +54,30 @@ case "${1:-}" in
         --json "$OUT/tpot_presets_${model}.json" 2>&1 | tee "$OUT/tpot_presets_${model}.log" | grep -v "it/s" || true
     done
     ;;
+  gguf)
+    for weights in fp16 int4 q4_0 q4_k_m; do
+      case "$weights" in
+        fp16) flags=() ;;
+        int4) flags=(--int4-random 128) ;;
+        *) flags=(--gguf-random "${weights^^}") ;;
+      esac
+      python3 -m evals.tpot --random-config llama-3.1-8b "${flags[@]}" --modes patched --new-tokens 64 --repeats 3 \
+        --no-profile --json "$OUT/tpot_llama-3.1-8b_${weights}.json" 2>&1 | grep -E "^(patched|roofline)" || true
+      python3 -m evals.tpot --random-config llama-3.1-8b "${flags[@]}" --modes patched --prompt-len 2048 \
+        --new-tokens 8 --repeats 3 --no-profile --json "$OUT/prefill_llama-3.1-8b_${weights}.json" 2>&1 \
+        | grep -E "^patched" || true
+    done
+    if [[ -n "${PATCHER_SMOLLM2_GGUF:-}" && -n "${PATCHER_WIKITEXT:-}" ]]; then
+      for mode in "" "--keep-quantized --w4a16" "--keep-quantized"; do
+        tag=$(echo "${mode:---dequantized}" | sed 's/--keep-quantized --w4a16/w4a16/; s/--keep-quantized/w4a8/; s/--//')
+        # shellcheck disable=SC2086  # (the mode's flags are separate words)
+        python3 -m evals.perplexity --gguf-file "$PATCHER_SMOLLM2_GGUF" $mode --text-file "$PATCHER_WIKITEXT" \
+          --dtype fp16 --json "$OUT/perplexity_smollm2_gguf_${tag}.json" 2>&1 | tail -3
+      done
+    fi
+    ;;
   *)
-    echo "usage: tools/gpu_run.sh tests|tpot|presets" >&2
+    echo "usage: tools/gpu_run.sh tests|tpot|presets|gguf" >&2
     exit 2
     ;;
 esac

@@ -56,11 +56,30 @@ def random_blocks(kind: str, rows: int, cols: int, generator: torch.Generator | 
     return data
 
 
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose V and down projections a Q4_K_M file stores as Q6_K: the first and
+    last eighth of the layers, and every third one between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m(layer: int, layers: int) -> dict[str, str]:
+    """The types of one layer's projections in a Q4_K_M file (llama.cpp's mix): Q4_K, but Q6_K for the V and down
+    projections of use_more_bits layers. Keys are every architecture's projection names."""
+    wide = "Q6_K" if use_more_bits(layer, layers) else "Q4_K"
+    kinds = dict.fromkeys(("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "dense", "dense_h_to_4h"), "Q4_K")
+    kinds.update(v_proj=wide, down_proj=wide, dense_4h_to_h=wide)
+    return kinds
+
+
+MIXES = {"Q4_K_M": q4_k_m}  # a mix name -> (layer, layers) -> projection name -> type
+
+
 def quantize_random(model, kinds: str | dict[str, str], quantize_activations: bool = True, seed: int = 0):
     """Replaces every decoder linear of `model` with a GGUFLinear of random blocks, on the linear's device.
 
-    kinds: one type name for all, or projection attribute name (q_proj, down_proj, ...) -> type name (a name not in
-    it keeps its nn.Linear). A linear's bias is kept. Sets `model.gguf_report`.
+    kinds: one type name for all, a mix of MIXES (types per layer as a file of that mix has them; GPT-NeoX's fused
+    query_key_value takes Q4_K), or projection attribute name (q_proj, down_proj, ...) -> type name (a name not in it
+    keeps its nn.Linear). A linear's bias is kept. Sets `model.gguf_report`.
     """
     from ..registry import REGISTRY
     from .load import GGUFReport
@@ -70,11 +89,17 @@ def quantize_random(model, kinds: str | dict[str, str], quantize_activations: bo
     names = (*spec.qkv, spec.out_proj, *spec.mlp_in, spec.mlp_out)
     report = GGUFReport("(random blocks)", quantize_activations=quantize_activations)
     module_names = {id(m): n for n, m in model.named_modules()}
-    for layer in getattr(getattr(model, spec.base_model), spec.layers):
+    layers = getattr(getattr(model, spec.base_model), spec.layers)
+    mix = MIXES.get(kinds) if isinstance(kinds, str) else None
+    for index, layer in enumerate(layers):
+        per_layer = mix(index, len(layers)) if mix else kinds
         for parent in (getattr(layer, spec.attention), getattr(layer, spec.mlp)):
             for name in names:
                 linear = getattr(parent, name, None)
-                kind = kinds if isinstance(kinds, str) else kinds.get(name)
+                if isinstance(per_layer, str):
+                    kind = per_layer
+                else:
+                    kind = per_layer.get(name, "Q4_K" if mix else None)
                 if not isinstance(linear, torch.nn.Linear) or kind is None:
                     continue
                 data = random_blocks(kind, linear.out_features, linear.in_features, generator)

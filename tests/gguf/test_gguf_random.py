@@ -11,7 +11,7 @@ from patcher import patch_model, unpatch_model
 from patcher import random_models as rm
 from patcher.gguf import GGUFLinear
 from patcher.gguf import format as fmt
-from patcher.gguf.random_weights import quantize_random, random_blocks
+from patcher.gguf.random_weights import q4_k_m, quantize_random, random_blocks
 
 
 @pytest.mark.parametrize("kind", list(fmt.TYPES))
@@ -46,3 +46,31 @@ def test_random_gguf_model_runs_and_patch_model_keeps_its_logits(name):
         again = model(tokens).logits
     assert max_err(got, expected) <= FP32_LOGIT_ATOL
     assert torch.equal(again, expected)
+
+
+def test_q4_k_m_mix_follows_llama_cpp():
+    """llama.cpp's Q4_K_M for 32 layers: Q6_K V and down projections in layers 0-3, 28-31 and every third from 6."""
+    wide = [i for i in range(32) if q4_k_m(i, 32)["v_proj"] == "Q6_K"]
+    assert wide == [0, 1, 2, 3, *range(6, 28, 3), 28, 29, 30, 31]
+    assert all(q4_k_m(i, 32)["down_proj"] == q4_k_m(i, 32)["v_proj"] for i in range(32))
+    assert {q4_k_m(5, 32)[name] for name in ("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj")} == {"Q4_K"}
+
+
+def test_q4_k_m_random_model():
+    """`--gguf-random Q4_K_M`: every decoder linear of a model whose widths are whole super-blocks takes the mix's
+    type for its layer."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = rm.config("tiny-llama")
+    cfg.intermediate_size, cfg.num_hidden_layers = 512, 9
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    quantize_random(model, "Q4_K_M")
+    for i, layer in enumerate(model.model.layers):
+        expected = q4_k_m(i, 9)
+        for parent in (layer.self_attn, layer.mlp):
+            for name, module in parent.named_children():
+                if isinstance(module, GGUFLinear):
+                    assert module.kind == expected[name], (i, name)
+    assert len(model.gguf_report.quantized) == 7 * 9
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
