@@ -7,9 +7,10 @@ min_length, min_new_tokens, suppress_tokens, begin_suppress_tokens, forced BOS/E
 max_time, the caller's own stopping criteria (run on the host a step behind, runner.TokenFeed), the dict output
 with scores and logits, the caller's own logits processors (run between graph replays), batch 1 to 64 (1 to 8 for a
 model with GPTQ int4 or GGUF linears, whose kernels take at most 8 rows), token ids with a left-padded (or absent)
-attention mask, the model on one CUDA device with every layer patched. Anything else (beam search, attentions in
-the output, sequence_bias, prefix_allowed_tokens_fn, a caller's MaxLengthCriteria or EosTokenCriteria, ...) goes to
-transformers' own `generate` unchanged (our fused kernels still run inside its forward), and the reason is
+attention mask, the model on one CUDA device with every layer patched (tensor parallel: each rank's device, greedy
+calls only, every rank making the same tokens; see tensor_parallel_reason). Anything else (beam search, attentions
+in the output, sequence_bias, prefix_allowed_tokens_fn, a caller's MaxLengthCriteria or EosTokenCriteria, ...) goes
+to transformers' own `generate` unchanged (our fused kernels still run inside its forward), and the reason is
 recorded (`generate_path(model)`) and warned about once. Each call first checks the weights
 (PatchState.check_weights): where they changed since the last call, the runner with its caches and captured graphs
 is dropped and rebuilt from the current plans; modules with hooks keep the call on HF's loop.
@@ -33,6 +34,7 @@ from transformers.generation.stopping_criteria import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..layers.guard import user_hooks
+from ..parallel import vocab_reason
 from .processors import Sampling
 from .runner import MAX_BATCH, MAX_EOS_IDS, DecodeRunner
 
@@ -108,12 +110,12 @@ def model_reason(model) -> str | None:
     if model.training and state.planner.dropout:
         return "training mode with dropout (the decode step has no dropout)"
     if state.planner.tensor_parallel:
-        return "a tensor-parallel model (the decode step has no all-reduce between ranks)"
-    if report.backend != "kernels" or len(report.devices) != 1 or not report.devices[0].startswith("cuda"):
-        return (
-            f"the decode path runs on one CUDA device with the kernels backend (have {report.backend} on "
-            f"{', '.join(report.devices)})"
-        )
+        reason = tensor_parallel_reason(model)
+        if reason is not None:
+            return reason
+    reason = placement_reason(model)
+    if reason is not None:
+        return reason
     config, spec = model.config, state.spec
     if spec.head_dim(config) not in HEAD_DIMS:
         return f"head_dim {spec.head_dim(config)} (the decode attention kernel supports {HEAD_DIMS})"
@@ -126,6 +128,49 @@ def model_reason(model) -> str | None:
         return "sliding-window attention layers"
     if {p.device for p in model.parameters()} != {torch.device(report.devices[0])}:
         return "parameters outside the patched layers are on another device"
+    return None
+
+
+def placement_reason(model) -> str | None:
+    """Why the decode runner can't run where the model is (it runs on one CUDA device, each rank's under tensor
+    parallelism, with the kernels backend), or None. The CPU's tests pass by this check alone: there the runner
+    runs eagerly on the reference ops."""
+    report = model._patcher_state.report
+    if report.backend != "kernels" or len(report.devices) != 1 or not report.devices[0].startswith("cuda"):
+        return (
+            f"the decode path runs on one CUDA device with the kernels backend (have {report.backend} on "
+            f"{', '.join(report.devices)})"
+        )
+    return None
+
+
+def tensor_parallel_reason(model) -> str | None:
+    """Why the decode step can't run a tensor-parallel model's shards, or None: it serves dense (fp16/bf16/fp32)
+    sharded projections, and an embedding and lm_head whole or sharded by vocabulary (parallel/vocab.py). Every
+    rank answers the same: the layout is the same on every rank."""
+    state = model._patcher_state
+    reason = vocab_reason(model.get_input_embeddings(), model.get_output_embeddings(), state.planner.styles)
+    if reason is not None:
+        return f"tensor parallel: {reason}"
+    for name, module in model.named_modules():
+        plan = getattr(module, "_patcher", None)
+        quantized = any(
+            getattr(plan, f, None) is not None
+            for f in ("qkv_int4", "qkv_gguf", "out_int4", "out_gguf", "in_int4", "in_gguf")
+        )
+        if getattr(plan, "group", None) is not None and quantized:
+            return f"tensor parallel with GPTQ int4 or GGUF projections ({name})"
+    return None
+
+
+def tensor_parallel_call_reason(prepared: dict) -> str | None:
+    """Why a call on a tensor-parallel model goes to HF's loop although the runner could serve it, or None. Every
+    rank must make the same tokens and stop at the same step (their collectives pair up step by step): sampling
+    draws from each rank's own generator, and max_time reads each rank's own clock."""
+    if prepared["sampling"].do_sample:
+        return "sampling on a tensor-parallel model (each rank would draw from its own generator)"
+    if any(isinstance(c, MaxTimeCriteria) for c in (*prepared["criteria"], *prepared["own_criteria"])):
+        return "max_time on a tensor-parallel model (each rank's clock could stop it at another step)"
     return None
 
 
@@ -389,6 +434,8 @@ def _generate(self, inputs, generation_config, **kwargs):
     prepared = {}
     if reason is None:
         reason, prepared = call_reason(self, generation_config, kwargs)
+    if reason is None and state.planner.tensor_parallel:
+        reason = tensor_parallel_call_reason(prepared)
     if reason is None:  # the kernels' row limits, which the runner knows (GPTQ int4 and GGUF linears take 8 rows)
         if state.runner is None:
             state.runner = DecodeRunner(self)

@@ -56,6 +56,11 @@ class StepState:
         self.min_length = torch.zeros((), dtype=torch.long, device=dev)
         self.min_new_tokens = torch.zeros((), dtype=torch.long, device=dev)
         self.x = torch.zeros(batch, step.hidden, dtype=step.dtype, device=dev)  # the current tokens' embeddings
+        # tensor parallel, an lm_head sharded by vocabulary: every rank's block of logits [ranks x B, V / ranks]
+        self.gathered_logits = None
+        if step.lm_group is not None:
+            width = step.lm_weight.shape[0]
+            self.gathered_logits = torch.empty(batch * step.vocab // width, width, dtype=step.dtype, device=dev)
         self.next_token_workspace = next_token_workspace(batch, dev)
         self.cublas = cuda and batch >= options.cublas_min_batch
         # Norms inside the GEMVs' prologues (on the CPU always: the reference path is the same either way).
@@ -84,6 +89,7 @@ class StepState:
     @property
     def nbytes(self) -> int:
         buffers = (self.k, self.v, self.tokens, self.x, self.workspace, self.int4_workspace, self.branch_int4_workspace)
+        buffers += () if self.gathered_logits is None else (self.gathered_logits,)
         buffers += tuple(t for d in self.deferred.values() for t in (d.acc, d.bias_rows) if t is not None)
         return sum(t.numel() * t.element_size() for t in buffers)
 
@@ -269,7 +275,7 @@ class DecodeRunner:
     def processors(self, st: StepState, sampling: Sampling) -> Processors:
         """The state's logits processors for `sampling`, built (outside any capture) when it changes."""
         if st.processors is None or st.processors.sampling != sampling:
-            st.processors = Processors(sampling, self.decode_step.lm_weight.shape[0], self.device)
+            st.processors = Processors(sampling, self.decode_step.vocab, self.device)
         return st.processors
 
     def next_token(self, scores: torch.Tensor, st: StepState) -> None:
@@ -313,7 +319,10 @@ class DecodeRunner:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.no_grad():
-            step()  # warm-up: allocator, lazy module state
+            # warm-up: allocator, lazy module state, and (tensor parallel) the communicator, which must be set up
+            # by an eager collective before a graph captures one; every rank captures the same collectives in the
+            # same order
+            step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), torch.no_grad():
@@ -368,11 +377,11 @@ class DecodeRunner:
             )
         self.processors(st, sampling)  # its constant masks, before any capture
         if keep and st.kept is None:
-            vocab = self.decode_step.lm_weight.shape[0]
+            vocab = self.decode_step.vocab
             st.kept = tuple(torch.empty(B, vocab, dtype=torch.float32, device=self.device) for _ in range(2))
         split = extra is not None
         if split and st.step_logits is None:
-            st.step_logits = torch.empty(B, self.decode_step.lm_weight.shape[0], dtype=self.decode_step.dtype,
+            st.step_logits = torch.empty(B, self.decode_step.vocab, dtype=self.decode_step.dtype,
                                          device=self.device)  # fmt: skip
         mode = (sampling, keep, split)
         if self.use_graphs and (st.graph is None or st.graph_sampling != mode):

@@ -19,6 +19,13 @@ What changes against the eager forward is only where an op boundary falls:
 - GPTQ int4 output projections may hand their sums on unmet (decode/int4_plan.py), and GPT-NeoX's int4 layer
   is three launches: both LayerNorms + QKV + the MLP's input projection, the attention, both output projections.
 The final norm takes the last layer's stream the same way, and the lm_head is a GEMV after it.
+
+Tensor parallel (transformers' tp_plan, patcher/parallel/): every plan holds this rank's shards and local head
+counts, so the cache and the attention hold this rank's heads; the hidden size is whole on every rank. Each
+row-wise output projection sums the ranks' partial products by all_reduce before its bias (rowwise_linear, the
+eager forward's function); an embedding sharded by vocabulary is looked up on this rank's block and summed, and
+an lm_head sharded by vocabulary gathers its blocks of logits, so every rank has the same [B, V] logits and picks
+the same token (parallel/vocab.py).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import int4
+from ..parallel import embedding_lookup, gather_logits, rowwise_linear, shard, vocab_group
 from ..registry import REGISTRY
 from .int4_plan import Int4Plan
 
@@ -105,13 +113,17 @@ class DecodeStep:
         base = getattr(model, spec.base_model, model)
         self.model, self.config, self.spec, self.options = model, config, spec, options
         self.embed = model.get_input_embeddings()
-        # next_token writes the next step's input itself where the embedding is a plain table lookup; otherwise
-        # (a subclass with its own forward, max_norm) the step runs the module on the tokens.
+        # tensor parallel: tables sharded by vocabulary, run on this rank's block (embedding_lookup, gather_logits)
+        self.embed_group = vocab_group(self.embed.weight)
+        # next_token writes the next step's input itself where the embedding is a plain, whole table lookup;
+        # otherwise (a subclass with its own forward, max_norm, a sharded table) the step looks the tokens up.
         plain = type(self.embed).forward is torch.nn.Embedding.forward and self.embed.max_norm is None
-        fused = options.fuse_next_token and plain and self.embed.weight.is_contiguous()
+        fused = options.fuse_next_token and plain and self.embed_group is None and self.embed.weight.is_contiguous()
         self.embed_weight = self.embed.weight if fused else None
         lm_head = model.get_output_embeddings()
-        self.lm_weight, self.lm_bias = lm_head.weight, getattr(lm_head, "bias", None)
+        self.lm_group = vocab_group(lm_head.weight)
+        self.lm_weight, self.lm_bias = shard(lm_head.weight), shard(getattr(lm_head, "bias", None))
+        self.vocab = lm_head.weight.shape[0]  # the whole vocabulary (a DTensor's shape is the global one)
         self.rotary = base.rotary_emb
         final_norm = getattr(base, spec.final_norm)
         self.final_norm = norm_params(final_norm, spec)
@@ -127,7 +139,12 @@ class DecodeStep:
         )
         self.ops = self.layers[0].attention.ops
         self.num_layers = len(self.layers)
-        self.num_heads, self.num_kv_heads = spec.num_heads(config), spec.num_kv_heads(config)
+        first = self.layers[0].attention  # (tensor parallel: this rank's heads; every layer has the same counts)
+        self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
+        self.tensor_parallel = any(
+            g is not None for g in (self.embed_group, self.lm_group, *(x.attention.group for x in self.layers),
+                                    *(x.mlp.group for x in self.layers))
+        )  # fmt: skip
         self.head_dim = spec.head_dim(config)
         self.hidden = self.lm_weight.shape[1]
         self.device, self.dtype = self.lm_weight.device, self.lm_weight.dtype
@@ -135,9 +152,11 @@ class DecodeStep:
                              self.head_dim)  # fmt: skip
         # GPT-NeoX's MLP on a second stream, beside QKV -> attention -> dense (the graph captures the two as
         # parallel branches: HBM keeps streaming MLP weights while the attention, which reads little, runs); none
-        # where every layer runs int4_qkv_mlp_in on one stream.
+        # where every layer runs int4_qkv_mlp_in on one stream, and none with tensor parallelism: the ranks'
+        # collectives on one communicator must run in the same order on every rank, which two streams don't fix.
         merged = all(layer.qkv_mlp is not None for layer in self.layers)
         branch = options.parallel_branch and self.parallel and not merged and self.device.type == "cuda"
+        branch = branch and not self.tensor_parallel
         self.branch_stream = torch.cuda.Stream(self.device) if branch else None
 
     # ---- shapes of the step's buffers -----------------------------------------------------------------------
@@ -177,10 +196,13 @@ class DecodeStep:
             h, total, h2 = separate(x, pro[0], pro[1])
         return self._linear(h, weight, bias, act, st, int4_linear, gguf=gguf), total, h2
 
-    def _linear(self, h, weight, bias, act: str, st, int4_linear=None, workspace=None, gguf=None):
+    def _linear(self, h, weight, bias, act: str, st, int4_linear=None, workspace=None, gguf=None, group=None):
         """h @ W^T (+ b) with the MLP activation: our GEMV (epilogue fused), or cuBLAS then the activation; a GGUF
         projection (gguf) runs its modules' own ops, then the activation. `workspace`: the int4 workspace of the
-        stream it runs on (default: the main stream's)."""
+        stream it runs on (default: the main stream's). `group`: a dense row-wise shard (tensor parallel), whose
+        partial products are summed over the group's ranks before the bias."""
+        if group is not None:
+            return rowwise_linear(h, weight, bias, group, lambda x, w: self._linear(x, w, None, act, st))
         if int4_linear is not None:
             workspace = st.int4_workspace if workspace is None else workspace
             return self.ops.int4_gemv(h, *NO_PROLOGUE, *int4_linear.args(), act, st.int4_splits[id(int4_linear)],
@@ -288,7 +310,9 @@ class DecodeStep:
             out = self.ops.decode_attention_qkv_acc(q.acc, q.bias_rows, st.cos, st.sin, st.slot, st.pad, st.k[index],
                                                     st.v[index], a.num_heads, a.interleaved, layer.scale, st.splits,
                                                     st.workspace)  # fmt: skip
-        return self._linear(out, a.out_weight, a.out_bias, "none", st, a.out_int4, gguf=a.out_gguf) if project else out
+        if not project:
+            return out
+        return self._linear(out, a.out_weight, a.out_bias, "none", st, a.out_int4, gguf=a.out_gguf, group=a.group)
 
     def _branch_mlp(self, layer: LayerStep, h, st):
         """GPT-NeoX's MLP on h = ln2(x), on the branch stream where there is one: it then runs beside the attention
@@ -303,7 +327,7 @@ class DecodeStep:
             inner = self._linear(h, m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4, workspace, m.in_gguf)
             if layer.out_pair is not None:
                 return inner
-            return self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4, workspace, m.out_gguf)
+            return self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4, workspace, m.out_gguf, m.group)
 
     # ---- a layer, per residual kind --------------------------------------------------------------------------
     def sequential_layer(self, layer: LayerStep, i: int, residual, delta, delta2, st) -> tuple:
@@ -327,7 +351,8 @@ class DecodeStep:
         )
         if ("mlp_out", i) in st.deferred:
             return (residual, *self._accumulate("mlp_out", i, inner, None, m.out_int4, st))
-        return residual, self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4, gguf=m.out_gguf), None
+        out = self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4, gguf=m.out_gguf, group=m.group)
+        return residual, out, None
 
     def parallel_layer(self, layer: LayerStep, i: int, residual, delta, delta2, st) -> tuple:
         """x -> x + attn(ln1(x)) + mlp(ln2(x)), the two terms handed on as (delta, delta2) (GPT-NeoX)."""
@@ -373,15 +398,24 @@ class DecodeStep:
         """The next-token logits [B, V] of the current tokens (st.tokens[:, slot]); their K/V land in the cache.
         x: their embeddings [B, H] where next_token already looked them up (st.x), else they are looked up here."""
         if x is None:
-            x = self.embed(st.tokens.index_select(1, st.slot).squeeze(1))
+            x = self.embed_tokens(st.tokens.index_select(1, st.slot).squeeze(1))
         residual, delta, delta2 = self.layers_forward(x, st)
         pro = self._prologue(delta, delta2, self.final_norm)
         if delta is not None and delta.dtype == torch.int64:  # the last int4 projection left its sums unmet
             h = self.ops.int4_norm_prologue(residual, *pro)[0]
-            return self._linear(h, self.lm_weight, self.lm_bias, "none", st)
-        # On a GPU the lm_head never takes the final norm as its prologue: its vocab / 8 blocks would each
-        # recompute the norm, which costs more than a norm kernel in front.
-        fuse = self.device.type != "cuda"
-        return self._norm_linear(
-            residual, pro, self.final_separate_norm, self.lm_weight, self.lm_bias, "none", st, fuse=fuse
-        )[0]
+            logits = self._linear(h, self.lm_weight, self.lm_bias, "none", st)
+        else:
+            # On a GPU the lm_head never takes the final norm as its prologue: its vocab / 8 blocks would each
+            # recompute the norm, which costs more than a norm kernel in front.
+            fuse = self.device.type != "cuda"
+            logits = self._norm_linear(
+                residual, pro, self.final_separate_norm, self.lm_weight, self.lm_bias, "none", st, fuse=fuse
+            )[0]
+        return logits if self.lm_group is None else gather_logits(logits, st.gathered_logits, self.lm_group)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embeddings [B, H] of `tokens` [B]: the module's lookup, or (sharded by vocabulary) this rank's block
+        summed over the ranks, as transformers' embedding_rowwise forward computes it."""
+        if self.embed_group is not None:
+            return embedding_lookup(tokens, self.embed.weight)
+        return self.embed(tokens)

@@ -11,8 +11,11 @@ from .shards import (
     tp_detail,
     tp_styles,
 )
+from .vocab import embedding_lookup, gather_logits, vocab_group, vocab_reason
 
 __all__ = [
+    "embedding_lookup",
+    "gather_logits",
     "has_sharded",
     "local_heads",
     "reduce_group",
@@ -22,4 +25,6 @@ __all__ = [
     "sharding_reason",
     "tp_detail",
     "tp_styles",
+    "vocab_group",
+    "vocab_reason",
 ]

@@ -166,9 +166,12 @@ def reduce_group(linear: nn.Module):
     return weight.device_mesh.get_group() if sharded(weight) else None
 
 
-def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group) -> torch.Tensor:
+def rowwise_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group, matmul=None
+) -> torch.Tensor:
     """A row-wise projection on local shards: x @ W_local^T summed over the group's ranks, then the (replicated)
-    bias, in the order transformers' row-wise forward computes it, so the sum rounds the same on every rank."""
-    out = torch.nn.functional.linear(x, weight)
+    bias, in the order transformers' row-wise forward computes it, so the sum rounds the same on every rank.
+    `matmul(x, weight)`: the local product (default F.linear; the decode step passes its GEMV)."""
+    out = torch.nn.functional.linear(x, weight) if matmul is None else matmul(x, weight)
     dist.all_reduce(out, group=group)
     return out if bias is None else out + bias

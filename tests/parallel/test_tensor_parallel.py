@@ -83,9 +83,32 @@ def test_greedy_tokens_match_whole_model(results, name):
     for r in results[name]:
         assert r["patched_tokens"] == r["whole_tokens"]
         assert r["patched_static_tokens"] == r["whole_tokens"]  # HF's static cache, sized for the local kv heads
-        assert r["generate_path"]["path"] == "hf"  # (the decode step has no all-reduce)
-        if not r["unpatched"]:
-            assert "tensor-parallel" in r["generate_path"]["reason"], r["generate_path"]
+        assert r["static_path"]["path"] == "hf"
+        if r["unpatched"]:  # a layer the fused forward does not read: HF's loop, with the reason
+            assert r["generate_path"]["path"] == "hf" and "not patched" in r["generate_path"]["reason"]
+        else:
+            assert "cache_implementation" in r["static_path"]["reason"], r["static_path"]
+
+
+@pytest.mark.parametrize("name", [name for name in JOBS if name != "llama-gathered-mlp"])
+def test_decode_runner_serves_tensor_parallel(results, name, request):
+    """The decode step on each rank's shards (local heads, row-wise all-reduce, the embedding and lm_head by
+    vocabulary) makes the whole model's greedy tokens on every rank: the eager runner, and `generate` itself through
+    the runner (the CUDA graph on GPUs, the eager runner on the CPU); sampling keeps HF's loop, with the reason."""
+    device = request.node.callspec.params.get("results", "cpu")
+    for r in results[name]:
+        assert r["runner_tokens"] == r["whole_tokens"]
+        assert r["patched_tokens"] == r["whole_tokens"]
+        expected = "graph" if device == "cuda" else "eager-runner"
+        assert r["generate_path"] == {"path": expected, "reason": None}, r["generate_path"]
+        assert r["sampling_path"]["path"] == "hf" and "sampling on a tensor-parallel" in r["sampling_path"]["reason"]
+        step = r["step"]
+        assert step["lm_head_gathered"] and not step["branch_stream"], step  # (every plan shards the lm_head)
+        assert step["embedding_sharded"] == step["embedding_table_sharded"], step
+        if name in AUTO:  # half the heads on each rank
+            whole = random_models.build(JOBS[name][0]).config
+            kv = getattr(whole, "num_key_value_heads", whole.num_attention_heads)
+            assert step["heads"] == (whole.num_attention_heads // 2, kv // 2), step
 
 
 @pytest.mark.parametrize("name", list(JOBS))

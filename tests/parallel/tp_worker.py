@@ -6,8 +6,10 @@
 PLAN is "auto" (the config's own tensor-parallel plan) or the name of a plan in PLANS. For each job, each rank loads
 the model twice from MODEL_DIR (whole, and sharded by the plan), runs the checks below and saves what the test
 asserts on to OUT_DIR/NAME/rank<r>.pt: logits of the whole model, of the sharded model unpatched, patched, and
-unpatched again; greedy tokens of `generate`; the report; how many row-wise projections ran through the fused
-forward's all-reduce. One launch runs every job: starting the processes costs more than a tiny model's checks.
+unpatched again; greedy tokens of `generate` (the decode runner on the patched model: the graph one on CUDA, the
+eager one on the CPU, where the placement check alone is waived) and of the eager runner itself; the report; how
+many row-wise projections ran through the fused forward's all-reduce. One launch runs every job: starting the
+processes costs more than a tiny model's checks.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import patcher
+import patcher.decode.generate as generate_module
 import patcher.layers.weights as weights_module
 from evals.distributed import load_sharded
-from patcher.decode import generate_path
+from patcher.decode import DecodeOptions, DecodeRunner, generate_path
+from patcher.parallel import sharded
 
 _LAYERS = "model.layers.*"
 PLANS = {
@@ -64,6 +68,18 @@ def greedy(model, ids: torch.Tensor, **kwargs) -> list[int]:
     return out[0, ids.shape[1] :].tolist()
 
 
+def runner_tokens(model, ids: torch.Tensor) -> list[int] | None:
+    """The eager decode runner's greedy tokens for greedy()'s arguments (None where it can't serve the model)."""
+    if generate_module.model_reason(model) is not None:
+        return None
+    reason, prepared = generate_module.call_reason(model, None, {
+        "input_ids": ids, "max_new_tokens": NEW_TOKENS, "do_sample": False, "min_new_tokens": NEW_TOKENS})  # fmt: skip
+    assert reason is None, reason
+    with torch.no_grad():
+        out = DecodeRunner(model, DecodeOptions(use_graphs=False)).generate(**prepared)
+    return out[0, ids.shape[1] :].tolist()
+
+
 def check(model_dir: str, plan_name: str, device: torch.device) -> dict:
     ids = torch.tensor(PROMPT, device=device)
     whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
@@ -91,9 +107,23 @@ def check(model_dir: str, plan_name: str, device: torch.device) -> dict:
     result["rowwise_calls"] = rowwise_calls[0]
     with torch.enable_grad():  # grad mode: every module runs HF's forward (on the fused buffers' views)
         result["patched_grad_mode"] = model(ids).logits.detach().cpu()
-    result["patched_tokens"] = greedy(model, ids)
-    result["patched_static_tokens"] = greedy(model, ids, cache_implementation="static")
+    result["runner_tokens"] = runner_tokens(model, ids)
+    result["patched_tokens"] = greedy(model, ids)  # the decode runner (HF's loop where a reason says so)
     result["generate_path"] = generate_path(model)
+    step = getattr(model._patcher_state.runner, "decode_step", None)
+    if step is not None:  # what the step runs on this rank: local heads, tables sharded by vocabulary or whole
+        result["step"] = {
+            "heads": (step.num_heads, step.num_kv_heads),
+            "lm_head_gathered": step.lm_group is not None,
+            "embedding_sharded": step.embed_group is not None,
+            "embedding_table_sharded": sharded(model.get_input_embeddings().weight),
+            "branch_stream": step.branch_stream is not None,
+        }
+    result["patched_static_tokens"] = greedy(model, ids, cache_implementation="static")  # HF's loop, local kv heads
+    result["static_path"] = generate_path(model)
+    torch.manual_seed(0)  # (HF's loop: every rank draws the same tokens and runs its 2 steps)
+    model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=True, top_k=4)
+    result["sampling_path"] = generate_path(model)
     weights_module.rowwise_linear = rowwise_linear
 
     patcher.unpatch_model(model)
@@ -111,6 +141,8 @@ def main(device_type: str, out_dir: str, jobs: list[str]) -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if device_type == "cpu":  # the decode runner runs eagerly on the CPU's reference ops; every other check stays
+        generate_module.placement_reason = lambda model: None
     for job in jobs:
         name, _, rest = job.partition("=")
         model_dir, _, plan_name = rest.rpartition(":")
