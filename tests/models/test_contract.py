@@ -165,7 +165,7 @@ def test_gradient_checkpointing_as_on_hf(name, reentrant, device, monkeypatch):
     assert_grads_equal(ref, model)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])
+@pytest.mark.parametrize("name", ARCHS)
 def test_training_mode_applies_dropout_as_hf(name):
     """A model patched in eval mode with dropout in its config: in training mode (even under no_grad) HF's forwards
     apply the dropout exactly as HF's model does (same random stream); back in eval mode the fused forwards run."""
@@ -275,7 +275,7 @@ def greedy(model, ids, new_tokens=12):
                               pad_token_id=0, eos_token_id=None)  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])
+@pytest.mark.parametrize("name", ARCHS)
 def test_decode_runner_is_rebuilt_after_weights_change(name):
     """The decode runner never decodes with stale weights: check_weights (once per generate call) drops it where any
     weight was replaced, updated or re-tied, and a new one decodes HF's tokens on the new weights."""
@@ -459,7 +459,7 @@ def test_lora_wrapped_projections_are_served(name, device):
     assert calls[0] == 1 and not model._patcher_state.unplanned()
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])
+@pytest.mark.parametrize("name", ARCHS)
 def test_peft_lora_is_served(name):
     """peft's own LoRA (get_peft_model after patching, then merge_and_unload): HF's outputs and adapter gradients."""
     peft = pytest.importorskip("peft")
@@ -482,7 +482,7 @@ def test_peft_lora_is_served(name):
     assert calls[0] == 1
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])
+@pytest.mark.parametrize("name", ARCHS)
 def test_copies_and_unpatch_keep_their_own_weights(name):
     """A deepcopy of a patched model rebuilds its plans from its own weights (the copied plans read the original's),
     and unpatch_model with an adapter in place gives every projection its own storage again."""
