@@ -33,12 +33,17 @@ def add_tp_arg(parser) -> None:
     )
 
 
+def initialized() -> bool:
+    """Whether this process is in a process group (torchrun with --tp, after setup)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if initialized() else 1
 
 
 def is_main() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return not initialized() or dist.get_rank() == 0
 
 
 def active() -> bool:
@@ -110,7 +115,7 @@ def setup(args) -> None:
 
 def describe() -> dict:
     """What the JSON records about the run's parallelism."""
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         return {"tp": world_size(), "backend": dist.get_backend()}
     return {"tp": 1, "backend": None}
 
@@ -132,7 +137,7 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer or None, name, device): common.load_model's, sharded by tp_plan when --tp is active."""
     from . import common
 
-    if args.tp is None or not (dist.is_available() and dist.is_initialized()):
+    if args.tp is None or not initialized():
         model, tokenizer, name = common.load_model(args, device, dtype)
         return model, tokenizer, name, device
     from transformers import AutoTokenizer
@@ -189,6 +194,6 @@ def rank0_value(value: float) -> float:
 
 
 def finish() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         barrier()
         dist.destroy_process_group()

@@ -210,11 +210,6 @@ class DecodeRunner:
         self.states: OrderedDict[int, StepState] = OrderedDict()
         self.largest_cache = 0
 
-    @property
-    def max_batch(self) -> int:
-        """The most rows a step of this model takes (batch_limit)."""
-        return self.batch_limit()[0]
-
     def batch_limit(self) -> tuple[int, str]:
         """The most rows a step of this model takes, and why: MAX_BATCH, but KERNEL_MAX_ROWS where the step has
         GPTQ int4 linears, GEMV_MAX_ROWS where it has GGUF ones, or (CUDA) where dense linears stay on the GEMV

@@ -216,7 +216,7 @@ def test_int4_models_keep_to_eight_rows(monkeypatch):
     model.generation_config.eos_token_id = None
     patch_model(model)
     runner = DecodeRunner(model, EAGER)
-    assert runner.max_batch == 8
+    assert runner.batch_limit()[0] == 8
     ids = torch.randint(3, VOCAB, (9, 4))
     with pytest.raises(ValueError, match="int4"):
         runner.generate(ids, torch.ones_like(ids), 2, gen.Sampling(), eos=[], pad_token_id=0)
