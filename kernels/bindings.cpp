@@ -1,5 +1,5 @@
 // The CUDA implementations of the patcher:: torch ops, one m.impl per op at the end (schemas: patcher/ops/, one
-// module per op family; the int4 ops' functions are in bindings_int4.h, the GGUF op's in bindings_gguf.h).
+// module per op family; the int4 ops' functions are in bindings_int4.h, the GGUF ops' in bindings_gguf.h).
 //
 // Each op checks its inputs (device, dtype, shape, strides) with a clear message, allocates contiguous outputs,
 // fills a launcher struct and launches on the current stream. Inputs are never copied: a tensor whose layout a
@@ -467,4 +467,6 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("int4_qkv_rope_cache", &int4_qkv_rope_cache);
   m.impl("int4_qkv_mlp_in", &int4_qkv_mlp_in);
   m.impl("gguf_gemv", &gguf_gemv);
+  m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("round_q8_1", &round_q8_1);
 }

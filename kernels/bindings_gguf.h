@@ -1,5 +1,5 @@
-// The CUDA implementation of the GGUF op (schema and reference: patcher/ops/gguf.py; kernels: gguf/), a part of
-// bindings.cpp, which includes it once and registers it.
+// The CUDA implementations of the GGUF ops (schemas and references: patcher/ops/gguf.py; kernels: gguf/), a part of
+// bindings.cpp, which includes it once and registers them.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,14 +17,14 @@ namespace {
 
 using namespace patcher_glue;
 
-int32_t gguf_kind(c10::string_view kind) {
+int32_t gguf_kind(c10::string_view kind, const char* op = "gguf_gemv") {
   if (kind == "Q4_0") return patcher::kGgufQ4_0;
   if (kind == "Q4_1") return patcher::kGgufQ4_1;
   if (kind == "Q8_0") return patcher::kGgufQ8_0;
   if (kind == "Q4_K") return patcher::kGgufQ4_K;
   if (kind == "Q5_K") return patcher::kGgufQ5_K;
   if (kind == "Q6_K") return patcher::kGgufQ6_K;
-  TORCH_CHECK(false, "patcher: gguf_gemv takes Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks, got '", std::string(kind),
+  TORCH_CHECK(false, "patcher: ", op, " takes Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks, got '", std::string(kind),
               "' (other types run the reference: patcher.gguf.reference)");
 }
 
@@ -77,6 +77,50 @@ Tensor gguf_gemv(const Tensor& x, const Tensor& blocks, c10::string_view kind, c
   Tensor out = at::empty(sizes, x.options());
   p.out = out.data_ptr();
   check_launch(patcher::launch_gguf_gemv(p, c10::cuda::getCurrentCUDAStream()), "gguf_gemv");
+  return out;
+}
+
+// The GGUF rows `blocks` [N, K / block values * block bytes] dequantized to dtype [N, K]: the prefill path's
+// weights for a GEMM.
+Tensor gguf_dequantize(const Tensor& blocks, c10::string_view kind, at::ScalarType dtype) {
+  TORCH_CHECK(blocks.is_cuda(), "patcher: blocks must be a CUDA tensor, got ", blocks.device());
+  const c10::cuda::CUDAGuard guard(blocks.device());
+  patcher::GgufDequantizeParams p{};
+  p.kind = gguf_kind(kind, "gguf_dequantize");
+  const int64_t bytes = patcher::gguf_block_bytes(p.kind), values = patcher::gguf_block_values(p.kind);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "patcher: blocks must be contiguous uint8 [out_features, bytes per row], got ", blocks.scalar_type(),
+              " ", dims(blocks.sizes()));
+  TORCH_CHECK(blocks.size(1) > 0 && blocks.size(1) % bytes == 0, "patcher: ", std::string(kind), " rows of ",
+              std::to_string(blocks.size(1)), " bytes are not whole ", std::to_string(bytes), "-byte blocks");
+  TORCH_CHECK((reinterpret_cast<uintptr_t>(blocks.data_ptr()) & 1) == 0,
+              "patcher: blocks must start at an even address (their fp16 scales are read as 2-byte words)");
+  p.n = blocks.size(0);
+  p.k = blocks.size(1) / bytes * values;
+  p.blocks = static_cast<const uint8_t*>(blocks.data_ptr());
+  p.row_bytes = blocks.size(1);
+  Tensor out = at::empty({p.n, p.k}, blocks.options().dtype(dtype));
+  p.dtype = dtype_of(out);
+  p.out = out.data_ptr();
+  check_launch(patcher::launch_gguf_dequantize(p, c10::cuda::getCurrentCUDAStream()), "gguf_dequantize");
+  return out;
+}
+
+// x [..., K] rounded through Q8_1 blocks of 32 (q * d in x's dtype): the prefill path's W4A8 activations.
+Tensor round_q8_1(const Tensor& x) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::Q8_1RoundParams p{};
+  p.dtype = dtype_of(x);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 32 == 0, "patcher: round_q8_1 needs a multiple of 32 values a row, got ",
+              dims(x.sizes()));
+  p.k = x.size(-1);
+  p.rows = p.k ? x.numel() / p.k : 0;
+  p.x = x.data_ptr();
+  p.x_stride = row_stride(x, "x");
+  Tensor out = at::empty(x.sizes(), x.options());
+  p.out = out.data_ptr();
+  check_launch(patcher::launch_round_q8_1(p, c10::cuda::getCurrentCUDAStream()), "round_q8_1");
   return out;
 }
 

@@ -1,5 +1,5 @@
-// The GGUF decode GEMV's entry point: checks, then the kernels built for the dtype (gguf_gemv.cuh and
-// gguf_kquant.cuh, one gguf_<dtype>.cu each).
+// The GGUF kernels' entry points: checks, then the kernels built for the dtype (gguf_gemv.cuh, gguf_kquant.cuh and
+// gguf_dequant.cuh, one gguf_<dtype>.cu each).
 #include "common/common.cuh"
 #include "gguf/params.h"
 
@@ -8,6 +8,12 @@ namespace patcher {
 cudaError_t launch_gguf_gemv_half(const GgufGemvParams& p, cudaStream_t stream);
 cudaError_t launch_gguf_gemv_bf16(const GgufGemvParams& p, cudaStream_t stream);
 cudaError_t launch_gguf_gemv_float(const GgufGemvParams& p, cudaStream_t stream);
+cudaError_t launch_gguf_dequantize_half(const GgufDequantizeParams& p, cudaStream_t stream);
+cudaError_t launch_gguf_dequantize_bf16(const GgufDequantizeParams& p, cudaStream_t stream);
+cudaError_t launch_gguf_dequantize_float(const GgufDequantizeParams& p, cudaStream_t stream);
+cudaError_t launch_round_q8_1_half(const Q8_1RoundParams& p, cudaStream_t stream);
+cudaError_t launch_round_q8_1_bf16(const Q8_1RoundParams& p, cudaStream_t stream);
+cudaError_t launch_round_q8_1_float(const Q8_1RoundParams& p, cudaStream_t stream);
 
 cudaError_t launch_gguf_gemv(const GgufGemvParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.n == 0) return cudaSuccess;
@@ -24,6 +30,38 @@ cudaError_t launch_gguf_gemv(const GgufGemvParams& p, cudaStream_t stream) {
       return launch_gguf_gemv_bf16(p, stream);
     case DType::kFloat32:
       return launch_gguf_gemv_float(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_gguf_dequantize(const GgufDequantizeParams& p, cudaStream_t stream) {
+  if (p.n == 0) return cudaSuccess;
+  const int bytes = gguf_block_bytes(p.kind), values = gguf_block_values(p.kind);
+  // As the GEMV: 2-byte block fields, unpadded rows of whole blocks; out rows of whole 16-byte vectors.
+  if (p.n < 0 || bytes == 0 || p.k <= 0 || p.k % values || p.row_bytes != p.k / values * bytes ||
+      (reinterpret_cast<uintptr_t>(p.blocks) & 1) || (reinterpret_cast<uintptr_t>(p.out) & 15))
+    return cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case DType::kFloat16:
+      return launch_gguf_dequantize_half(p, stream);
+    case DType::kBFloat16:
+      return launch_gguf_dequantize_bf16(p, stream);
+    case DType::kFloat32:
+      return launch_gguf_dequantize_float(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_round_q8_1(const Q8_1RoundParams& p, cudaStream_t stream) {
+  if (p.rows == 0) return cudaSuccess;
+  if (p.rows < 0 || p.k <= 0 || p.k % 32 || p.x_stride < p.k) return cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case DType::kFloat16:
+      return launch_round_q8_1_half(p, stream);
+    case DType::kBFloat16:
+      return launch_round_q8_1_bf16(p, stream);
+    case DType::kFloat32:
+      return launch_round_q8_1_float(p, stream);
   }
   return cudaErrorInvalidValue;
 }

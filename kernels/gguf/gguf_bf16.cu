@@ -1,10 +1,19 @@
-// The GGUF decode GEMV for __nv_bfloat16 activations (one file per dtype: see gguf_gemv.cuh and gguf_kquant.cuh).
-#include "gguf/gguf_kquant.cuh"
+// The GGUF kernels for __nv_bfloat16 activations (one file per dtype): the decode GEMVs (gguf_gemv.cuh,
+// gguf_kquant.cuh) and the prefill path's dequantization and Q8_1 rounding (gguf_dequant.cuh).
+#include "gguf/gguf_dequant.cuh"
 
 namespace patcher {
 
 cudaError_t launch_gguf_gemv_bf16(const GgufGemvParams& p, cudaStream_t stream) {
   return launch_gguf_gemv_typed<__nv_bfloat16>(p, stream);
+}
+
+cudaError_t launch_gguf_dequantize_bf16(const GgufDequantizeParams& p, cudaStream_t stream) {
+  return launch_gguf_dequantize_typed<__nv_bfloat16>(p, stream);
+}
+
+cudaError_t launch_round_q8_1_bf16(const Q8_1RoundParams& p, cudaStream_t stream) {
+  return launch_round_q8_1_typed<__nv_bfloat16>(p, stream);
 }
 
 }  // namespace patcher

@@ -1,4 +1,4 @@
-// GGUF block-quantized linears for decode: parameters and launcher (gguf.cu).
+// GGUF block-quantized linears: parameters and launchers (gguf.cu).
 //
 // Plain structs of pointers, sizes and strides for the torch glue (kernels/bindings_gguf.h) and the kernels: nothing
 // here includes torch. Strides are in elements. The launcher returns the CUDA error of its launch (cudaSuccess when
@@ -73,5 +73,29 @@ PATCHER_HOST_DEVICE inline int gguf_block_values(int32_t kind) {
 }
 constexpr int64_t kGgufMaxBatch = 8;
 cudaError_t launch_gguf_gemv(const GgufGemvParams& p, cudaStream_t stream);
+
+// The prefill path (more rows than a decode step): W [n, k] dequantized into `out` in the dtype, each value formed
+// in fp32 as gguf.quants forms it (format.dequantize) and rounded to the dtype once, for a cuBLAS GEMM.
+struct GgufDequantizeParams {
+  DType dtype;  // of out
+  int32_t kind;
+  int64_t n, k;
+  const uint8_t* blocks;  // [n, row_bytes] contiguous
+  int64_t row_bytes;
+  void* out;  // [n, k] contiguous
+};
+cudaError_t launch_gguf_dequantize(const GgufDequantizeParams& p, cudaStream_t stream);
+
+// x rounded through Q8_1 as the W4A8 GEMV quantizes it (reference.quantize_q8_1): per 32 values q = roundf(x / d),
+// then out = q * d (d its fp16 value; the product exact in fp32) rounded to the dtype. A GEMM of these values with
+// the dequantized weights is the W4A8 product up to the dtype's rounding of q * d.
+struct Q8_1RoundParams {
+  DType dtype;  // of x and out
+  int64_t rows, k;  // k a multiple of 32
+  const void* x;  // [rows, k], row stride x_stride, last dimension contiguous
+  int64_t x_stride;
+  void* out;  // [rows, k] contiguous
+};
+cudaError_t launch_round_q8_1(const Q8_1RoundParams& p, cudaStream_t stream);
 
 }  // namespace patcher

@@ -16,8 +16,11 @@ class GGUFLinear(nn.Module):
     dimension, exactly as the file stores them; format.py has the layouts) and `bias` (optional, float).
     forward: with quantize_activations, W4A8 (activations quantized to Q8_1, reference.linear_w4a8); otherwise
     W4A16 (the weight dequantized and cast to the activation dtype, reference.linear_w4a16). Inputs of 1 to 8 rows
-    (a decode step) of a type the GEMV kernel takes run the `gguf_gemv` op of their device's backend: the CUDA kernel
-    on a GPU, the same reference elsewhere; more rows run the reference (dequantize + matmul) on any device.
+    (a decode step) of a type the kernels take run the `gguf_gemv` op of their device's backend: the CUDA kernel on
+    a GPU, the same reference elsewhere. More rows on a GPU (prefill) are a GEMM for cuBLAS: the weight dequantized
+    to the activations' dtype (`gguf_dequantize`) and, for W4A8, the activations rounded through Q8_1 (`round_q8_1`),
+    the W4A8 product up to the dtype's rounding of each q * d; W4A16 there is reference.linear_w4a16 exactly. More
+    rows elsewhere run the reference.
     """
 
     def __init__(
@@ -63,26 +66,34 @@ class GGUFLinear(nn.Module):
         return fmt.dequantize(self.qweight, self.kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._takes_gemv(x):
+        path = self._kernel_path(x)
+        if path:
             from .. import ops  # (patcher.ops imports patcher.gguf through its gguf family)
 
             backend = ops.backend_for(x.device)
-            return backend.gguf_gemv(x, self.qweight, self.kind, self.bias, self.quantize_activations)
+            if path == "gemv":
+                return backend.gguf_gemv(x, self.qweight, self.kind, self.bias, self.quantize_activations)
+            weight = backend.gguf_dequantize(self.qweight, self.kind, x.dtype)
+            if self.quantize_activations:
+                x = backend.round_q8_1(x)
+            return torch.nn.functional.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
         if self.quantize_activations:
             return reference.linear_w4a8(x, self.qweight, self.kind, self.bias)
         return reference.linear_w4a16(x, self.qweight, self.kind, self.bias)
 
-    def _takes_gemv(self, x: torch.Tensor) -> bool:
-        """Whether x is a decode step's input the gguf_gemv op takes: 1 to 8 rows of fp16/bf16/fp32 values, a block
-        type of its kernel, and no gradient to record (the op has no backward)."""
+    def _kernel_path(self, x: torch.Tensor) -> str | None:
+        """ "gemv" for a decode step's input (1 to 8 rows), "gemm" for more rows on a GPU, None for the reference:
+        the ops take fp16/bf16/fp32 values of their block types and record no gradient (they have no backward)."""
         from ..ops.gguf import GEMV_KINDS, GEMV_MAX_ROWS
 
         if self.kind not in GEMV_KINDS or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            return False
+            return None
         if torch.is_grad_enabled() and x.requires_grad:
-            return False
+            return None
         rows = x.numel() // self.in_features if x.dim() and x.shape[-1] == self.in_features else 0
-        return 1 <= rows <= GEMV_MAX_ROWS
+        if 1 <= rows <= GEMV_MAX_ROWS:
+            return "gemv"
+        return "gemm" if rows and x.device.type == "cuda" else None
 
     def extra_repr(self) -> str:
         mode = "W4A8 (Q8_1 activations)" if self.quantize_activations else "W4A16"

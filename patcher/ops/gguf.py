@@ -1,5 +1,6 @@
 """GGUF block-quantized linears (kernels/gguf/): the decode GEMV of 1 to 8 rows against GGUF blocks as GGUFLinear
-holds them (uint8 [out_features, bytes per row]). Its reference is patcher/gguf/reference.py: W4A8 (activations
+holds them (uint8 [out_features, bytes per row]), and the two ops of the prefill path, which hands more rows to a
+GEMM: the weights dequantized to the activations' dtype, and (W4A8) the activations rounded through Q8_1. Its reference is patcher/gguf/reference.py: W4A8 (activations
 quantized to Q8_1 blocks, integer dot products a block, scaled in fp32) or W4A16 (the weights dequantized and cast to
 the activations' dtype, then F.linear). The CUDA kernels take Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K
 (GEMV_KINDS: every type patcher.gguf.format reads), whose rows are whole super-blocks of 256 values; the reference
@@ -40,4 +41,37 @@ define(
     "gguf_gemv(Tensor x, Tensor blocks, str kind, Tensor? bias=None, bool quantize_activations=True) -> Tensor",
     gguf_gemv,
     _gguf_gemv_fake,
+)
+
+
+def gguf_dequantize(blocks: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """GGUF rows `blocks` [N, K / block * type size] of `kind` -> W [N, K] in dtype: format.dequantize (bit-identical
+    to gguf.quants, fp32), rounded to dtype once."""
+    from ..gguf import format as fmt
+
+    return fmt.dequantize(blocks, kind).to(dtype)
+
+
+def _gguf_dequantize_fake(blocks, kind, dtype):
+    from ..gguf import format as fmt
+
+    t = fmt.block_type(kind)
+    return blocks.new_empty((blocks.shape[0], blocks.shape[1] // t.type_size * t.block_size), dtype=dtype)
+
+
+define("gguf_dequantize(Tensor blocks, str kind, ScalarType dtype) -> Tensor", gguf_dequantize, _gguf_dequantize_fake)
+
+
+def round_q8_1(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K a multiple of 32) rounded through Q8_1 blocks as the W4A8 GEMV quantizes it: q * d, exact in
+    fp32, rounded to x's dtype. A GEMM of these values with gguf_dequantize's weights is the W4A8 product (reference.
+    linear_w4a8) up to the dtype's rounding of q * d and the GEMM's summation order."""
+    from ..gguf import reference
+
+    q, d, _ = reference.quantize_q8_1(x)
+    return (q.float() * d.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
+
+
+define(
+    "round_q8_1(Tensor x) -> Tensor", round_q8_1, lambda x: torch.empty_like(x, memory_format=torch.contiguous_format)
 )

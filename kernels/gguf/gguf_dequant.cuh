@@ -1,0 +1,112 @@
+// The GGUF prefill path's two kernels, templates over the dtype, beside the GEMVs whose block parsing they share
+// (included by one .cu file per dtype: gguf_half.cu, gguf_bf16.cu, gguf_float.cu). What they compute: gguf/params.h.
+//
+// Prefill multiplies many rows by the same weights, so it is a GEMM for cuBLAS: the weights are dequantized into a
+// dtype buffer (one thread a 32-value block or sub-block, its 32 values written as 16-byte vectors) and, for W4A8,
+// the activations rounded through Q8_1 (one warp a 32-value block, as the GEMV stages them).
+#pragma once
+#include "gguf/gguf_kquant.cuh"
+
+namespace patcher {
+namespace {
+
+constexpr int kDequantThreads = 256;
+
+template <typename T, int KIND>
+__global__ void __launch_bounds__(kDequantThreads) gguf_dequantize_kernel(const GgufDequantizeParams p) {
+  const int64_t per_row = p.k / 32;  // 32-value units a row
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * kDequantThreads + threadIdx.x;
+  if (unit >= p.n * per_row) return;
+  const int64_t row = unit / per_row, c = unit % per_row;
+  const uint8_t* base = p.blocks + row * p.row_bytes;
+  float scale[2], d, m;
+  int q[8];
+  if constexpr (kKQuant<KIND>) {
+    parse_sub_block<KIND>(base + (c / 8) * kBlockBytes<KIND>, static_cast<int>(c % 8), scale, m, q);
+    d = scale[0];
+  } else {
+    parse_block<KIND>(base + c * kBlockBytes<KIND>, d, m, q);
+    scale[0] = scale[1] = d;
+  }
+  // Element i is byte i % 4 of q[i / 4]; each value formed as format.dequantize forms it, one rounding per step.
+  float w[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const float qi = static_cast<float>(static_cast<int8_t>(static_cast<unsigned>(q[i / 4]) >> (8 * (i % 4))));
+    if constexpr (KIND == kGgufQ4_1) {
+      w[i] = __fadd_rn(__fmul_rn(d, qi), m);
+    } else if constexpr (KIND == kGgufQ4_K || KIND == kGgufQ5_K) {
+      w[i] = __fsub_rn(__fmul_rn(d, qi), m);  // (d * sc) * q - dmin * mn
+    } else {
+      w[i] = __fmul_rn(scale[i / 16], qi);  // Q6_K: a scale per 16 values; the others one d
+    }
+  }
+  constexpr int kVec = 16 / sizeof(T);
+  T* out = static_cast<T*>(p.out) + row * p.k + c * 32;  // 64-byte aligned for fp16/bf16, 128 for fp32
+#pragma unroll
+  for (int v = 0; v < 32 / kVec; ++v) {
+    float part[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) part[e] = w[v * kVec + e];
+    store_vec<T, kVec>(out + v * kVec, part);
+  }
+}
+
+template <typename T, int KIND>
+cudaError_t launch_gguf_dequantize_kind(const GgufDequantizeParams& p, cudaStream_t stream) {
+  const int64_t units = p.n * (p.k / 32);
+  gguf_dequantize_kernel<T, KIND>
+      <<<static_cast<unsigned>((units + kDequantThreads - 1) / kDequantThreads), kDequantThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The dtype's dequantize launcher over every kind, which gguf_<dtype>.cu instantiates.
+template <typename T>
+cudaError_t launch_gguf_dequantize_typed(const GgufDequantizeParams& p, cudaStream_t stream) {
+  switch (p.kind) {
+    case kGgufQ4_0:
+      return launch_gguf_dequantize_kind<T, kGgufQ4_0>(p, stream);
+    case kGgufQ4_1:
+      return launch_gguf_dequantize_kind<T, kGgufQ4_1>(p, stream);
+    case kGgufQ8_0:
+      return launch_gguf_dequantize_kind<T, kGgufQ8_0>(p, stream);
+    case kGgufQ4_K:
+      return launch_gguf_dequantize_kind<T, kGgufQ4_K>(p, stream);
+    case kGgufQ5_K:
+      return launch_gguf_dequantize_kind<T, kGgufQ5_K>(p, stream);
+    case kGgufQ6_K:
+      return launch_gguf_dequantize_kind<T, kGgufQ6_K>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+constexpr int kRoundWarps = 8;
+
+template <typename T>
+__global__ void __launch_bounds__(kRoundWarps * 32) round_q8_1_kernel(const Q8_1RoundParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t per_row = p.k / 32;
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * kRoundWarps + (threadIdx.x >> 5);
+  if (unit >= p.rows * per_row) return;  // a whole warp: the shuffles below see all 32 lanes
+  const int64_t row = unit / per_row, col = (unit % per_row) * 32 + lane;
+  const float v = to_float(static_cast<const T*>(p.x)[row * p.x_stride + col]);
+  float amax = fabsf(v);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  // As stage_x (gguf_gemv.cuh) and reference.quantize_q8_1: d = max|x| / 127, q = roundf(x * (1 / d)).
+  const float d = __fdiv_rn(amax, 127.f);
+  const float inv = d == 0.f ? 0.f : __frcp_rn(d);
+  const float q = roundf(__fmul_rn(v, inv));
+  static_cast<T*>(p.out)[row * p.k + col] = from_float<T>(__fmul_rn(q, __half2float(__float2half_rn(d))));
+}
+
+template <typename T>
+cudaError_t launch_round_q8_1_typed(const Q8_1RoundParams& p, cudaStream_t stream) {
+  const int64_t units = p.rows * (p.k / 32);
+  round_q8_1_kernel<T>
+      <<<static_cast<unsigned>((units + kRoundWarps - 1) / kRoundWarps), kRoundWarps * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace patcher
