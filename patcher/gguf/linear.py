@@ -17,10 +17,11 @@ class GGUFLinear(nn.Module):
     forward: with quantize_activations, W4A8 (activations quantized to Q8_1, reference.linear_w4a8); otherwise
     W4A16 (the weight dequantized and cast to the activation dtype, reference.linear_w4a16). Inputs of 1 to 8 rows
     (a decode step) of a type the kernels take run the `gguf_gemv` op of their device's backend: the CUDA kernel on
-    a GPU, the same reference elsewhere. More rows on a GPU (prefill) are a GEMM for cuBLAS: the weight dequantized
-    to the activations' dtype (`gguf_dequantize`) and, for W4A8, the activations rounded through Q8_1 (`round_q8_1`),
-    the W4A8 product up to the dtype's rounding of each q * d; W4A16 there is reference.linear_w4a16 exactly. More
-    rows elsewhere run the reference.
+    a GPU, the same reference elsewhere. More rows (prefill) are a GEMM (cuBLAS on a GPU): the weight dequantized to
+    the activations' dtype (`gguf_dequantize`) and, for W4A8, the activations rounded through Q8_1 (`round_q8_1`),
+    the W4A8 product up to the dtype's rounding of each q * d and the GEMM's summation order; W4A16 there is
+    reference.linear_w4a16 exactly. (reference.linear_w4a8 forms the products block by block, the kernels'
+    reference, and is two orders of magnitude slower than the GEMM on a CPU.)
     """
 
     def __init__(
@@ -82,8 +83,8 @@ class GGUFLinear(nn.Module):
         return reference.linear_w4a16(x, self.qweight, self.kind, self.bias)
 
     def _kernel_path(self, x: torch.Tensor) -> str | None:
-        """ "gemv" for a decode step's input (1 to 8 rows), "gemm" for more rows on a GPU, None for the reference:
-        the ops take fp16/bf16/fp32 values of their block types and record no gradient (they have no backward)."""
+        """The op path for x: "gemv" for a decode step's input (1 to 8 rows), "gemm" for more rows, None for the
+        reference. The ops take fp16/bf16/fp32 values of their block types and record no gradient (no backward)."""
         from ..ops.gguf import GEMV_KINDS, GEMV_MAX_ROWS
 
         if self.kind not in GEMV_KINDS or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -93,7 +94,7 @@ class GGUFLinear(nn.Module):
         rows = x.numel() // self.in_features if x.dim() and x.shape[-1] == self.in_features else 0
         if 1 <= rows <= GEMV_MAX_ROWS:
             return "gemv"
-        return "gemm" if rows and x.device.type == "cuda" else None
+        return "gemm" if rows else None
 
     def extra_repr(self) -> str:
         mode = "W4A8 (Q8_1 activations)" if self.quantize_activations else "W4A16"

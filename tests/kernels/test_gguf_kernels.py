@@ -406,25 +406,26 @@ def test_prefill_ops_reference_and_schema(kind):
 @pytest.mark.parametrize("quantize_activations", [True, False])
 def test_gguf_linear_takes_the_op_for_decode_rows(monkeypatch, rows, quantize_activations):
     """GGUFLinear calls its backend's gguf_gemv for 1 to 8 rows of a kernel type (on the CPU: the reference, so its
-    outputs are unchanged) and the reference directly for more rows, the K-quants too; under autograd never."""
+    outputs are the reference's) and the GEMM path for more rows: F.linear of the rounded activations (W4A8) and the
+    dequantized weight, bit for bit, within 1e-5 of its terms' size of the block-wise reference; the K-quants too.
+    Under autograd neither op runs: the reference does."""
     calls = []
     op = REFERENCE.gguf_gemv
     monkeypatch.setattr(REFERENCE, "gguf_gemv", lambda *args: calls.append(args) or op(*args))
-    blocks, bias = weights("Q4_1", 40, 64, True)
-    layer = GGUFLinear.from_blocks(blocks, "Q4_1", bias, quantize_activations)
-    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(3))
     linear = ref.linear_w4a8 if quantize_activations else ref.linear_w4a16
-    with torch.no_grad():
-        assert torch.equal(layer(x), linear(x, blocks, "Q4_1", bias))
-    assert len(calls) == (1 if rows <= 8 else 0)
-    calls.clear()
-    k_blocks = weights("Q6_K", 8, 512, False)[0]
-    k_quant = GGUFLinear.from_blocks(k_blocks, "Q6_K", None, quantize_activations)
-    xk = torch.randn(rows, 512, generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        assert torch.equal(k_quant(xk), linear(xk, k_blocks, "Q6_K", None))
-    assert len(calls) == (1 if rows <= 8 else 0)
-    calls.clear()
-    layer(x.clone().requires_grad_())
-    k_quant(xk.clone().requires_grad_())
-    assert not calls
+    for kind, n, k, bias in (("Q4_1", 40, 64, True), ("Q6_K", 8, 512, False)):
+        blocks, b = weights(kind, n, k, bias)
+        layer = GGUFLinear.from_blocks(blocks, kind, b, quantize_activations)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
+        expected = linear(x, blocks, kind, b)
+        with torch.no_grad():
+            got = layer(x)
+        if rows <= 8:
+            assert torch.equal(got, expected) and len(calls) == 1
+        else:
+            rounded = REFERENCE.round_q8_1(x) if quantize_activations else x
+            weight = REFERENCE.gguf_dequantize(blocks, kind, x.dtype)
+            assert torch.equal(got, torch.nn.functional.linear(rounded, weight, b)) and not calls
+            assert max_err(got, expected) <= 1e-5 * (rounded.abs() @ weight.abs().T).max().item()
+        calls.clear()
+        assert torch.equal(layer(x.clone().requires_grad_()), expected) and not calls
