@@ -56,6 +56,13 @@ def load(path, quantize_activations: bool, dtype=torch.float32, device=None):
     return model
 
 
+def dense_twin(layer: GGUFLinear) -> torch.nn.Linear:
+    """An nn.Linear holding `layer`'s dequantized weight (the tiny files' linears have no bias)."""
+    dense = torch.nn.Linear(layer.in_features, layer.out_features, bias=False)
+    dense.weight.data = layer.dequantize()
+    return dense
+
+
 def prompt(batch: int, device="cpu", vocab: int = 64, seed: int = 3):
     """Token ids [batch, 9] and a left-padded mask (row 0 padded by 3 where batch > 1)."""
     ids = torch.randint(3, vocab, (batch, 9), generator=torch.Generator().manual_seed(seed))
@@ -149,9 +156,7 @@ def test_gguf_and_dense_in_one_projection_stay_on_hf(tmp_path):
     write_tiny_model(path, "llama")
     model = load(path, False)
     attention = model.model.layers[0].self_attn
-    k = attention.k_proj
-    attention.k_proj = torch.nn.Linear(k.in_features, k.out_features, bias=False)
-    attention.k_proj.weight.data = k.dequantize()
+    attention.k_proj = dense_twin(attention.k_proj)
     with torch.no_grad():
         expected = model(TOKENS).logits
         report = patch_model(model)
@@ -169,9 +174,7 @@ def test_a_gguf_projection_replaced_after_patching_runs_hf(tmp_path):
     model = load(path, False)
     patch_model(model)
     attention = model.model.layers[1].self_attn
-    q = attention.q_proj
-    attention.q_proj = torch.nn.Linear(q.in_features, q.out_features, bias=False)
-    attention.q_proj.weight.data = q.dequantize()
+    attention.q_proj = dense_twin(attention.q_proj)
     with torch.no_grad():
         got = model(TOKENS).logits
         state = model._patcher_state
