@@ -5,7 +5,8 @@
 //
 // Work split. A block has 8 warps, one output row each; K is walked in chunks of 32 blocks (1024 values), one
 // 32-value block a lane. Per chunk the whole block first stages x's chunk in shared memory: quantized to Q8_1
-// (W4A8; a warp per 32 values: max |x| and sum(q) by warp shuffles) or as fp32 (W4A16). Each warp copies its row's
+// (W4A8; a warp per 32 values: max |x| and sum(q) by warp shuffles) or as fp32 (W4A16), from registers that were
+// loaded a chunk ahead (XChunk), so no chunk waits on a global load of x. Each warp copies its row's
 // chunk of weight bytes into its own shared stage, and each lane then reads its block from there: GGUF blocks are
 // 18, 20 or 34 bytes, so a row is loaded as a byte stream, 16-byte vectors for the aligned body and single bytes
 // for the unaligned head and tail, which keeps every global load of the body 16 bytes wide whatever the row's
@@ -156,17 +157,37 @@ __device__ __forceinline__ float load_scalar(const void* p, DType dtype, int64_t
   }
 }
 
-// x's chunk `chunk` (nq blocks of 32 values, every row) into shared memory, one warp per 32 values. A8: Q8_1 as
-// reference.quantize_q8_1: d = max|x| / 127, q = roundf(x * (1 / d)) (0 where d = 0), d kept as its fp16 value,
-// s = sum(q) * d; the block's bytes q[32] | d at xs + (b * 32 + j) * kQ8Stride, s at s_a[b * 32 + j]. Otherwise x
-// in fp32 at xs + ((b * 32 + j) * kXfStride + lane) floats.
-template <typename T, bool A8>
-__device__ __forceinline__ void stage_x(const GgufGemvParams& p, int64_t chunk, int nq, uint8_t* xs, float* s_a,
+// A warp's share of x's chunk in registers: the values it stages (task t = warp + 8 i is row t / nq, 32-value block
+// t % nq; each lane one value), loaded a chunk ahead as the weights are, so staging waits on no global load.
+template <typename T, int BMAX>
+struct XChunk {
+  T v[BMAX * kChunkBlocks / kGgufWarps];
+};
+
+template <typename T, int BMAX>
+__device__ __forceinline__ void fetch_x(XChunk<T, BMAX>& xr, const GgufGemvParams& p, int64_t chunk, int nq,
                                         int warp, int lane) {
   const T* x = static_cast<const T*>(p.x);
-  for (int t = warp; t < p.batch * nq; t += kGgufWarps) {
+#pragma unroll
+  for (int i = 0; i < BMAX * kChunkBlocks / kGgufWarps; ++i) {
+    const int t = warp + kGgufWarps * i;
+    if (t < p.batch * nq) xr.v[i] = x[(t / nq) * p.x_stride + (chunk * kChunkBlocks + t % nq) * 32 + lane];
+  }
+}
+
+// x's chunk (nq blocks of 32 values, every row) from the warps' registers into shared memory, one warp per 32
+// values. A8: Q8_1 as reference.quantize_q8_1: d = max|x| / 127, q = roundf(x * (1 / d)) (0 where d = 0), d kept as
+// its fp16 value, s = sum(q) * d; the block's bytes q[32] | d at xs + (b * 32 + j) * kQ8Stride, s at
+// s_a[b * 32 + j]. Otherwise x in fp32 at xs + ((b * 32 + j) * kXfStride + lane) floats.
+template <typename T, bool A8, int BMAX>
+__device__ __forceinline__ void stage_x(const XChunk<T, BMAX>& xr, const GgufGemvParams& p, int nq, uint8_t* xs,
+                                        float* s_a, int warp, int lane) {
+#pragma unroll
+  for (int i = 0; i < BMAX * kChunkBlocks / kGgufWarps; ++i) {
+    const int t = warp + kGgufWarps * i;
+    if (t >= p.batch * nq) break;  // the same for the whole warp: the shuffles below see all 32 lanes
     const int b = t / nq, j = t % nq;
-    const float v = to_float(x[b * p.x_stride + (chunk * kChunkBlocks + j) * 32 + lane]);
+    const float v = to_float(xr.v[i]);
     if constexpr (A8) {
       float amax = fabsf(v);
 #pragma unroll
@@ -216,23 +237,30 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const GgufGe
     return byte_window(row + c * kChunkBlocks * TS, row + end * TS);
   };
 
+  auto blocks_in = [&](int64_t c) {  // 32-value blocks in chunk c
+    return static_cast<int>(nb - c * kChunkBlocks < kChunkBlocks ? nb - c * kChunkBlocks : kChunkBlocks);
+  };
+
   WeightChunk<KIND> w{};
   if (live) fetch_chunk<KIND>(w, window(0), lane);
   griddep_wait();
   griddep_launch_dependents();
+  XChunk<T, BMAX> xr;
+  fetch_x<T, BMAX>(xr, p, 0, blocks_in(0), warp, lane);
 
   float acc[BMAX], acc_m[BMAX];
 #pragma unroll
   for (int b = 0; b < BMAX; ++b) acc[b] = acc_m[b] = 0.f;
   for (int64_t c = 0; c < chunks; ++c) {
-    const int nq = static_cast<int>(nb - c * kChunkBlocks < kChunkBlocks ? nb - c * kChunkBlocks : kChunkBlocks);
+    const int nq = blocks_in(c);
     __syncthreads();  // every warp is done with the previous chunk's stages
     const uint8_t* blocks = nullptr;
     if (live) {
       blocks = store_chunk<KIND>(w, window(c), stage, lane);
       if (c + 1 < chunks) fetch_chunk<KIND>(w, window(c + 1), lane);  // in flight while this chunk is computed
     }
-    stage_x<T, A8>(p, c, nq, xs, s_a, warp, lane);
+    stage_x<T, A8, BMAX>(xr, p, nq, xs, s_a, warp, lane);
+    if (c + 1 < chunks) fetch_x<T, BMAX>(xr, p, c + 1, blocks_in(c + 1), warp, lane);  // likewise
     __syncthreads();
     if (!live || lane >= nq) continue;
     float d, m;

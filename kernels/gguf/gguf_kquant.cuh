@@ -91,24 +91,30 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_kquant_kernel(const Gguf
     return byte_window(row + c * kChunkSuperBlocks * SB, row + end * SB);
   };
 
+  auto blocks_in = [&](int64_t c) {  // 32-value blocks in chunk c: a multiple of 8 (whole super-blocks)
+    return static_cast<int>(nb - c * kChunkBlocks < kChunkBlocks ? nb - c * kChunkBlocks : kChunkBlocks);
+  };
+
   WeightChunk<KIND> w{};
   if (live) fetch_chunk<KIND>(w, window(0), lane);
   griddep_wait();
   griddep_launch_dependents();
+  XChunk<T, BMAX> xr;
+  fetch_x<T, BMAX>(xr, p, 0, blocks_in(0), warp, lane);
 
   float acc[BMAX], acc_m[BMAX];
 #pragma unroll
   for (int b = 0; b < BMAX; ++b) acc[b] = acc_m[b] = 0.f;
   for (int64_t c = 0; c < chunks; ++c) {
-    // 32-value blocks in this chunk: a multiple of 8 (whole super-blocks)
-    const int nq = static_cast<int>(nb - c * kChunkBlocks < kChunkBlocks ? nb - c * kChunkBlocks : kChunkBlocks);
+    const int nq = blocks_in(c);
     __syncthreads();  // every warp is done with the previous chunk's stages
     const uint8_t* blocks = nullptr;
     if (live) {
       blocks = store_chunk<KIND>(w, window(c), stage, lane);
       if (c + 1 < chunks) fetch_chunk<KIND>(w, window(c + 1), lane);  // in flight while this chunk is computed
     }
-    stage_x<T, A8>(p, c, nq, xs, s_a, warp, lane);
+    stage_x<T, A8, BMAX>(xr, p, nq, xs, s_a, warp, lane);
+    if (c + 1 < chunks) fetch_x<T, BMAX>(xr, p, c + 1, blocks_in(c + 1), warp, lane);  // likewise
     __syncthreads();
     if (!live || lane >= nq) continue;
     float scale[2], dm;
