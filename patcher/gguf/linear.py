@@ -74,13 +74,16 @@ class GGUFLinear(nn.Module):
             backend = ops.backend_for(x.device)
             if path == "gemv":
                 return backend.gguf_gemv(x, self.qweight, self.kind, self.bias, self.quantize_activations)
-            weight = backend.gguf_dequantize(self.qweight, self.kind, x.dtype)
-            if self.quantize_activations:
-                x = backend.round_q8_1(x)
-            return torch.nn.functional.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+            return self.gemm(backend.round_q8_1(x) if self.quantize_activations else x, backend)
         if self.quantize_activations:
             return reference.linear_w4a8(x, self.qweight, self.kind, self.bias)
         return reference.linear_w4a16(x, self.qweight, self.kind, self.bias)
+
+    def gemm(self, x: torch.Tensor, backend) -> torch.Tensor:
+        """The prefill product on a GPU from x as the GEMM takes it (for W4A8 already rounded through Q8_1): the
+        weight dequantized to x's dtype, then cuBLAS."""
+        weight = backend.gguf_dequantize(self.qweight, self.kind, x.dtype)
+        return torch.nn.functional.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
     def _kernel_path(self, x: torch.Tensor) -> str | None:
         """The op path for x: "gemv" for a decode step's input (1 to 8 rows), "gemm" for more rows, None for the

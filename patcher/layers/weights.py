@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..parallel import rowwise_linear, shard
+from .guard import user_hooks
 
 
 def fuse(owner: nn.Module, name: str, params: list[torch.Tensor]) -> torch.Tensor:
@@ -88,7 +89,22 @@ class GGUFProjection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.modules) == 1:
             return self.modules[0](x)
+        if self._shared_gemm(x):
+            # Prefill on a GPU: the modules share x, so W4A8 rounds it through Q8_1 once, not once a module.
+            from .. import ops
+
+            backend = ops.backend_for(x.device)
+            rounded = backend.round_q8_1(x) if self.modules[0].quantize_activations else x
+            return torch.cat([m.gemm(rounded, backend) for m in self.modules], -1)
         return torch.cat([m(x) for m in self.modules], -1)
+
+    def _shared_gemm(self, x: torch.Tensor) -> bool:
+        """Whether every module takes the GPU prefill path for x in one mode, with no hook of the caller's to run."""
+        first = self.modules[0]
+        return all(
+            m._kernel_path(x) == "gemm" and m.quantize_activations == first.quantize_activations and not user_hooks(m)
+            for m in self.modules
+        )
 
 
 def project(ops, x: torch.Tensor, weight, bias, int4, group=None, gguf: GGUFProjection | None = None) -> torch.Tensor:

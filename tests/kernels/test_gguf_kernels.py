@@ -275,8 +275,8 @@ def test_gguf_dequantize(kernels, kind, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_round_q8_1(kernels, dtype):
     """Activations rounded through Q8_1 equal the reference (reference.quantize_q8_1's q * d, rounded to the dtype)
-    bit for bit: rows of one block and of 448, leading dimensions, strided rows, a block of zeros, and values on
-    rounding edges (halves of d, which roundf takes away from zero)."""
+    bit for bit: rows of one block and of 448, leading dimensions, strided rows (16-byte aligned or not), a block of
+    zeros, and values on rounding edges (halves of d, which roundf takes away from zero)."""
     gen = torch.Generator().manual_seed(5)
     wide = torch.randn(7, 14336 + 40, generator=gen).to(dtype).cuda()
     edges = torch.arange(-64, 64, dtype=torch.float32).repeat(2) / 2 * (127 / 63.5)  # k + 0.5 steps of d = 1
@@ -284,7 +284,8 @@ def test_round_q8_1(kernels, dtype):
     inputs = {
         "one block": torch.randn(3, 32, generator=gen),
         "leading dims": torch.randn(2, 9, 4096, generator=gen),
-        "strided rows": wide[:, 8 : 8 + 14336],
+        "strided rows": wide[:, 8 : 8 + 14336],  # 16-byte aligned: the vector loads
+        "misaligned rows": wide[:, 3 : 3 + 14336],  # one value at a time
         "zeros and edges": edges.reshape(2, 128),
     }
     for what, x in inputs.items():
@@ -317,6 +318,35 @@ def test_gguf_linear_prefill_on_cuda(kernels, kind, dtype, quantize_activations)
         expected = linear(x.cpu(), blocks, kind, bias)
         size = (rounded.abs().cpu() @ weight.abs().cpu().T).max().item()
         assert max_err(got.cpu(), expected) <= 1e-5 * size
+
+
+@pytest.mark.gpu
+def test_gguf_projection_rounds_its_input_once(kernels, monkeypatch):
+    """A GGUFProjection's modules (q/k/v of three types) share their prefill input: W4A8 rounds it through Q8_1 once,
+    with the outputs of the modules run one by one, bit for bit; a caller's hook on one module makes each run its
+    own forward again, so the hook sees its call."""
+    from patcher.layers.weights import GGUFProjection
+
+    k = 512
+    layers = [
+        GGUFLinear.from_blocks(weights(kind, n, k, False)[0].cuda(), kind) for kind, n in (("Q4_K", 64), ("Q6_K", 32))
+    ]
+    layers.append(GGUFLinear.from_blocks(weights("Q4_0", 32, k, True)[0].cuda(), "Q4_0", torch.ones(32).cuda()))
+    projection = GGUFProjection(layers)
+    x = torch.randn(20, k, device="cuda", dtype=torch.float16)
+    calls = []
+    op = KERNELS.round_q8_1
+    monkeypatch.setattr(KERNELS, "round_q8_1", lambda t: calls.append(t) or op(t))
+    with torch.no_grad():
+        expected = torch.cat([m(x) for m in layers], -1)
+        assert len(calls) == 3
+        calls.clear()
+        assert torch.equal(projection(x), expected) and len(calls) == 1
+        calls.clear()
+        seen = []
+        handle = layers[1].register_forward_hook(lambda m, args, out: seen.append(out))
+        assert torch.equal(projection(x), expected) and len(calls) == 3 and len(seen) == 1
+        handle.remove()
 
 
 @pytest.mark.gpu
