@@ -2,7 +2,7 @@
 // (included by one .cu file per dtype: gguf_half.cu, gguf_bf16.cu, gguf_float.cu). What they compute: gguf/params.h.
 //
 // Prefill multiplies many rows by the same weights, so it is a GEMM for cuBLAS: the weights are dequantized into a
-// dtype buffer (one thread a 32-value block or sub-block, its 32 values written as 16-byte vectors) and, for W4A8,
+// dtype buffer (four threads a 32-value block or sub-block, 8 values each written as 16-byte vectors) and, for W4A8,
 // the activations rounded through Q8_1 (four threads a 32-value block, 16-byte loads and stores).
 #pragma once
 #include "gguf/gguf_kquant.cuh"
@@ -12,12 +12,15 @@ namespace {
 
 constexpr int kDequantThreads = 256;
 
+// One thread 8 values, four threads a 32-value block or sub-block: each of the four parses the block (its bytes
+// come once from memory, then from L1) and writes its 8 values, so a warp's stores cover 128 contiguous values.
 template <typename T, int KIND>
 __global__ void __launch_bounds__(kDequantThreads) gguf_dequantize_kernel(const GgufDequantizeParams p) {
-  const int64_t per_row = p.k / 32;  // 32-value units a row
+  const int64_t per_row = p.k / 8;  // 8-value parts a row
   const int64_t unit = static_cast<int64_t>(blockIdx.x) * kDequantThreads + threadIdx.x;
   if (unit >= p.n * per_row) return;
-  const int64_t row = unit / per_row, c = unit % per_row;
+  const int64_t row = unit / per_row, c = (unit % per_row) / 4;  // c: the 32-value block
+  const int part = static_cast<int>(unit % 4);
   const uint8_t* base = p.blocks + row * p.row_bytes;
   float scale[2], d, m;
   int q[8];
@@ -29,32 +32,34 @@ __global__ void __launch_bounds__(kDequantThreads) gguf_dequantize_kernel(const 
     scale[0] = scale[1] = d;
   }
   // Element i is byte i % 4 of q[i / 4]; each value formed as format.dequantize forms it, one rounding per step.
-  float w[32];
+  float w[8];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
+  for (int e = 0; e < 8; ++e) {
+    const int i = part * 8 + e;
     const float qi = static_cast<float>(static_cast<int8_t>(static_cast<unsigned>(q[i / 4]) >> (8 * (i % 4))));
     if constexpr (KIND == kGgufQ4_1) {
-      w[i] = __fadd_rn(__fmul_rn(d, qi), m);
+      w[e] = __fadd_rn(__fmul_rn(d, qi), m);
     } else if constexpr (KIND == kGgufQ4_K || KIND == kGgufQ5_K) {
-      w[i] = __fsub_rn(__fmul_rn(d, qi), m);  // (d * sc) * q - dmin * mn
+      w[e] = __fsub_rn(__fmul_rn(d, qi), m);  // (d * sc) * q - dmin * mn
     } else {
-      w[i] = __fmul_rn(scale[i / 16], qi);  // Q6_K: a scale per 16 values; the others one d
+      w[e] = __fmul_rn(scale[i / 16], qi);  // Q6_K: a scale per 16 values; the others one d
     }
   }
-  constexpr int kVec = 16 / sizeof(T);
-  T* out = static_cast<T*>(p.out) + row * p.k + c * 32;  // 64-byte aligned for fp16/bf16, 128 for fp32
+  T* out = static_cast<T*>(p.out) + row * p.k + c * 32 + part * 8;  // 16-byte aligned (32 for fp32)
+  if constexpr (sizeof(T) == 2) {
+    store_vec<T, 8>(out, w);
+  } else {
+    float lo[4], hi[4];
 #pragma unroll
-  for (int v = 0; v < 32 / kVec; ++v) {
-    float part[kVec];
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) part[e] = w[v * kVec + e];
-    store_vec<T, kVec>(out + v * kVec, part);
+    for (int e = 0; e < 4; ++e) lo[e] = w[e], hi[e] = w[4 + e];
+    store_vec<T, 4>(out, lo);
+    store_vec<T, 4>(out + 4, hi);
   }
 }
 
 template <typename T, int KIND>
 cudaError_t launch_gguf_dequantize_kind(const GgufDequantizeParams& p, cudaStream_t stream) {
-  const int64_t units = p.n * (p.k / 32);
+  const int64_t units = p.n * (p.k / 8);
   gguf_dequantize_kernel<T, KIND>
       <<<static_cast<unsigned>((units + kDequantThreads - 1) / kDequantThreads), kDequantThreads, 0, stream>>>(p);
   return cudaGetLastError();
