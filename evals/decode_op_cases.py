@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .op_cases import ARCHS, input_copies, rand, random_int4
+from .op_cases import ARCHS, gguf_blocks, input_copies, rand, random_int4
 
 
 def _rope_cache_args(batch, arch, dtype, capacity=1024):
@@ -283,6 +283,22 @@ def case_int4_neox(batch, arch, dtype, ops, which):
     return fused, [lambda p=p: unfused_call(*p) for p in pairs], int(nbytes)
 
 
+def case_gguf(batch, arch, dtype, ops, variant):
+    """A decode-step GGUF linear in W4A8 (gguf_gemv: the activations quantized to Q8_1 inside the kernel), variant
+    "<type>_<which>" (qkv, out, mlp_in: gate and up as one width, mlp_out), against cuBLAS on the same weight held
+    dense in the dtype: the fp16 model's GEMV, which reads about 3.6x the bytes."""
+    kind, which = variant[:4], variant[5:]  # "Q4_0_mlp_in" -> "Q4_0", "mlp_in"
+    H, inter, hq, hkv, D = ARCHS[arch][:5]
+    k, n = {"qkv": (H, (hq + 2 * hkv) * D), "out": (hq * D, H), "mlp_in": (H, 2 * inter), "mlp_out": (inter, H)}[which]
+    first = gguf_blocks(kind, n, k)
+    blocks = [first] + [first.clone() for _ in range(input_copies(first.numel()) - 1)]
+    dense = [ops.gguf_dequantize(b, kind, dtype) for b in blocks[: input_copies(n * k * dtype.itemsize)]]
+    x = rand(batch, k, dtype=dtype)
+    fused = [lambda b=b: ops.gguf_gemv(x, b, kind, None, True) for b in blocks]
+    unfused = [lambda w=w: F.linear(x, w) for w in dense]
+    return fused, unfused, first.numel() + batch * (k + n) * dtype.itemsize
+
+
 DECODE_CASES = {  # op -> (builder, architectures, variants)
     "gemv": (
         case_gemv,
@@ -298,4 +314,9 @@ DECODE_CASES = {  # op -> (builder, architectures, variants)
     ),
     "int4_neox": (case_int4_neox, ["pythia-2.8b"], ["qkv_mlp", "out_pair"]),
     "next_token": (case_next_token, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [""]),
+    "gguf": (
+        case_gguf,
+        ["llama-3.1-8b", "qwen2-1.5b"],
+        [f"{kind}_{which}" for kind in ("Q4_0", "Q4_K", "Q6_K") for which in ("qkv", "out", "mlp_in", "mlp_out")],
+    ),
 }

@@ -144,6 +144,28 @@ def case_bias_gelu(tokens, arch, dtype, ops):
     return fused, unfused, (2 * tokens * inter + inter) * dtype.itemsize
 
 
+def gguf_blocks(kind: str, n: int, k: int) -> torch.Tensor:
+    """Random GGUF blocks of `kind` [n, bytes per row] on the GPU (patcher.gguf.random_weights)."""
+    from patcher.gguf.random_weights import random_blocks
+
+    return random_blocks(kind, n, k, torch.Generator().manual_seed(n + k)).cuda()
+
+
+def case_gguf_linear(tokens, arch, dtype, ops, kind="Q4_0"):
+    """A GGUF Q4_0 linear in W4A8 (the MLP's first projection) at prefill (more than 8 rows), as GGUFLinear runs it
+    on a GPU (activations rounded through Q8_1, the weight dequantized to the dtype, then cuBLAS), against F.linear
+    on the same weight held dense in the dtype: the cost of keeping the weights quantized."""
+    if tokens <= 8:
+        return None  # up to 8 rows it is the GGUF GEMV, measured by the decode-path "gguf" rows
+    H, inter = ARCHS[arch][:2]
+    blocks = gguf_blocks(kind, inter, H)
+    dense = ops.gguf_dequantize(blocks, kind, dtype)
+    x = rand(tokens, H, dtype=dtype)
+    fused = lambda: torch.nn.functional.linear(ops.round_q8_1(x), ops.gguf_dequantize(blocks, kind, dtype))
+    unfused = lambda: torch.nn.functional.linear(x, dense)
+    return fused, unfused, int(blocks.numel() + (tokens * H + tokens * inter) * dtype.itemsize)
+
+
 def input_copies(nbytes: int) -> int:
     """Input copies to cycle through so that repeated calls read HBM, not L2 (>= 256 MB in all)."""
     return max(1, min(64, (256 << 20) // max(nbytes, 1) + 1))
@@ -175,4 +197,5 @@ CASES = {  # op -> (case builder, architectures it applies to)
     "silu_and_mul": (case_silu_and_mul, ["llama-3.1-8b", "qwen2-1.5b", "hidden-4096"]),
     "bias_gelu": (case_bias_gelu, ["pythia-2.8b", "hidden-4096"]),
     "int4_linear": (case_int4_linear, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b", "hidden-4096"]),
+    "gguf_linear": (case_gguf_linear, ["llama-3.1-8b", "qwen2-1.5b"]),
 }

@@ -283,3 +283,24 @@ def test_gguf_arguments_are_checked(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         tpot.main([*args, "--device", "cpu", "--modes", "hf-eager", "--no-profile"])
     assert message in str(exit_info.value)
+
+
+@pytest.mark.gpu
+def test_ops_gguf_cases_time_the_products_they_name():
+    """evals.ops' GGUF rows (the decode GEMV per type and projection, the prefill linear): each timed call and its
+    dense counterpart compute the same product, up to what quantizing the activations to Q8_1 changes (about 1% of
+    the output's size, against 100% for a wrong weight or layout)."""
+    import torch
+
+    from evals.decode_op_cases import DECODE_CASES
+    from evals.op_cases import case_gguf_linear
+    from patcher.ops import KERNELS, build
+
+    build.load()
+    builder, _, variants = DECODE_CASES["gguf"]
+    cases = [builder(2, "qwen2-1.5b", torch.float16, KERNELS, v) for v in variants]
+    cases.append(tuple([f] for f in case_gguf_linear(64, "qwen2-1.5b", torch.float16, KERNELS)[:2]) + (0,))
+    for (fused, unfused, _), what in zip(cases, [*variants, "gguf_linear"]):
+        got, expected = fused[0]().float(), unfused[0]().float()
+        assert got.shape == expected.shape, what
+        assert (got - expected).norm() <= 0.05 * expected.norm(), what
