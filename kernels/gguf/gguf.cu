@@ -1,5 +1,5 @@
-// The GGUF kernels' entry points: checks, then the kernels built for the dtype (gguf_gemv.cuh, gguf_kquant.cuh and
-// gguf_dequant.cuh, one gguf_<dtype>.cu each).
+// The GGUF kernels' entry points: checks, then the kernels built for the dtype (gguf_gemv.cuh and gguf_dequant.cuh,
+// one gguf_<dtype>.cu each).
 #include "common/common.cuh"
 #include "gguf/params.h"
 

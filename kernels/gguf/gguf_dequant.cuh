@@ -1,11 +1,11 @@
-// The GGUF prefill path's two kernels, templates over the dtype, beside the GEMVs whose block parsing they share
-// (included by one .cu file per dtype: gguf_half.cu, gguf_bf16.cu, gguf_float.cu). What they compute: gguf/params.h.
+// The GGUF prefill path's two kernels, templates over the dtype, sharing the GEMV's block parsing (gguf_blocks.cuh);
+// included by one .cu file per dtype (gguf_half.cu, gguf_bf16.cu, gguf_float.cu). What they compute: gguf/params.h.
 //
 // Prefill multiplies many rows by the same weights, so it is a GEMM for cuBLAS: the weights are dequantized into a
 // dtype buffer (four threads a 32-value block or sub-block, 8 values each written as 16-byte vectors) and, for W4A8,
 // the activations rounded through Q8_1 (four threads a 32-value block, 16-byte loads and stores).
 #pragma once
-#include "gguf/gguf_kquant.cuh"
+#include "gguf/gguf_blocks.cuh"
 
 namespace patcher {
 namespace {
@@ -21,30 +21,14 @@ __global__ void __launch_bounds__(kDequantThreads) gguf_dequantize_kernel(const 
   if (unit >= p.n * per_row) return;
   const int64_t row = unit / per_row, c = (unit % per_row) / 4;  // c: the 32-value block
   const int part = static_cast<int>(unit % 4);
-  const uint8_t* base = p.blocks + row * p.row_bytes;
-  float scale[2], d, m;
+  // Block c is lane c % 32 of chunk c / 32 (gguf_blocks.cuh).
+  const uint8_t* chunk = p.blocks + row * p.row_bytes + (c / kChunkBlocks) * kChunkBytes<KIND>;
+  float scale[2], off;
   int q[8];
-  if constexpr (kKQuant<KIND>) {
-    parse_sub_block<KIND>(base + (c / 8) * kBlockBytes<KIND>, static_cast<int>(c % 8), scale, m, q);
-    d = scale[0];
-  } else {
-    parse_block<KIND>(base + c * kBlockBytes<KIND>, d, m, q);
-    scale[0] = scale[1] = d;
-  }
-  // Element i is byte i % 4 of q[i / 4]; each value formed as format.dequantize forms it, one rounding per step.
+  parse_lane<KIND>(chunk, static_cast<int>(c % kChunkBlocks), scale, off, q);
   float w[8];
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const int i = part * 8 + e;
-    const float qi = static_cast<float>(static_cast<int8_t>(static_cast<unsigned>(q[i / 4]) >> (8 * (i % 4))));
-    if constexpr (KIND == kGgufQ4_1) {
-      w[e] = __fadd_rn(__fmul_rn(d, qi), m);
-    } else if constexpr (KIND == kGgufQ4_K || KIND == kGgufQ5_K) {
-      w[e] = __fsub_rn(__fmul_rn(d, qi), m);  // (d * sc) * q - dmin * mn
-    } else {
-      w[e] = __fmul_rn(scale[i / 16], qi);  // Q6_K: a scale per 16 values; the others one d
-    }
-  }
+  for (int e = 0; e < 8; ++e) w[e] = weight_at<KIND>(scale, off, q, part * 8 + e);
   T* out = static_cast<T*>(p.out) + row * p.k + c * 32 + part * 8;  // 16-byte aligned (32 for fp32)
   if constexpr (sizeof(T) == 2) {
     store_vec<T, 8>(out, w);

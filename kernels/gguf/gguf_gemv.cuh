@@ -1,150 +1,35 @@
-// The GGUF decode GEMV (Q4_0, Q4_1, Q8_0 blocks; 1 to 8 rows of x), a template over the activation dtype, and the
-// parts the K-quants' kernel shares with it (gguf_kquant.cuh, which includes this file and is included by one .cu
-// file per dtype: gguf_half.cu, gguf_bf16.cu, gguf_float.cu); the entry point is in gguf.cu. What it computes, and
-// the rounding points: gguf/params.h.
+// The GGUF decode GEMV (1 to 8 rows of x, every block type of gguf/params.h), a template over the activation dtype
+// and the block type, and its launchers; included by one .cu file per dtype (gguf_half.cu, gguf_bf16.cu,
+// gguf_float.cu), the entry point in gguf.cu. What it computes, and the rounding points: gguf/params.h.
 //
-// Work split. A block has 8 warps, one output row each; K is walked in chunks of 32 blocks (1024 values), one
-// 32-value block a lane. Per chunk the whole block first stages x's chunk in shared memory: quantized to Q8_1
-// (W4A8; a warp per 32 values: max |x| and sum(q) by warp shuffles) or as fp32 (W4A16), from registers that were
-// loaded a chunk ahead (XChunk), so no chunk waits on a global load of x. Each warp copies its row's
-// chunk of weight bytes into its own shared stage, and each lane then reads its block from there: GGUF blocks are
-// 18, 20 or 34 bytes, so a row is loaded as a byte stream, 16-byte vectors for the aligned body and single bytes
-// for the unaligned head and tail, which keeps every global load of the body 16 bytes wide whatever the row's
-// alignment. The weight bytes of the next chunk are loaded into registers while the current one is computed; the
-// first chunk's are loaded before griddepcontrol.wait (weights are never written by an earlier kernel), so under
-// programmatic dependent launch they overlap the previous kernel's tail.
+// Work split. A block has 8 warps, one output row each; K is walked in chunks of 1024 values (gguf_blocks.cuh), a lane
+// taking one 32-value block or K-quant sub-block (lane l: block l, or sub-block l % 8 of super-block l / 8: the same
+// 32 values as the Q8_1 block that stage_x puts at index l). Per chunk the whole block first stages x's chunk in
+// shared memory: quantized to Q8_1 (W4A8; a warp per 32 values: max |x| and sum(q) by warp shuffles) or as fp32
+// (W4A16), from registers loaded a chunk ahead (XChunk), so no chunk waits on a global load of x. Each warp copies its
+// row's chunk of weight bytes into its own shared stage, and each lane then reads its block from there. The weight
+// bytes of the next chunk are loaded into registers while the current one is computed; the first chunk's before
+// griddepcontrol.wait (weights are never written by an earlier kernel), so under programmatic dependent launch they
+// overlap the previous kernel's tail.
 //
-// Arithmetic. W4A8: the integer dot product of a block (__dp4a over 8 words; Q4_0's nibbles minus 8 per byte) is
-// exact; it is scaled as the reference scales it, (d_w * d_a) * isum, with explicitly rounded products and sums
-// (no contraction into fused multiply-adds), summed per lane over the chunks, then over the lanes. Q4_1's
-// m_w * s_a terms are summed apart and added at the end, as the reference adds its second matmul. W4A16: each
-// weight formed as gguf.quants forms it and rounded to the dtype, then fused multiply-adds with x in fp32.
+// Arithmetic, as reference.linear_w4a8 / linear_w4a16 form it, every product and sum explicitly rounded (no
+// contraction into fused multiply-adds). W4A8: per lane block one exact integer dot product isum (__dp4a over 8
+// words), the term (scale * d_a) * isum, summed per lane over the chunks, then over the lanes; the offsets' terms
+// off * s_a (Q4_1's m, the K-quants' -(dmin * mn)) summed apart and added at the end, as the reference adds its
+// second matmul. Q6_K: two 16-value groups a sub-block, each its own isum and term with the sub-block's d_a, the pair
+// added first, then into the lane's sum, so a term passes through as many fp32 additions as a Q4_1 term does (the
+// offset sum's final addition is the one Q6_K lacks). W4A16: each weight formed as format.dequantize forms it and
+// rounded to the dtype, then fused multiply-adds with x in fp32.
 #pragma once
-#include "common/common.cuh"
-#include "gguf/params.h"
+#include "gguf/gguf_blocks.cuh"
 
 namespace patcher {
 namespace {
 
-constexpr int kGgufWarps = 8;        // output rows per block
-constexpr int kChunkBlocks = 32;     // 32-value blocks per chunk of K: one a lane
-constexpr int kQ8Stride = 36;        // bytes of a staged Q8_1 block: q int8[32] | d fp32; 9 words, so lanes reading
-                                     // their own blocks' words hit distinct banks
-constexpr int kXfStride = 33;        // floats of a staged W4A16 block (33: conflict-free for the same reason)
-
-template <int KIND>
-constexpr bool kKQuant = KIND == kGgufQ4_K || KIND == kGgufQ5_K || KIND == kGgufQ6_K;
-
-// Bytes and values of a block (a super-block for the K-quants), as gguf_block_bytes / gguf_block_values.
-template <int KIND>
-constexpr int kBlockBytes = KIND == kGgufQ4_0   ? 18
-                            : KIND == kGgufQ4_1 ? 20
-                            : KIND == kGgufQ8_0 ? 34
-                            : KIND == kGgufQ4_K ? 144
-                            : KIND == kGgufQ5_K ? 176
-                                                : 210;
-template <int KIND>
-constexpr int kBlockValues = kKQuant<KIND> ? 256 : 32;
-
-// Weight bytes of one row's chunk of K (kChunkBlocks * 32 values): 32 blocks, or 4 super-blocks.
-template <int KIND>
-constexpr int kChunkBytes = kChunkBlocks * 32 / kBlockValues<KIND> * kBlockBytes<KIND>;
-
-// A warp's weight stage: one chunk's bytes, placed at the global address's offset mod 16 so that the aligned body
-// lands on 16-byte boundaries of shared memory.
-template <int KIND>
-constexpr int kStageBytes = (kChunkBytes<KIND> + 15 + 15) / 16 * 16;
-
-// 16-byte vectors of a chunk per lane: a chunk's body has at most chunk bytes / 16 of them.
-template <int KIND>
-constexpr int kVecsPerLane = (kChunkBytes<KIND> / 16 + 31) / 32;
-
-// The bytes [lo, hi) of one row's chunk: head [lo, a) and tail [e, hi) are under 16 bytes each, the body [a, e)
-// 16-byte aligned. hi - lo >= 18 (one block, the smallest), so lo <= a <= e <= hi.
-struct ByteWindow {
-  const uint8_t *lo, *a, *e, *hi;
-};
-
-__device__ __forceinline__ ByteWindow byte_window(const uint8_t* lo, const uint8_t* hi) {
-  const uint8_t* a = lo + ((16 - (reinterpret_cast<uintptr_t>(lo) & 15)) & 15);
-  const uint8_t* e = hi - (reinterpret_cast<uintptr_t>(hi) & 15);
-  return {lo, a, e, hi};
-}
-
-// One lane's share of a chunk in registers: body vectors lane, lane + 32, ..., and one head (lanes 0-15) or tail
-// (lanes 16-31) byte.
-template <int KIND>
-struct WeightChunk {
-  uint4 v[kVecsPerLane<KIND>];
-  uint8_t edge;
-};
-
-template <int KIND>
-__device__ __forceinline__ void fetch_chunk(WeightChunk<KIND>& w, const ByteWindow& win, int lane) {
-  const int64_t vectors = (win.e - win.a) / 16;
-  const uint4* body = reinterpret_cast<const uint4*>(win.a);
-#pragma unroll
-  for (int j = 0; j < kVecsPerLane<KIND>; ++j) {
-    const int64_t i = lane + 32 * j;
-    if (i < vectors) w.v[j] = __ldcs(body + i);
-  }
-  const uint8_t* at = lane < 16 ? win.lo + lane : win.e + (lane - 16);
-  const bool in = lane < 16 ? at < win.a : at < win.hi;
-  w.edge = in ? *at : 0;
-}
-
-// Writes the chunk into the warp's stage; returns where its first block starts there.
-template <int KIND>
-__device__ __forceinline__ const uint8_t* store_chunk(const WeightChunk<KIND>& w, const ByteWindow& win,
-                                                      uint8_t* stage, int lane) {
-  const uint8_t* base = win.lo - (reinterpret_cast<uintptr_t>(win.lo) & 15);  // maps to stage[0]
-  const int64_t vectors = (win.e - win.a) / 16;
-  uint4* body = reinterpret_cast<uint4*>(stage + (win.a - base));
-#pragma unroll
-  for (int j = 0; j < kVecsPerLane<KIND>; ++j) {
-    const int64_t i = lane + 32 * j;
-    if (i < vectors) body[i] = w.v[j];
-  }
-  const uint8_t* at = lane < 16 ? win.lo + lane : win.e + (lane - 16);
-  if (lane < 16 ? at < win.a : at < win.hi) stage[at - base] = w.edge;
-  return stage + (win.lo - base);
-}
-
-// 4 bytes at a 2-byte aligned address (a block's fields are 2-byte aligned), little-endian.
-__device__ __forceinline__ int load_word(const uint8_t* p) {
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
-  return static_cast<int>(static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16));
-}
-
-__device__ __forceinline__ float load_fp16(const uint8_t* p) {
-  return __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(p)));
-}
-
-// One weight block: d (and m for Q4_1) in fp32, and its 32 integers as signed bytes, element i in byte i % 4 of
-// q[i / 4] (Q4_0: nibble - 8, Q4_1: nibble, Q8_0: the int8).
-template <int KIND>
-__device__ __forceinline__ void parse_block(const uint8_t* blk, float& d, float& m, int (&q)[8]) {
-  d = load_fp16(blk);
-  m = 0.f;
-  if constexpr (KIND == kGgufQ8_0) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) q[j] = load_word(blk + 2 + 4 * j);
-  } else {
-    const uint8_t* qs = blk + (KIND == kGgufQ4_1 ? 4 : 2);
-    if constexpr (KIND == kGgufQ4_1) m = load_fp16(blk + 2);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const unsigned v = static_cast<unsigned>(load_word(qs + 4 * j));
-      unsigned low = v & 0x0F0F0F0Fu, high = (v >> 4) & 0x0F0F0F0Fu;
-      if constexpr (KIND == kGgufQ4_0) {
-        low = __vsub4(low, 0x08080808u);  // per byte, no borrow between bytes
-        high = __vsub4(high, 0x08080808u);
-      }
-      q[j] = static_cast<int>(low);        // elements 4j .. 4j + 3
-      q[4 + j] = static_cast<int>(high);   // elements 16 + 4j .. 16 + 4j + 3
-    }
-  }
-}
+constexpr int kGgufWarps = 8;  // output rows per block
+constexpr int kQ8Stride = 36;  // bytes of a staged Q8_1 block: q int8[32] | d fp32; 9 words, so lanes reading
+                               // their own blocks' words hit distinct banks
+constexpr int kXfStride = 33;  // floats of a staged W4A16 block (33: conflict-free for the same reason)
 
 __device__ __forceinline__ float load_scalar(const void* p, DType dtype, int64_t i) {
   switch (dtype) {
@@ -219,25 +104,71 @@ size_t gguf_smem(int64_t batch, bool a8) {
   return static_cast<size_t>(kGgufWarps) * kStageBytes<KIND> + x_stage;
 }
 
+// One lane's block of the chunk (at `chunk` in the warp's stage) times every row of x's staged chunk, into the
+// lane's sums.
+template <typename T, int KIND, bool A8, int BMAX>
+__device__ __forceinline__ void accumulate(const uint8_t* chunk, const uint8_t* xs, const float* s_a, int batch,
+                                           int lane, float (&acc)[BMAX], float (&acc_m)[BMAX]) {
+  float scale[2], off;
+  int q[8];
+  parse_lane<KIND>(chunk, lane, scale, off, q);
+  if constexpr (A8) {
+#pragma unroll
+    for (int b = 0; b < BMAX; ++b) {
+      if (b >= batch) break;
+      const uint8_t* xb = xs + (b * kChunkBlocks + lane) * kQ8Stride;
+      const int* qa = reinterpret_cast<const int*>(xb);
+      const float d_a = *reinterpret_cast<const float*>(xb + 32);
+      if constexpr (KIND == kGgufQ6_K) {
+        int isum0 = 0, isum1 = 0;  // elements 0..15 and 16..31
+#pragma unroll
+        for (int i = 0; i < 4; ++i) isum0 = __dp4a(q[i], qa[i], isum0);
+#pragma unroll
+        for (int i = 4; i < 8; ++i) isum1 = __dp4a(q[i], qa[i], isum1);
+        const float t0 = __fmul_rn(__fmul_rn(scale[0], d_a), static_cast<float>(isum0));
+        const float t1 = __fmul_rn(__fmul_rn(scale[1], d_a), static_cast<float>(isum1));
+        acc[b] = __fadd_rn(acc[b], __fadd_rn(t0, t1));
+      } else {
+        int isum = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) isum = __dp4a(q[i], qa[i], isum);
+        acc[b] = __fadd_rn(acc[b], __fmul_rn(__fmul_rn(scale[0], d_a), static_cast<float>(isum)));
+        if constexpr (kHasOffset<KIND>) acc_m[b] = __fadd_rn(acc_m[b], __fmul_rn(off, s_a[b * kChunkBlocks + lane]));
+      }
+    }
+  } else {
+    float wv[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) wv[i] = round_to<T>(weight_at<KIND>(scale, off, q, i));
+#pragma unroll
+    for (int b = 0; b < BMAX; ++b) {
+      if (b >= batch) break;
+      const float* xb = reinterpret_cast<const float*>(xs) + (b * kChunkBlocks + lane) * kXfStride;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc[b] = fmaf(wv[i], xb[i], acc[b]);
+    }
+  }
+}
+
 template <typename T, int KIND, bool A8, int BMAX>
 __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const GgufGemvParams p) {
   extern __shared__ __align__(16) uint8_t gguf_smem_bytes[];
-  constexpr int TS = kBlockBytes<KIND>;
+  constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kGgufWarps + warp;
   const bool live = n < p.n;  // warps past the last row still stage x with the others
-  const int64_t nb = p.k / 32;
-  const int64_t chunks = (nb + kChunkBlocks - 1) / kChunkBlocks;
+  const int64_t nb = p.k / 32;                     // 32-value blocks (and Q8_1 blocks of x) a row
+  const int64_t units = p.k / kBlockValues<KIND>;  // blocks (super-blocks) a row
+  const int64_t chunks = (units + kPerChunk - 1) / kPerChunk;
   uint8_t* stage = gguf_smem_bytes + warp * kStageBytes<KIND>;
   uint8_t* xs = gguf_smem_bytes + kGgufWarps * kStageBytes<KIND>;
   float* s_a = reinterpret_cast<float*>(xs + p.batch * kChunkBlocks * kQ8Stride);  // A8: [batch][32]
   const uint8_t* row = p.blocks + (live ? n : 0) * p.row_bytes;
   auto window = [&](int64_t c) {
-    const int64_t end = (c + 1) * kChunkBlocks < nb ? (c + 1) * kChunkBlocks : nb;
-    return byte_window(row + c * kChunkBlocks * TS, row + end * TS);
+    const int64_t end = (c + 1) * kPerChunk < units ? (c + 1) * kPerChunk : units;
+    return byte_window(row + c * kPerChunk * kBlockBytes<KIND>, row + end * kBlockBytes<KIND>);
   };
-
-  auto blocks_in = [&](int64_t c) {  // 32-value blocks in chunk c
+  auto blocks_in = [&](int64_t c) {  // 32-value blocks in chunk c (a multiple of 8 for the K-quants)
     return static_cast<int>(nb - c * kChunkBlocks < kChunkBlocks ? nb - c * kChunkBlocks : kChunkBlocks);
   };
 
@@ -254,60 +185,29 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const GgufGe
   for (int64_t c = 0; c < chunks; ++c) {
     const int nq = blocks_in(c);
     __syncthreads();  // every warp is done with the previous chunk's stages
-    const uint8_t* blocks = nullptr;
+    const uint8_t* chunk = nullptr;
     if (live) {
-      blocks = store_chunk<KIND>(w, window(c), stage, lane);
+      chunk = store_chunk<KIND>(w, window(c), stage, lane);
       if (c + 1 < chunks) fetch_chunk<KIND>(w, window(c + 1), lane);  // in flight while this chunk is computed
     }
     stage_x<T, A8, BMAX>(xr, p, nq, xs, s_a, warp, lane);
     if (c + 1 < chunks) fetch_x<T, BMAX>(xr, p, c + 1, blocks_in(c + 1), warp, lane);  // likewise
     __syncthreads();
-    if (!live || lane >= nq) continue;
-    float d, m;
-    int q[8];
-    parse_block<KIND>(blocks + lane * TS, d, m, q);
-    if constexpr (A8) {
-#pragma unroll
-      for (int b = 0; b < BMAX; ++b) {
-        if (b >= p.batch) break;
-        const uint8_t* xb = xs + (b * kChunkBlocks + lane) * kQ8Stride;
-        const int* qa = reinterpret_cast<const int*>(xb);
-        int isum = 0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) isum = __dp4a(q[j], qa[j], isum);
-        const float d_a = *reinterpret_cast<const float*>(xb + 32);
-        acc[b] = __fadd_rn(acc[b], __fmul_rn(__fmul_rn(d, d_a), static_cast<float>(isum)));
-        if constexpr (KIND == kGgufQ4_1) acc_m[b] = __fadd_rn(acc_m[b], __fmul_rn(m, s_a[b * kChunkBlocks + lane]));
-      }
-    } else {
-      float wv[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const float qi = static_cast<float>(static_cast<int8_t>(static_cast<unsigned>(q[i / 4]) >> (8 * (i % 4))));
-        const float value = KIND == kGgufQ4_1 ? __fadd_rn(__fmul_rn(d, qi), m) : __fmul_rn(d, qi);
-        wv[i] = round_to<T>(value);
-      }
-#pragma unroll
-      for (int b = 0; b < BMAX; ++b) {
-        if (b >= p.batch) break;
-        const float* xb = reinterpret_cast<const float*>(xs) + (b * kChunkBlocks + lane) * kXfStride;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) acc[b] = fmaf(wv[i], xb[i], acc[b]);
-      }
-    }
+    if (live && lane < nq) accumulate<T, KIND, A8, BMAX>(chunk, xs, s_a, static_cast<int>(p.batch), lane, acc, acc_m);
   }
   if (!live) return;
+  constexpr bool kOffsetSum = A8 && kHasOffset<KIND>;
 #pragma unroll
   for (int b = 0; b < BMAX; ++b) {
     acc[b] = warp_sum(acc[b]);
-    acc_m[b] = warp_sum(acc_m[b]);
+    if constexpr (kOffsetSum) acc_m[b] = warp_sum(acc_m[b]);
   }
   if (lane != 0) return;
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int b = 0; b < BMAX; ++b) {
     if (b >= p.batch) break;
-    float y = A8 && KIND == kGgufQ4_1 ? __fadd_rn(acc[b], acc_m[b]) : acc[b];
+    float y = kOffsetSum ? __fadd_rn(acc[b], acc_m[b]) : acc[b];
     if (p.bias) {
       const float bias = load_scalar(p.bias, p.bias_dtype, n);
       y = __fadd_rn(y, A8 ? bias : round_to<T>(bias));  // W4A16: the reference's bias.to(x.dtype)
@@ -335,6 +235,26 @@ template <typename T, int KIND>
 cudaError_t launch_gguf_mode(const GgufGemvParams& p, cudaStream_t stream) {
   return p.quantize_activations ? launch_gguf_batch<T, KIND, true>(p, stream)
                                 : launch_gguf_batch<T, KIND, false>(p, stream);
+}
+
+// The dtype's launcher over every kind, which gguf_<dtype>.cu instantiates.
+template <typename T>
+cudaError_t launch_gguf_gemv_typed(const GgufGemvParams& p, cudaStream_t stream) {
+  switch (p.kind) {
+    case kGgufQ4_0:
+      return launch_gguf_mode<T, kGgufQ4_0>(p, stream);
+    case kGgufQ4_1:
+      return launch_gguf_mode<T, kGgufQ4_1>(p, stream);
+    case kGgufQ8_0:
+      return launch_gguf_mode<T, kGgufQ8_0>(p, stream);
+    case kGgufQ4_K:
+      return launch_gguf_mode<T, kGgufQ4_K>(p, stream);
+    case kGgufQ5_K:
+      return launch_gguf_mode<T, kGgufQ5_K>(p, stream);
+    case kGgufQ6_K:
+      return launch_gguf_mode<T, kGgufQ6_K>(p, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace

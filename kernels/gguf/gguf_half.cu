@@ -1,6 +1,7 @@
-// The GGUF kernels for __half activations (one file per dtype): the decode GEMVs (gguf_gemv.cuh,
-// gguf_kquant.cuh) and the prefill path's dequantization and Q8_1 rounding (gguf_dequant.cuh).
+// The GGUF kernels for __half activations (one file per dtype): the decode GEMV (gguf_gemv.cuh) and
+// the prefill path's dequantization and Q8_1 rounding (gguf_dequant.cuh).
 #include "gguf/gguf_dequant.cuh"
+#include "gguf/gguf_gemv.cuh"
 
 namespace patcher {
 
