@@ -80,8 +80,8 @@ class GGUFLinear(nn.Module):
         return reference.linear_w4a16(x, self.qweight, self.kind, self.bias)
 
     def gemm(self, x: torch.Tensor, backend) -> torch.Tensor:
-        """The prefill product on a GPU from x as the GEMM takes it (for W4A8 already rounded through Q8_1): the
-        weight dequantized to x's dtype, then cuBLAS."""
+        """The prefill product from x as the GEMM takes it (for W4A8 already rounded through Q8_1): the weight
+        dequantized to x's dtype, then F.linear (cuBLAS on a GPU)."""
         weight = backend.gguf_dequantize(self.qweight, self.kind, x.dtype)
         return torch.nn.functional.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 

@@ -320,23 +320,28 @@ def test_gguf_linear_prefill_on_cuda(kernels, kind, dtype, quantize_activations)
         assert max_err(got.cpu(), expected) <= 1e-5 * size
 
 
-@pytest.mark.gpu
-def test_gguf_projection_rounds_its_input_once(kernels, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gguf_projection_rounds_its_input_once(device, monkeypatch):
     """A GGUFProjection's modules (q/k/v of three types) share their prefill input: W4A8 rounds it through Q8_1 once,
     with the outputs of the modules run one by one, bit for bit; a caller's hook on one module makes each run its
     own forward again, so the hook sees its call."""
     from patcher.layers.weights import GGUFProjection
+    from patcher.ops import backend_for
 
+    backend = backend_for(torch.device(device))
     k = 512
     layers = [
-        GGUFLinear.from_blocks(weights(kind, n, k, False)[0].cuda(), kind) for kind, n in (("Q4_K", 64), ("Q6_K", 32))
+        GGUFLinear.from_blocks(weights(kind, n, k, False)[0].to(device), kind)
+        for kind, n in (("Q4_K", 64), ("Q6_K", 32))
     ]
-    layers.append(GGUFLinear.from_blocks(weights("Q4_0", 32, k, True)[0].cuda(), "Q4_0", torch.ones(32).cuda()))
+    layers.append(
+        GGUFLinear.from_blocks(weights("Q4_0", 32, k, True)[0].to(device), "Q4_0", torch.ones(32, device=device))
+    )
     projection = GGUFProjection(layers)
-    x = torch.randn(20, k, device="cuda", dtype=torch.float16)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(8)).to(device)
     calls = []
-    op = KERNELS.round_q8_1
-    monkeypatch.setattr(KERNELS, "round_q8_1", lambda t: calls.append(t) or op(t))
+    op = backend.round_q8_1
+    monkeypatch.setattr(backend, "round_q8_1", lambda t: calls.append(t) or op(t))
     with torch.no_grad():
         expected = torch.cat([m(x) for m in layers], -1)
         assert len(calls) == 3
