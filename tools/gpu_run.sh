@@ -9,7 +9,8 @@
 #   tools/gpu_run.sh presets [MODEL...]  TPOT of every generate-argument preset (evals/presets.py), patched against
 #                            HF's static cache + compile, fp16, batch 1, one JSON file a model (default: the four)
 #   tools/gpu_run.sh gguf    the GGUF goals: decode TPOT and 2048-token prefill (TTFT) of the Llama-3.1-8B shape in
-#                            fp16, GPTQ int4 g128, GGUF Q4_0 and the Q4_K_M mix (W4A8), one process each; the GGUF
+#                            fp16, GPTQ int4 g128, GGUF Q4_0 and the Q4_K_M mix (W4A8), one process each (and the
+#                            eight in gguf_llama-3.1-8b_decode-prefill.json); the GGUF
 #                            ops alone (evals.ops: the decode GEMV per type and projection, the prefill linear); then, with
 #                            PATCHER_SMOLLM2_GGUF and PATCHER_WIKITEXT set, the trained SmolLM2's perplexity
 #                            dequantized (fp16), W4A16 and W4A8
@@ -68,6 +69,15 @@ case "${1:-}" in
         --new-tokens 8 --repeats 3 --no-profile --json "$OUT/prefill_llama-3.1-8b_${weights}.json" 2>&1 \
         | grep -E "^patched" || true
     done
+    # The eight runs in one file, as evals/results keeps them
+    python3 - "$OUT" <<'EOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+runs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*_llama-3.1-8b_*.json"))
+        if p.stem.startswith(("tpot_", "prefill_"))}
+combined = {"tool": "tools/gpu_run.sh gguf", "runs": runs}
+(out / "gguf_llama-3.1-8b_decode-prefill.json").write_text(json.dumps(combined, indent=1))
+EOF
     python3 -m evals.ops --ops gguf,gguf_linear --dtypes fp16 --decode-batches 1 --tokens 4096 \
       --json "$OUT/ops_gguf.json" 2>&1 | grep -v "it/s" || true
     if [[ -n "${PATCHER_SMOLLM2_GGUF:-}" && -n "${PATCHER_WIKITEXT:-}" ]]; then
