@@ -93,8 +93,9 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
   __shared__ AttnShared S;
 
   // slot and pad are read before the wait (and the first keys, below): the decode step writes them only between
-  // steps (slot) and before the first (pad), never in the kernel just before this one, which is the only one that
-  // may still be running.
+  // steps (slot, next_token) and before the first (pad). The kernel just before this one (the QKV projection, or
+  // rope_qkv_cache) triggers this launch only after its own wait (feeds_attention, common.cuh), so every kernel
+  // before that one, the previous step's next_token included, has completed when this kernel starts.
   // blockIdx.x: query head (of kv head head / group_size); y: row; z: share
   const int group_size = static_cast<int>(p.num_q_heads / p.num_kv_heads);
   const int head = blockIdx.x, b = blockIdx.y, kvh = head / group_size, split = blockIdx.z;
@@ -151,8 +152,8 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
   }
   // The first block step is loaded before the wait, except the current token's key and value: the QKV kernel just
   // before this one writes them into the cache at slot, while every earlier key was written by kernels that have
-  // finished (a kernel starts early only beside the one just before it, which waited for all earlier ones). At
-  // short contexts that is all of the block's keys, and their memory latency overlaps the previous kernel's tail.
+  // finished (that kernel triggers this launch after its wait, which waited for all earlier ones). At short
+  // contexts that is all of the block's keys, and their memory latency overlaps the previous kernel's tail.
   load_step(lo, last_key);
   // The share's next block steps into L2, one bulk prefetch each for K and V: otherwise each comes from HBM after
   // the previous step's arithmetic. At most kAttnSingleShareSteps - 1 of them: all of a one-share context, and of a
@@ -165,6 +166,9 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
     prefetch_l2(static_cast<const T*>(p.v_cache) + head_offset + from * D, bytes);
   }
   griddep_wait();
+  // After the wait, not at entry: the op after it may be GPT-NeoX's int4 output pair (Int4Params::x2_early), whose
+  // blocks that skip their wait read the MLP hidden state that the kernel before this one wrote; triggering here
+  // keeps them from starting before that kernel has completed. (A trigger after the key loop lost: docs/decode-int4.md.)
   griddep_launch_dependents();
   float cur_k[8] = {}, cur_v[8] = {};
   __shared__ float made[GMAX + 2][D];  // FROM_ACC: q of the block's heads, then K and V

@@ -168,8 +168,18 @@ __device__ __forceinline__ float gelu(float x, bool tanh_approx) {
 
 // Programmatic dependent launch (Hopper): a kernel launched with launch_pdl may start while the previous kernel
 // in the stream is still finishing. It must call griddep_wait() before it reads anything an earlier kernel wrote
-// or writes anything at all; only reads of constant data (weights) may come before. griddep_launch_dependents()
-// lets the next kernel start launching now. Both are no-ops before sm_90.
+// or writes anything at all; only reads of constant data (weights) may come before. griddep_wait() returns once
+// every earlier kernel of the stream has completed and its writes are visible. griddep_launch_dependents() lets
+// the next kernel start launching now. Both are no-ops before sm_90.
+//
+// Look-ahead. Most kernels trigger at entry (griddep_trigger_at_entry), so the next kernel's blocks start and
+// issue their weight loads while this one still waits; the kernel after that may start in turn, so any number of
+// kernels may be in their pre-wait part at once, beside any earlier kernel that has not completed. Hence the
+// rule: a pre-wait read may only touch data that no kernel of the stream writes (weights, norm parameters, RoPE
+// tables). The one exception is decode_attention, which reads the cache position and earlier keys before its
+// wait; the op just before it (the one that writes the current token's K/V or the sums it finishes) triggers after
+// its wait (griddep_trigger_after_wait with feeds_attention), so the attention starts only once every kernel
+// before that op has completed (docs/decode-fp16.md, "Where each kernel triggers").
 __device__ __forceinline__ void griddep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -180,6 +190,35 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// Where a kernel of each kind triggers: at entry, or with PATCHER_LATE_TRIGGER_MASK's bit for its kind set at
+// build time (patcher/ops/build.py: PATCHER_LATE_TRIGGER), right after its wait, for measuring one kind's early
+// trigger against the other placement in one tree. A kernel calls both at the two places, with the same kind.
+enum TriggerKind : int {
+  kTriggerGemv = 1,         // the fp16/bf16/fp32 decode GEMV
+  kTriggerInt4 = 2,         // the int4 ops
+  kTriggerNorm = 4,         // the add + norm kernel and the int4 ops' separate norm prologue
+  kTriggerElementwise = 8,  // RoPE and activation kernels
+};
+#ifndef PATCHER_LATE_TRIGGER_MASK
+#define PATCHER_LATE_TRIGGER_MASK 0
+#endif
+
+template <int KIND>
+__device__ __forceinline__ void griddep_trigger_at_entry([[maybe_unused]] bool feeds_attention = false) {
+  if constexpr ((PATCHER_LATE_TRIGGER_MASK & KIND) == 0) {
+    if (!feeds_attention) griddep_launch_dependents();
+  }
+}
+
+// After griddep_wait(). feeds_attention: the kernel is the op right before a decode attention, which reads the
+// cache position and earlier keys before its own wait; triggering here keeps that attention from starting before
+// every kernel ahead of this one (the previous step's next_token included) has completed. Must be uniform over
+// the grid (a kernel parameter), like every trigger placement here.
+template <int KIND>
+__device__ __forceinline__ void griddep_trigger_after_wait(bool feeds_attention = false) {
+  if ((PATCHER_LATE_TRIGGER_MASK & KIND) != 0 || feeds_attention) griddep_launch_dependents();
 }
 
 // Whether the current GPU is a Hopper or newer (programmatic dependent launch).

@@ -188,6 +188,10 @@ __global__ void __launch_bounds__(kWarps * 32, NORM ? 5 : 1) gemv_kernel(const G
   constexpr int GROUPS = kWarps / KSPLIT;       // row groups per block
   __shared__ float s_partial[kWarps][NW][BMAX];
   extern __shared__ __align__(16) unsigned char gemv_stage[];
+  // The next kernel may launch at once: it reads only constants before its wait. Not so for the QKV projection's
+  // RoPE + cache form, whose next kernel is the decode attention (common.cuh, griddep_trigger_after_wait).
+  const bool feeds_attention = p.act == kActRopeCache;
+  griddep_trigger_at_entry<kTriggerGemv>(feeds_attention);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int part = warp % KSPLIT;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * GROUPS + warp / KSPLIT) * ROWS;
@@ -240,7 +244,7 @@ __global__ void __launch_bounds__(kWarps * 32, NORM ? 5 : 1) gemv_kernel(const G
     }
   }
   griddep_wait();
-  griddep_launch_dependents();
+  griddep_trigger_after_wait<kTriggerGemv>(feeds_attention);
   if constexpr (NORM) {
     if constexpr (V > 1) {
       if (staged) stage_rows<T, V>(p, src);

@@ -111,6 +111,10 @@ __global__ void __launch_bounds__(kNextTokenThreads) next_token_kernel(const Nex
   __shared__ int indices[32];
   __shared__ bool last;
   griddep_wait();
+  // After the wait, not at entry: it ends the step and writes the slot, the token and the next step's input. Under
+  // the step's CUDA graph nothing follows it in the replay; where steps run back to back in one stream, the next
+  // step's first kernels then start only once the logits are final. (The first decode attention of that step is
+  // held back by the QKV projection before it in any case: common.cuh, feeds_attention.)
   griddep_launch_dependents();
   const int c = blockIdx.x, b = blockIdx.y, parts = static_cast<int>(gridDim.x);
   const Vec<T, VEC>* row = reinterpret_cast<const Vec<T, VEC>*>(static_cast<const T*>(p.scores) + b * p.scores_stride);
