@@ -321,11 +321,13 @@ void launch_acc(patcher::Int4Params& p, const Tensor& x, OptTensorList bias, int
 
 void int4_gemv_acc(const Tensor& x, const OptTensor& x2, TensorList qweight, TensorList qzeros, TensorList scales,
                    TensorList g_idx, OptTensorList bias, int64_t group_size, bool act_order, int64_t zero_offset,
-                   int64_t splits, Tensor& workspace, Tensor& acc, const OptTensor& clear, bool x2_early) {
+                   int64_t splits, Tensor& workspace, Tensor& acc, const OptTensor& clear, bool x2_early,
+                   bool feeds_attention) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   patcher::Int4Params p = cat_params(x, x2, qweight, qzeros, scales, g_idx, bias, group_size, act_order, zero_offset,
                                      x2_early, "int4_gemv_acc");
+  p.feeds_attention = feeds_attention;
   launch_acc(p, x, bias, splits, workspace, acc, clear, "int4_gemv_acc");
 }
 
@@ -342,6 +344,7 @@ std::tuple<Tensor, Tensor> int4_norm_gemv_acc(const Tensor& x, const OptTensor& 
   const c10::cuda::CUDAGuard guard(x.device());
   auto [p, pro] = norm_params(x, delta, delta2, norm_weight, norm_bias, norm_weight2, norm_bias2, eps, rms, qweight,
                               qzeros, scales, g_idx, bias, group_size, act_order, zero_offset);
+  p.feeds_attention = true;  // the QKV projection: decode_attention_qkv_acc runs next
   launch_acc(p, x, bias, splits, workspace, acc, clear, "int4_norm_gemv_acc");
   return {pro.sum, pro.h2};
 }

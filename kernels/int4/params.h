@@ -55,7 +55,14 @@ struct Int4Params {
   // x2 was written before the stream's previous kernel began (the caller's promise): blocks whose K slice reads only
   // x2 skip griddepcontrol.wait and stream their weights while that kernel runs (GPT-NeoX's MLP half of the output
   // pair beside the attention). Every tile still has a slice that waits, and its last block writes the output.
+  // "Began" implies "the writer has completed" only while the previous kernel triggers after its wait: it is the
+  // decode attention, which does (kernels/attention/decode_attention.cu).
   bool x2_early;
+  // The op right before decode_attention_qkv_acc (int4_gemv_acc and int4_norm_gemv_acc as the QKV projection): it
+  // triggers the next kernel's launch after its wait rather than at entry, since that attention reads the slot
+  // and earlier keys before its own wait (common.cuh, griddep_trigger_after_wait). The RoPE + cache epilogue
+  // (kInt4RopeCache) is treated so without it.
+  bool feeds_attention;
   NormPrologue norm;
   // The meeting deferred to the consumer (int4_gemv_acc): with `acc` set (kInt4Store, no activation, no bias, no
   // norm prologue), every block adds its sums of its tile and K slice into acc [batch, sum of n] as fixed-point

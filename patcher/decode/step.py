@@ -264,7 +264,7 @@ class DecodeStep:
         args = (*lin.args(bias=False), st.int4_splits[id(lin)], st.int4_workspace, d.acc, d.clear)
         if st.int4_separate_norm:
             h, total, _ = self.ops.int4_norm_prologue(x, *pro)
-            self.ops.int4_gemv_acc(h, None, *args)
+            self.ops.int4_gemv_acc(h, None, *args, feeds_attention=True)
             return d, total
         total, _ = self.ops.int4_norm_gemv_acc(x, *pro, *args)
         return d, total

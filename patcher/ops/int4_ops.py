@@ -141,12 +141,14 @@ def _cat(x, x2, qweight):
 
 def int4_gemv_acc(
     x, x2, qweight, qzeros, scales, g_idx, bias, group_size: int, act_order: bool, zero_offset: int, splits: int,
-    workspace, acc, clear=None, x2_early: bool = False,
+    workspace, acc, clear=None, x2_early: bool = False, feeds_attention: bool = False,
 ):  # fmt: skip
     """acc += [x | x2] @ W in fixed point (to_fixed; x2 may be None): the product of int4_gemv_cat without its
     rounding, bias and epilogue, which the op reading acc as its prologue's delta applies (from_fixed, then delta2
     = the bias rows). The CUDA kernel's blocks add their K slices' sums into acc, so the slices need not meet.
-    `clear` (int64, may be None) is zeroed: an accumulator whose reader has run, for its next use."""
+    `clear` (int64, may be None) is zeroed: an accumulator whose reader has run, for its next use.
+    `feeds_attention` (scheduling only, like `x2_early`): the op runs right before decode_attention_qkv_acc, so the
+    CUDA kernel lets the next kernel launch only after its own wait (kernels/common/common.cuh)."""
     if any(b is not None for b in bias):
         raise ValueError("int4_gemv_acc adds no bias (the reader of acc adds it, as its prologue's delta2)")
     h = x if x2 is None else _cat(x, x2, qweight)
@@ -242,7 +244,7 @@ define(
 )
 define(
     f"int4_gemv_acc(Tensor x, Tensor? x2, {_INT4}, int splits, Tensor(a!) workspace, Tensor(b!) acc,"
-    " Tensor(c!)? clear=None, bool x2_early=False) -> ()",
+    " Tensor(c!)? clear=None, bool x2_early=False, bool feeds_attention=False) -> ()",
     int4_gemv_acc,
     lambda *args, **kwargs: None,
 )
