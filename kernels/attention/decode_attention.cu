@@ -168,7 +168,8 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
   griddep_wait();
   // After the wait, not at entry: the op after it may be GPT-NeoX's int4 output pair (Int4Params::x2_early), whose
   // blocks that skip their wait read the MLP hidden state that the kernel before this one wrote; triggering here
-  // keeps them from starting before that kernel has completed. (A trigger after the key loop lost: docs/decode-int4.md.)
+  // keeps them from starting before that kernel has completed. (A trigger after the key loop lost:
+  // docs/decode-int4.md.)
   griddep_launch_dependents();
   float cur_k[8] = {}, cur_v[8] = {};
   __shared__ float made[GMAX + 2][D];  // FROM_ACC: q of the block's heads, then K and V

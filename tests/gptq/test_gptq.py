@@ -424,7 +424,8 @@ def test_int4_gemv_acc_reference():
     start = torch.randint(-(2**40), 2**40, (2, n))
     acc, clear = start.clone(), torch.randint(1, 9, (5,))
     torch.library.opcheck(torch.ops.patcher.int4_gemv_acc.default, (x, x2, *args, 1, None, acc.clone(), clear.clone()))
-    KERNELS.int4_gemv_acc(x, x2, *args, 1, None, acc, clear)  # the CPU dispatch: the reference
+    # the CPU dispatch: the reference (feeds_attention, as the decode step passes it, only places the CUDA trigger)
+    KERNELS.int4_gemv_acc(x, x2, *args, 1, None, acc, clear, feeds_attention=True)
     assert int(clear.abs().sum()) == 0
     w = reference.int4_weight(args[0][0], args[1][0], args[2][0], args[3][0], 64, False, 1)
     exact = torch.cat([x, x2], -1).double() @ w.double()
