@@ -14,8 +14,6 @@
 #                            ops alone (evals.ops: the decode GEMV per type and projection, the prefill linear); then, with
 #                            PATCHER_SMOLLM2_GGUF and PATCHER_WIKITEXT set, the trained SmolLM2's perplexity
 #                            dequantized (fp16), W4A16 and W4A8
-#   tools/gpu_run.sh pdl-ab  TPOT of SmolLM2, Qwen2-1.5B and Llama-3.1-8B shapes with the shipped trigger placement
-#                            against PATCHER_LATE_TRIGGER=all, interleaved, twice (pdl_ab.json)
 # Logs and JSON files go to $OUT (default /tmp/patcher-out).
 set -euo pipefail
 OUT=${OUT:-/tmp/patcher-out}
@@ -91,37 +89,8 @@ EOF
       done
     fi
     ;;
-  pdl-ab)
-    # Where each kernel triggers its dependent's launch, measured: the shipped placement (most kernels at entry)
-    # against PATCHER_LATE_TRIGGER=all (every kernel after its wait), both built first, then TPOT interleaved,
-    # twice per model; one JSON of every run (pdl_ab.json).
-    python3 -c "from patcher.ops import build; build.load()" &
-    early=$!
-    PATCHER_LATE_TRIGGER=all python3 -c "from patcher.ops import build; build.load()" &
-    late=$!
-    wait "$early"
-    wait "$late"
-    mkdir -p "$OUT/pdl"
-    for round in 1 2; do
-      for model in smollm2-135m qwen2-1.5b llama-3.1-8b; do
-        for placement in early late; do
-          flag=""
-          [[ $placement == late ]] && flag=all
-          PATCHER_LATE_TRIGGER=$flag python3 -m evals.tpot --random-config "$model" --modes patched --new-tokens 128 \
-            --repeats 5 --no-profile --json "$OUT/pdl/${model}_${placement}_${round}.json" 2>&1 | grep -E "^patched" \
-            | sed "s/^/$model $placement $round: /" || true
-        done
-      done
-    done
-    python3 - "$OUT" <<'EOF'
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-runs = {p.stem: json.loads(p.read_text()) for p in sorted((out / "pdl").glob("*.json"))}
-(out / "pdl_ab.json").write_text(json.dumps({"tool": "tools/gpu_run.sh pdl-ab", "runs": runs}, indent=1))
-EOF
-    ;;
   *)
-    echo "usage: tools/gpu_run.sh tests|tpot|presets|gguf|pdl-ab" >&2
+    echo "usage: tools/gpu_run.sh tests|tpot|presets|gguf" >&2
     exit 2
     ;;
 esac

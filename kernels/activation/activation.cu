@@ -13,9 +13,8 @@ namespace {
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(256) silu_and_mul_kernel(const ActivationParams p) {
-  griddep_trigger_at_entry<kTriggerElementwise>();  // the next kernel reads only constants before its wait
+  griddep_trigger_at_entry();  // the next kernel reads only constants before its wait
   griddep_wait();
-  griddep_trigger_after_wait<kTriggerElementwise>();
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
   if (c >= p.cols) return;
   for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
@@ -33,9 +32,8 @@ __global__ void __launch_bounds__(256) silu_and_mul_kernel(const ActivationParam
 // and this kernel is bound by instruction issue, not memory. Without a bias, b stays 0 and round(x + 0) == x.
 template <typename T, int VEC, bool TANH>
 __global__ void __launch_bounds__(256) bias_gelu_kernel(const ActivationParams p) {
-  griddep_trigger_at_entry<kTriggerElementwise>();  // the next kernel reads only constants before its wait
+  griddep_trigger_at_entry();  // the next kernel reads only constants before its wait
   griddep_wait();
-  griddep_trigger_after_wait<kTriggerElementwise>();
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
   if (c >= p.cols) return;
   float b[VEC] = {};

@@ -192,33 +192,20 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #endif
 }
 
-// Where a kernel of each kind triggers: at entry, or with PATCHER_LATE_TRIGGER_MASK's bit for its kind set at
-// build time (patcher/ops/build.py: PATCHER_LATE_TRIGGER), right after its wait, for measuring one kind's early
-// trigger against the other placement in one tree. A kernel calls both at the two places, with the same kind.
-enum TriggerKind : int {
-  kTriggerGemv = 1,         // the fp16/bf16/fp32 decode GEMV
-  kTriggerInt4 = 2,         // the int4 ops
-  kTriggerNorm = 4,         // the add + norm kernel and the int4 ops' separate norm prologue
-  kTriggerElementwise = 8,  // RoPE and activation kernels
-};
-#ifndef PATCHER_LATE_TRIGGER_MASK
-#define PATCHER_LATE_TRIGGER_MASK 0
-#endif
-
-template <int KIND>
-__device__ __forceinline__ void griddep_trigger_at_entry([[maybe_unused]] bool feeds_attention = false) {
-  if constexpr ((PATCHER_LATE_TRIGGER_MASK & KIND) == 0) {
-    if (!feeds_attention) griddep_launch_dependents();
-  }
+// At kernel entry, before griddep_wait(): lets the next kernel launch now, so that its pre-wait part (constant
+// loads only) overlaps this kernel. feeds_attention: the kernel is the op right before a decode attention, and
+// triggers after its wait instead (griddep_trigger_after_wait). A kernel that may feed an attention calls both,
+// at the two places, with the same feeds_attention; one that never does calls only this one.
+__device__ __forceinline__ void griddep_trigger_at_entry(bool feeds_attention = false) {
+  if (!feeds_attention) griddep_launch_dependents();
 }
 
 // After griddep_wait(). feeds_attention: the kernel is the op right before a decode attention, which reads the
 // cache position and earlier keys before its own wait; triggering here keeps that attention from starting before
 // every kernel ahead of this one (the previous step's next_token included) has completed. Must be uniform over
 // the grid (a kernel parameter), like every trigger placement here.
-template <int KIND>
 __device__ __forceinline__ void griddep_trigger_after_wait(bool feeds_attention = false) {
-  if ((PATCHER_LATE_TRIGGER_MASK & KIND) != 0 || feeds_attention) griddep_launch_dependents();
+  if (feeds_attention) griddep_launch_dependents();
 }
 
 // Whether the current GPU is a Hopper or newer (programmatic dependent launch).

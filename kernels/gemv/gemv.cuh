@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kWarps * 32, NORM ? 5 : 1) gemv_kernel(const G
   // The next kernel may launch at once: it reads only constants before its wait. Not so for the QKV projection's
   // RoPE + cache form, whose next kernel is the decode attention (common.cuh, griddep_trigger_after_wait).
   const bool feeds_attention = p.act == kActRopeCache;
-  griddep_trigger_at_entry<kTriggerGemv>(feeds_attention);
+  griddep_trigger_at_entry(feeds_attention);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int part = warp % KSPLIT;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * GROUPS + warp / KSPLIT) * ROWS;
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kWarps * 32, NORM ? 5 : 1) gemv_kernel(const G
     }
   }
   griddep_wait();
-  griddep_trigger_after_wait<kTriggerGemv>(feeds_attention);
+  griddep_trigger_after_wait(feeds_attention);
   if constexpr (NORM) {
     if constexpr (V > 1) {
       if (staged) stage_rows<T, V>(p, src);

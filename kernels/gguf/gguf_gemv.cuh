@@ -172,11 +172,10 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const GgufGe
     return static_cast<int>(nb - c * kChunkBlocks < kChunkBlocks ? nb - c * kChunkBlocks : kChunkBlocks);
   };
 
-  griddep_trigger_at_entry<kTriggerGemv>();  // no decode attention reads this op's output directly
+  griddep_trigger_at_entry();  // no decode attention reads this op's output directly
   WeightChunk<KIND> w{};
   if (live) fetch_chunk<KIND>(w, window(0), lane);
   griddep_wait();
-  griddep_trigger_after_wait<kTriggerGemv>();
   XChunk<T, BMAX> xr;
   fetch_x<T, BMAX>(xr, p, 0, blocks_in(0), warp, lane);
 

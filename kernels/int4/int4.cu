@@ -42,8 +42,8 @@ template <typename T, int ELEMS, int MIN_BLOCKS>
 __global__ void __launch_bounds__(kNormPrologueThreads, MIN_BLOCKS) int4_norm_prologue_kernel(Int4Params p, T* h) {
   // The op after it reads only constants before its wait, so it may launch now and issue its weight loads while
   // this kernel waits. (Measured alone, with every other kernel triggering after its wait, this placement lost to
-  // the one after the wait: docs/decode-int4.md; kTriggerNorm selects either.)
-  griddep_trigger_at_entry<kTriggerNorm>();
+  // the one after the wait: docs/decode-int4.md, "Alternatives measured".)
+  griddep_trigger_at_entry();
   const int64_t b = blockIdx.x;  // this block's row, as a batch of one
   p.batch = 1;
   p.x = static_cast<const T*>(p.x) + b * p.x_stride;
@@ -66,7 +66,6 @@ __global__ void __launch_bounds__(kNormPrologueThreads, MIN_BLOCKS) int4_norm_pr
     if (v < p.k / V) early[j] = norm_vecs<T, V>(p, false, p.norm.h2 != nullptr, v * V);
   }
   griddep_wait();
-  griddep_trigger_after_wait<kTriggerNorm>();
   stage_x<T, true, ELEMS>(p, 0, p.k, true, false, [=](int, int64_t i, float v) { out[i] = from_float<T>(v); }, early);
 }
 

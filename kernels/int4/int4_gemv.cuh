@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
   // The next kernel may launch at once: it reads only constants before its wait. Not so for the op before a decode
   // attention (feeds_attention, Int4Params).
   const bool feeds_attention = p.feeds_attention || p.epilogue == kInt4RopeCache;
-  griddep_trigger_at_entry<kTriggerInt4>(feeds_attention);
+  griddep_trigger_at_entry(feeds_attention);
   extern __shared__ float smem[];
   const TileInfo t = tile_info(p, blockIdx.x, tile_width);
   const Int4Segment& seg = p.seg[t.seg];
@@ -67,8 +67,8 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(const Int4Params
   const int64_t k0 = r_begin * 8, len = (r_end - r_begin) * 8;
   if (!skips_wait(p, k0)) griddep_wait();
   if (blockIdx.y == 0) clear_share(p, blockIdx.x, gridDim.x);  // slice 0 never skips the wait
-  // (A block that skips the wait triggers here all the same, where feeds_attention or the build asks for it.)
-  griddep_trigger_after_wait<kTriggerInt4>(feeds_attention);
+  // (A block that skips the wait triggers here all the same, where feeds_attention asks for it.)
+  griddep_trigger_after_wait(feeds_attention);
 
   float* xs = smem;  // [batch][len]
   stage_x<T, NORM>(p, k0, len, blockIdx.x == 0, in_second(p, t),

@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
   // The next kernel may launch at once: it reads only constants before its wait. Not so for the op before a decode
   // attention (feeds_attention, Int4Params).
   const bool feeds_attention = p.feeds_attention || p.epilogue == kInt4RopeCache;
-  griddep_trigger_at_entry<kTriggerInt4>(feeds_attention);
+  griddep_trigger_at_entry(feeds_attention);
   extern __shared__ float smem[];
   const bool paired = mma_paired(p);
   const TileInfo t = paired ? pair_info(p, blockIdx.x, tile_width) : tile_info(p, blockIdx.x, tile_width);
@@ -323,8 +323,8 @@ __global__ void __launch_bounds__(kThreads, 2) int4_mma_kernel(const Int4Params 
                                           reinterpret_cast<char*>(smem) + mma_x_stage_bytes(p, sizeof(T)));
   if (!skips_wait(p, k0)) griddep_wait();
   if (blockIdx.y == 0) clear_share(p, blockIdx.x, gridDim.x);  // slice 0 never skips the wait
-  // (A block that skips the wait triggers here all the same, where feeds_attention or the build asks for it.)
-  griddep_trigger_after_wait<kTriggerInt4>(feeds_attention);
+  // (A block that skips the wait triggers here all the same, where feeds_attention asks for it.)
+  griddep_trigger_after_wait(feeds_attention);
 
   T* xs = reinterpret_cast<T*>(smem);  // [batch][len], every 8 k in the pair order (0,4) (1,5) (2,6) (3,7)
   stage_x<T, NORM>(

@@ -22,9 +22,8 @@ template <typename T, int VEC, bool RMS>
 __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
   __shared__ float scratch[32];
   // Nothing is read before the wait; the next kernel reads only constants before its own.
-  griddep_trigger_at_entry<kTriggerNorm>();
+  griddep_trigger_at_entry();
   griddep_wait();
-  griddep_trigger_after_wait<kTriggerNorm>();
   const int64_t row = blockIdx.x;
   const int64_t nvec = p.hidden / VEC;
   const T* x = static_cast<const T*>(p.x) + row * p.x_stride;

@@ -41,9 +41,8 @@ __device__ __forceinline__ TokenRow<T> token_row(const RopeQkvParams& p) {
 
 template <typename T>
 __global__ void __launch_bounds__(256) rope_qkv_kernel(const RopeQkvParams p) {
-  griddep_trigger_at_entry<kTriggerElementwise>();  // the next kernel reads only constants before its wait
+  griddep_trigger_at_entry();  // the next kernel reads only constants before its wait
   griddep_wait();
-  griddep_trigger_after_wait<kTriggerElementwise>();
   const TokenRow<T> r = token_row<T>(p);
   const int64_t b = r.b, t = r.t;
   const int D = r.D, hq = r.hq, hkv = r.hkv, R = r.R;
@@ -66,9 +65,8 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(256) rope_qkv_vec_kernel(const RopeQkvParams p) {
   extern __shared__ __align__(16) unsigned char rope_stage[];
   T* row = reinterpret_cast<T*>(rope_stage);
-  griddep_trigger_at_entry<kTriggerElementwise>();  // the next kernel reads only constants before its wait
+  griddep_trigger_at_entry();  // the next kernel reads only constants before its wait
   griddep_wait();
-  griddep_trigger_after_wait<kTriggerElementwise>();
   const TokenRow<T> r = token_row<T>(p);
   const int64_t b = r.b, t = r.t;
   const int D = r.D, hq = r.hq, hkv = r.hkv, R = r.R;
@@ -94,7 +92,7 @@ __global__ void __launch_bounds__(256) rope_qkv_cache_kernel(const RopeCachePara
   // The next kernel is the decode attention, which reads the slot and earlier keys before its wait: it starts
   // only after this kernel's wait (common.cuh, griddep_trigger_after_wait).
   griddep_wait();
-  griddep_trigger_after_wait<kTriggerElementwise>(true);
+  griddep_trigger_after_wait(true);
   const int64_t b = blockIdx.x;
   const int64_t slot = *p.slot;
   const RopeRow<T> row = rope_row<T>(p, slot, b);

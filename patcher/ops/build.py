@@ -44,31 +44,6 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-# The kernel kinds of kernels/common/common.cuh (TriggerKind) whose programmatic-launch trigger PATCHER_LATE_TRIGGER
-# moves from kernel entry to right after the kernel's wait.
-TRIGGER_KINDS = {"gemv": 1, "int4": 2, "norm": 4, "elementwise": 8}
-
-
-def late_trigger_mask() -> int:
-    """PATCHER_LATE_TRIGGER (comma-separated kinds of TRIGGER_KINDS, or "all"; unset or empty: none) as the build's
-    PATCHER_LATE_TRIGGER_MASK: those kinds trigger the next kernel's launch after their wait instead of at entry,
-    for measuring each placement against the other. Part of the build's name, so each mask builds once."""
-    value = os.environ.get("PATCHER_LATE_TRIGGER", "").strip()
-    if not value:
-        return 0
-    if value == "all":
-        return sum(TRIGGER_KINDS.values())
-    mask = 0
-    for kind in value.split(","):
-        kind = kind.strip()
-        if kind not in TRIGGER_KINDS:
-            raise ValueError(
-                f"PATCHER_LATE_TRIGGER: unknown kind {kind!r}; use 'all' or some of {sorted(TRIGGER_KINDS)}"
-            )
-        mask |= TRIGGER_KINDS[kind]
-    return mask
-
-
 def pdl_disabled() -> bool:
     """Whether PATCHER_DISABLE_PDL=1 turns programmatic dependent launch off (every kernel then launches plainly)."""
     return os.environ.get("PATCHER_DISABLE_PDL") == "1"
@@ -104,8 +79,7 @@ def load(device: torch.device | None = None) -> None:
         for path in sorted(src.rglob("*")):
             if path.suffix in (".cu", ".cuh", ".cpp", ".h"):
                 digest.update(path.relative_to(src).as_posix().encode() + path.read_bytes())
-        late_trigger = late_trigger_mask()
-        digest.update(f"{torch.__version__}|{torch.version.cuda}|{arch}|{late_trigger}".encode())
+        digest.update(f"{torch.__version__}|{torch.version.cuda}|{arch}".encode())
         name = "patcher_kernels_" + digest.hexdigest()[:12]
         build_dir = cache_dir() / name
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -126,7 +100,7 @@ def load(device: torch.device | None = None) -> None:
                 sources=[str(s) for s in sources],
                 build_directory=str(build_dir),
                 extra_cflags=["-O3"],
-                extra_cuda_cflags=["-O3", "-lineinfo", f"-DPATCHER_LATE_TRIGGER_MASK={late_trigger}"],
+                extra_cuda_cflags=["-O3", "-lineinfo"],
                 extra_include_paths=[str(src)],
                 is_python_module=False,
                 verbose=False,
