@@ -76,6 +76,9 @@ Tensor gguf_gemv(const Tensor& x, const Tensor& blocks, c10::string_view kind, c
   sizes.back() = p.n;
   Tensor out = at::empty(sizes, x.options());
   p.out = out.data_ptr();
+  Tensor work = at::empty({patcher::gguf_gemv_work_bytes(p.batch, p.k, quantize_activations)},
+                          x.options().dtype(at::kByte));
+  p.work = work.data_ptr();
   check_launch(patcher::launch_gguf_gemv(p, c10::cuda::getCurrentCUDAStream()), "gguf_gemv");
   return out;
 }

@@ -21,7 +21,8 @@ cudaError_t launch_gguf_gemv(const GgufGemvParams& p, cudaStream_t stream) {
   // The kernels read block fields as 2-byte words (every block size is even); rows follow each other without
   // padding; K is walked in whole blocks (super-blocks for the K-quants).
   if (p.batch < 0 || p.batch > kGgufMaxBatch || bytes == 0 || p.k <= 0 || p.k % values ||
-      p.row_bytes != p.k / values * bytes || (reinterpret_cast<uintptr_t>(p.blocks) & 1))
+      p.row_bytes != p.k / values * bytes || (reinterpret_cast<uintptr_t>(p.blocks) & 1) || p.work == nullptr ||
+      (reinterpret_cast<uintptr_t>(p.work) & 15))
     return cudaErrorInvalidValue;
   switch (p.dtype) {
     case DType::kFloat16:

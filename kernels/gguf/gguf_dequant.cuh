@@ -6,6 +6,7 @@
 // the activations rounded through Q8_1 (four threads a 32-value block, 16-byte loads and stores).
 #pragma once
 #include "gguf/gguf_blocks.cuh"
+#include "gguf/gguf_q8_1.cuh"
 
 namespace patcher {
 namespace {
@@ -71,10 +72,9 @@ cudaError_t launch_gguf_dequantize_typed(const GgufDequantizeParams& p, cudaStre
 
 constexpr int kRoundThreads = 256;
 
-// 8 consecutive values a thread, 4 threads a 32-value block (max |x| over the 4 by two shuffles); every thread of a
-// warp reaches the shuffles (a thread past the end works on a clamped copy and stores nothing). VEC: x's rows start
-// 16-byte aligned, so a thread's 8 values load as one or two 16-byte vectors; otherwise one value at a time. The
-// output is contiguous with rows of a multiple of 32 values, so its stores are always whole vectors.
+// 8 consecutive values a thread, 4 threads a 32-value block (gguf_q8_1.cuh); every thread of a warp reaches the
+// shuffles (a thread past the end works on a clamped copy and stores nothing). The output is contiguous with rows of
+// a multiple of 32 values, so its stores are always whole vectors.
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kRoundThreads) round_q8_1_kernel(const Q8_1RoundParams p) {
   const int64_t per_row = p.k / 8;
@@ -83,32 +83,13 @@ __global__ void __launch_bounds__(kRoundThreads) round_q8_1_kernel(const Q8_1Rou
   const bool live = g < total;
   const int64_t at = live ? g : total - 1;
   const int64_t row = at / per_row, col = (at % per_row) * 8;
-  const T* src = static_cast<const T*>(p.x) + row * p.x_stride + col;
   float v[8];
-  if constexpr (VEC && sizeof(T) == 2) {
-    load_vec<T, 8>(v, src);
-  } else if constexpr (VEC) {
-    float lo[4], hi[4];
-    load_vec<T, 4>(lo, src);
-    load_vec<T, 4>(hi, src + 4);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = lo[i], v[4 + i] = hi[i];
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = to_float(src[i]);
-  }
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-  // As stage_x (gguf_gemv.cuh) and reference.quantize_q8_1: d = max|x| / 127, q = roundf(x * (1 / d)).
-  const float d = __fdiv_rn(amax, 127.f);
-  const float inv = d == 0.f ? 0.f : __frcp_rn(d);
-  const float stored = __half2float(__float2half_rn(d));
+  load8<T, VEC>(v, p.x, p.x_stride, row, col);
+  int q[8];
+  const float d = quantize_q8_1_part(v, q);
   float y[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(roundf(__fmul_rn(v[i], inv)), stored);
+  for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(static_cast<float>(q[i]), d);  // exact: |q| <= 127, d an fp16 value
   if (!live) return;
   T* dst = static_cast<T*>(p.out) + row * p.k + col;
   if constexpr (sizeof(T) == 2) {
@@ -126,8 +107,7 @@ template <typename T>
 cudaError_t launch_round_q8_1_typed(const Q8_1RoundParams& p, cudaStream_t stream) {
   const int64_t threads = p.rows * (p.k / 8);
   const unsigned grid = static_cast<unsigned>((threads + kRoundThreads - 1) / kRoundThreads);
-  const bool vec = (reinterpret_cast<uintptr_t>(p.x) & 15) == 0 && (p.x_stride * sizeof(T)) % 16 == 0;
-  if (vec) {
+  if (rows_aligned16<T>(p.x, p.x_stride)) {
     round_q8_1_kernel<T, true><<<grid, kRoundThreads, 0, stream>>>(p);
   } else {
     round_q8_1_kernel<T, false><<<grid, kRoundThreads, 0, stream>>>(p);
