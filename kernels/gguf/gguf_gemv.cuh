@@ -30,6 +30,7 @@ namespace patcher {
 namespace {
 
 constexpr int kGgufWarps = 8;  // output rows per block
+constexpr int kGgufDepth = 2;  // chunks of weights in a lane's registers ahead of their use
 constexpr int kInputThreads = 256;
 
 __device__ __forceinline__ float load_scalar(const void* p, DType dtype, int64_t i) {
@@ -158,26 +159,28 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const GgufGe
     return byte_window(row + c * kPerChunk * kBlockBytes<KIND>, row + end * kBlockBytes<KIND>);
   };
 
-  WeightChunk<KIND> w0{}, w1{};
-  fetch_chunk<KIND>(w0, window(0), lane);
-  if (chunks > 1) fetch_chunk<KIND>(w1, window(1), lane);
+  WeightChunk<KIND> w[kGgufDepth];
+#pragma unroll
+  for (int i = 0; i < kGgufDepth; ++i) {
+    if (i < chunks) fetch_chunk<KIND>(w[i], window(i), lane);
+  }
   griddep_wait();
 
   float acc[BMAX], acc_m[BMAX];
 #pragma unroll
   for (int b = 0; b < BMAX; ++b) acc[b] = acc_m[b] = 0.f;
-  // Chunk c from the registers w, which then take chunk c + 2.
-  auto step = [&](WeightChunk<KIND>& w, int64_t c) {
-    const uint8_t* chunk = store_chunk<KIND>(w, window(c), stage, lane);
-    if (c + 2 < chunks) fetch_chunk<KIND>(w, window(c + 2), lane);
-    __syncwarp();
-    const int64_t blk = c * kChunkBlocks + lane;
-    if (blk < nb) accumulate<T, KIND, A8, BMAX>(chunk, p, blk, lane, acc, acc_m);
-    __syncwarp();  // the stage is rewritten by the next chunk
-  };
-  for (int64_t c = 0; c < chunks; c += 2) {
-    step(w0, c);
-    if (c + 1 < chunks) step(w1, c + 1);
+  for (int64_t c0 = 0; c0 < chunks; c0 += kGgufDepth) {
+#pragma unroll
+    for (int i = 0; i < kGgufDepth; ++i) {  // chunk c from the registers w[i], which then take chunk c + depth
+      const int64_t c = c0 + i;
+      if (c >= chunks) break;
+      const uint8_t* chunk = store_chunk<KIND>(w[i], window(c), stage, lane);
+      if (c + kGgufDepth < chunks) fetch_chunk<KIND>(w[i], window(c + kGgufDepth), lane);
+      __syncwarp();
+      const int64_t blk = c * kChunkBlocks + lane;
+      if (blk < nb) accumulate<T, KIND, A8, BMAX>(chunk, p, blk, lane, acc, acc_m);
+      __syncwarp();  // the stage is rewritten by the next chunk
+    }
   }
   constexpr bool kOffsetSum = A8 && kHasOffset<KIND>;
 #pragma unroll
