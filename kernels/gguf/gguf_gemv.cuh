@@ -30,7 +30,10 @@ namespace patcher {
 namespace {
 
 constexpr int kGgufWarps = 8;  // output rows per block
-constexpr int kGgufDepth = 2;  // chunks of weights in a lane's registers ahead of their use
+// Chunks of weights in a lane's registers ahead of their use: three for the 32-value block types, two for the
+// K-quants, whose parsing holds more registers (docs/gguf.md, "Alternatives measured").
+template <int KIND>
+constexpr int kGgufDepth = kKQuant<KIND> ? 2 : 3;
 constexpr int kInputThreads = 256;
 
 __device__ __forceinline__ float load_scalar(const void* p, DType dtype, int64_t i) {
@@ -159,9 +162,9 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const GgufGe
     return byte_window(row + c * kPerChunk * kBlockBytes<KIND>, row + end * kBlockBytes<KIND>);
   };
 
-  WeightChunk<KIND> w[kGgufDepth];
+  WeightChunk<KIND> w[kGgufDepth<KIND>];
 #pragma unroll
-  for (int i = 0; i < kGgufDepth; ++i) {
+  for (int i = 0; i < kGgufDepth<KIND>; ++i) {
     if (i < chunks) fetch_chunk<KIND>(w[i], window(i), lane);
   }
   griddep_wait();
@@ -169,13 +172,13 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const GgufGe
   float acc[BMAX], acc_m[BMAX];
 #pragma unroll
   for (int b = 0; b < BMAX; ++b) acc[b] = acc_m[b] = 0.f;
-  for (int64_t c0 = 0; c0 < chunks; c0 += kGgufDepth) {
+  for (int64_t c0 = 0; c0 < chunks; c0 += kGgufDepth<KIND>) {
 #pragma unroll
-    for (int i = 0; i < kGgufDepth; ++i) {  // chunk c from the registers w[i], which then take chunk c + depth
+    for (int i = 0; i < kGgufDepth<KIND>; ++i) {  // chunk c from the registers w[i], which then take chunk c + depth
       const int64_t c = c0 + i;
       if (c >= chunks) break;
       const uint8_t* chunk = store_chunk<KIND>(w[i], window(c), stage, lane);
-      if (c + kGgufDepth < chunks) fetch_chunk<KIND>(w[i], window(c + kGgufDepth), lane);
+      if (c + kGgufDepth<KIND> < chunks) fetch_chunk<KIND>(w[i], window(c + kGgufDepth<KIND>), lane);
       __syncwarp();
       const int64_t blk = c * kChunkBlocks + lane;
       if (blk < nb) accumulate<T, KIND, A8, BMAX>(chunk, p, blk, lane, acc, acc_m);
