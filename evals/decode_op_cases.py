@@ -284,7 +284,7 @@ def case_int4_neox(batch, arch, dtype, ops, which):
 
 
 def case_gguf(batch, arch, dtype, ops, variant):
-    """A decode-step GGUF linear in W4A8 (gguf_gemv: the activations quantized to Q8_1 inside the kernel), variant
+    """A decode-step GGUF linear in W4A8 (gguf_gemv: its input kernel quantizes the activations to Q8_1), variant
     "<type>_<which>" (qkv, out, mlp_in: gate and up as one width, mlp_out), against cuBLAS on the same weight held
     dense in the dtype: the fp16 model's GEMV, which reads about 3.6x the bytes."""
     kind, which = variant[:4], variant[5:]  # "Q4_0_mlp_in" -> "Q4_0", "mlp_in"

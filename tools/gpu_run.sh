@@ -10,8 +10,8 @@
 #                            HF's static cache + compile, fp16, batch 1, one JSON file a model (default: the four)
 #   tools/gpu_run.sh gguf    the GGUF goals: decode TPOT and 2048-token prefill (TTFT) of the Llama-3.1-8B shape in
 #                            fp16, GPTQ int4 g128, GGUF Q4_0 and the Q4_K_M mix (W4A8), one process each (and the
-#                            eight in gguf_llama-3.1-8b_decode-prefill.json); the GGUF
-#                            ops alone (evals.ops: the decode GEMV per type and projection, the prefill linear); then, with
+#                            eight in gguf_llama-3.1-8b_decode-prefill.json); the GGUF ops alone (evals.ops: the
+#                            decode GEMV per type and projection, the prefill linear); then, with
 #                            PATCHER_SMOLLM2_GGUF and PATCHER_WIKITEXT set, the trained SmolLM2's perplexity
 #                            dequantized (fp16), W4A16 and W4A8
 # Logs and JSON files go to $OUT (default /tmp/patcher-out).
