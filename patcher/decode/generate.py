@@ -90,8 +90,36 @@ CACHE_FIELD = (
 
 
 def generate_path(model) -> dict:
-    """What the last `generate` call did: {"path": "graph" | "eager-runner" | "hf", "reason": ...}."""
+    """What the last `generate` call did: {"path": "graph" | "eager-runner" | "hf-static" | "hf", "reason": ...};
+    "hf-static" is HF's loop with its static cache (static_cache_fallback)."""
     return getattr(model._patcher_state, "last_generate", {})
+
+
+def static_cache_fallback(model, generation_config, kwargs) -> bool:
+    """Whether a call that goes to HF's loop takes HF's static cache, which transformers compiles on CUDA: what the
+    unpatched model does fastest with the same arguments (`cache_implementation="static"`). Only where that is HF's
+    own supported path: one CUDA device, no tensor parallelism, one beam, no assistant or prompt lookup, and no cache
+    or cache choice of the caller's; not with the fast path turned off (set_fast_generate), which asks for HF's loop
+    as it is."""
+    state = model._patcher_state
+    devices = state.report.devices
+    if not state.fast_generate or state.planner.tensor_parallel or len(devices) != 1:
+        return False
+    if not devices[0].startswith("cuda") or not getattr(model, "_can_compile_fullgraph", False):
+        return False
+    config = generation_config if generation_config is not None else model.generation_config
+
+    def option(name):
+        return kwargs[name] if name in kwargs else getattr(config, name, None)
+
+    if any(kwargs.get(name) is not None for name in ("past_key_values", *HF_ONLY_ARGUMENTS)):
+        return False
+    return (
+        option("cache_implementation") is None
+        and option("use_cache") is not False
+        and (option("num_beams") or 1) == 1
+        and option("prompt_lookup_num_tokens") is None
+    )
 
 
 def model_reason(model) -> str | None:
@@ -444,11 +472,15 @@ def _generate(self, inputs, generation_config, **kwargs):
         if batch > limit:
             reason = f"batch {batch} ({why})"
     if reason is not None:
-        state.last_generate = {"path": "hf", "reason": reason}
+        static = static_cache_fallback(self, generation_config, kwargs)
+        state.last_generate = {"path": "hf-static" if static else "hf", "reason": reason}
         if reason not in state.warned and state.fast_generate:
             state.warned.add(reason)
             runs = "fused kernels" if "kernels" in state.report.backend.split("+") else "the pure-torch reference ops"
-            warnings.warn(f"patcher: generate uses transformers' loop ({runs}, no CUDA graph): {reason}", stacklevel=3)
+            loop = "its static cache, compiled" if static else "no CUDA graph"
+            warnings.warn(f"patcher: generate uses transformers' loop ({runs}, {loop}): {reason}", stacklevel=3)
+        if static:
+            kwargs = {**kwargs, "cache_implementation": "static"}
         original = state.original_generate or type(self).generate.__get__(self)
         return original(generation_config=generation_config, **kwargs)
     outputs = prepared["outputs"]

@@ -103,6 +103,66 @@ def test_runner_sampling_is_reproducible():
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
 
 
+def test_static_cache_fallback_only_where_hf_supports_it(monkeypatch):
+    """A call that goes to HF's loop takes HF's static cache on one CUDA device, for one beam and with no cache or
+    cache choice of the caller's; never with the fast path turned off, on the CPU or over several devices."""
+    from types import SimpleNamespace
+
+    from patcher.decode import generate as gen
+
+    model = rm.build("tiny-llama")
+    patch_model(model)
+    state = model._patcher_state
+    report = state.report
+    ids = torch.randint(3, 200, (1, 5))
+    base = {"input_ids": ids, "max_new_tokens": 4}
+    assert not gen.static_cache_fallback(model, None, base)  # on the CPU
+    monkeypatch.setattr(state, "report", SimpleNamespace(devices=["cuda:0"]))
+    assert gen.static_cache_fallback(model, None, base)
+    assert gen.static_cache_fallback(model, None, {**base, "output_attentions": True, "num_beams": 1})
+    for extra in (
+        {"num_beams": 2},
+        {"past_key_values": object()},
+        {"cache_implementation": "dynamic"},
+        {"use_cache": False},
+        {"prompt_lookup_num_tokens": 3},
+        {"assistant_model": object()},
+    ):
+        assert not gen.static_cache_fallback(model, None, {**base, **extra}), extra
+    config = model.generation_config.__class__(num_beams=3)
+    assert not gen.static_cache_fallback(model, config, base)
+    set_fast_generate(model, False)
+    assert not gen.static_cache_fallback(model, None, base)
+    set_fast_generate(model, True)
+    monkeypatch.setattr(state, "report", SimpleNamespace(devices=["cuda:0", "cuda:1"]))
+    assert not gen.static_cache_fallback(model, None, base)
+    monkeypatch.setattr(state, "report", report)
+
+
+def test_static_cache_fallback_gives_hf_tokens(monkeypatch):
+    """Taken, the fallback is HF's loop with cache_implementation="static" over the patched layers (on the CPU,
+    where transformers does not compile): the unpatched model's greedy tokens, with the path and its reason
+    recorded and the warning saying what runs."""
+    from patcher.decode import generate as gen
+
+    model = rm.build("tiny-llama")
+    model.generation_config.eos_token_id = None
+    ids, mask = prompt(model, 2, 7)
+    expected = hf_generate(model, ids, mask, max_new_tokens=12, do_sample=False)
+    patch_model(model)
+    state = model._patcher_state
+    seen = []
+    original = state.original_generate or type(model).generate.__get__(model)
+    monkeypatch.setattr(state, "original_generate", lambda **kwargs: seen.append(kwargs) or original(**kwargs))
+    monkeypatch.setattr(gen, "static_cache_fallback", lambda model, config, kwargs: True)
+    with pytest.warns(UserWarning, match="its static cache, compiled"):
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert seen and seen[0]["cache_implementation"] == "static"
+    path = generate_path(model)
+    assert path["path"] == "hf-static" and "CUDA device" in path["reason"]
+    assert torch.equal(got, expected)
+
+
 def test_calls_the_runner_does_not_handle_go_to_hf_with_a_reason():
     model = rm.build("tiny-llama")
     patch_model(model)

@@ -14,7 +14,7 @@ import torch
 from conftest import FP32_LOGIT_ATOL, max_err
 from gguf_blocks import write_tiny_model
 
-from patcher import load_gguf, patch_model, unpatch_model
+from patcher import load_gguf, patch_model, set_fast_generate, unpatch_model
 from patcher import random_models as rm
 from patcher.decode import DecodeOptions, DecodeRunner, Sampling, generate_path
 from patcher.decode import generate as gen
@@ -214,7 +214,8 @@ def test_gpt_neox_with_gguf_linears(name):
 @pytest.mark.parametrize("quantize_activations", [False, True], ids=["w4a16", "w4a8"])
 def test_graph_generate_fp32_gives_hf_greedy_tokens(tiny_file, quantize_activations):
     """fp32 on CUDA: the patched model's generate takes the graph path and gives the unpatched model's greedy tokens
-    (batch 1 and a left-padded batch 3); a batch of 9 goes to HF's loop with the GGUF reason."""
+    (batch 1 and a left-padded batch 3); a batch of 9 goes to HF's loop with its static cache, the GGUF reason
+    recorded, and gives HF's tokens."""
     model = load(tiny_file, quantize_activations, device="cuda")
     cases = [prompt(1, "cuda"), prompt(3, "cuda")]
     expected = [hf_greedy(model, ids, mask, 24) for ids, mask in cases]
@@ -224,9 +225,13 @@ def test_graph_generate_fp32_gives_hf_greedy_tokens(tiny_file, quantize_activati
         assert generate_path(model)["path"] == "graph", generate_path(model)
         assert torch.equal(got, want)
     ids, mask = prompt(9, "cuda")
-    with pytest.warns(UserWarning, match=f"batch 9.*{GGUF_REASON}"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert generate_path(model)["path"] == "hf" and GGUF_REASON in generate_path(model)["reason"]
+    set_fast_generate(model, False)  # HF's own loop as it is
+    want = hf_greedy(model, ids, mask, 4)
+    set_fast_generate(model, True)
+    with pytest.warns(UserWarning, match=f"static cache, compiled.*batch 9.*{GGUF_REASON}"):
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert generate_path(model)["path"] == "hf-static" and GGUF_REASON in generate_path(model)["reason"]
+    assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
