@@ -467,6 +467,7 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("int4_qkv_rope_cache", &int4_qkv_rope_cache);
   m.impl("int4_qkv_mlp_in", &int4_qkv_mlp_in);
   m.impl("gguf_gemv", &gguf_gemv);
+  m.impl("gguf_gemv_cat", &gguf_gemv_cat);
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("round_q8_1", &round_q8_1);
 }

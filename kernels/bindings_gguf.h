@@ -7,8 +7,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "glue.h"
 #include "gguf/params.h"
@@ -16,6 +18,8 @@
 namespace {
 
 using namespace patcher_glue;
+using TensorList = c10::ArrayRef<Tensor>;
+using OptTensorList = const c10::List<std::optional<Tensor>>&;
 
 int32_t gguf_kind(c10::string_view kind, const char* op = "gguf_gemv") {
   if (kind == "Q4_0") return patcher::kGgufQ4_0;
@@ -28,18 +32,12 @@ int32_t gguf_kind(c10::string_view kind, const char* op = "gguf_gemv") {
               "' (other types run the reference: patcher.gguf.reference)");
 }
 
-// y [..., N] = x [..., K] . W^T (+ bias) for the 1 to 8 rows of a decode step, W the GGUF rows `blocks`
-// [N, K / block values * block bytes] as GGUFLinear holds them (blocks of 32 values, super-blocks of 256 for the
-// K-quants).
-Tensor gguf_gemv(const Tensor& x, const Tensor& blocks, c10::string_view kind, const OptTensor& bias,
-                 bool quantize_activations) {
-  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
-  const c10::cuda::CUDAGuard guard(x.device());
-  patcher::GgufGemvParams p{};
-  p.dtype = dtype_of(x);
-  p.kind = gguf_kind(kind);
-  p.quantize_activations = quantize_activations;
-  const int64_t bytes = patcher::gguf_block_bytes(p.kind), values = patcher::gguf_block_values(p.kind);
+// One GGUF weight of a product, checked against x: its segment of the launch, writing columns from out_col.
+patcher::GgufSegment gguf_segment(const Tensor& x, const Tensor& blocks, c10::string_view kind, const OptTensor& bias,
+                                  int64_t out_col) {
+  patcher::GgufSegment g{};
+  g.kind = gguf_kind(kind);
+  const int64_t bytes = patcher::gguf_block_bytes(g.kind), values = patcher::gguf_block_values(g.kind);
   TORCH_CHECK(blocks.is_cuda() && blocks.device() == x.device(), "patcher: blocks must be on ", x.device(),
               ", got ", blocks.device());
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, "patcher: blocks must be uint8 [out_features, ",
@@ -50,37 +48,84 @@ Tensor gguf_gemv(const Tensor& x, const Tensor& blocks, c10::string_view kind, c
               std::to_string(blocks.size(1)), " bytes are not whole ", std::to_string(bytes), "-byte blocks");
   TORCH_CHECK((reinterpret_cast<uintptr_t>(blocks.data_ptr()) & 1) == 0,
               "patcher: blocks must start at an even address (their fp16 scales are read as 2-byte words)");
-  TORCH_CHECK(x.dim() >= 1, "patcher: x must have at least one dimension");
-  p.k = blocks.size(1) / bytes * values;
+  const int64_t k = blocks.size(1) / bytes * values;
   TORCH_CHECK(x.size(-1) % values == 0, "patcher: gguf_gemv needs in_features to be a multiple of ",
               std::to_string(values), " (one ", std::string(kind), " block), got ", std::to_string(x.size(-1)));
-  TORCH_CHECK(x.size(-1) == p.k, "patcher: x ", dims(x.sizes()), " does not match the weight's in_features ",
-              std::to_string(p.k));
-  p.batch = x.numel() / p.k;
-  TORCH_CHECK(p.batch <= patcher::kGgufMaxBatch, "patcher: gguf_gemv takes 1 to 8 rows of x (a decode step), got ",
-              std::to_string(p.batch), "; more rows run the reference (dequantize + matmul)");
-  p.n = blocks.size(0);
-  p.x = x.data_ptr();
-  p.x_stride = row_stride(x, "x");
-  p.blocks = static_cast<const uint8_t*>(blocks.data_ptr());
-  p.row_bytes = blocks.size(1);
+  TORCH_CHECK(x.size(-1) == k, "patcher: x ", dims(x.sizes()), " does not match the weight's in_features ",
+              std::to_string(k));
+  g.n = blocks.size(0);
+  g.blocks = static_cast<const uint8_t*>(blocks.data_ptr());
+  g.row_bytes = blocks.size(1);
   if (bias.has_value()) {
     TORCH_CHECK(bias->is_cuda() && bias->device() == x.device(), "patcher: bias must be on ", x.device(), ", got ",
                 bias->device());
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == p.n && bias->stride(0) == 1, "patcher: bias must be a ",
-                "contiguous [", std::to_string(p.n), "] tensor, got ", dims(bias->sizes()));
-    p.bias = bias->data_ptr();
-    p.bias_dtype = dtype_of(*bias);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == g.n && bias->stride(0) == 1, "patcher: bias must be a ",
+                "contiguous [", std::to_string(g.n), "] tensor, got ", dims(bias->sizes()));
+    g.bias = bias->data_ptr();
+    g.bias_dtype = dtype_of(*bias);
   }
+  g.out_col = out_col;
+  return g;
+}
+
+// [x @ W_0^T (+ b_0) | x @ W_1^T (+ b_1) | ...] [..., sum N_i] for the 1 to 8 rows of a decode step, each W_i the
+// GGUF rows blocks[i] [N_i, K / block values * block bytes] as GGUFLinear holds them, of the i-th of the
+// comma-separated `kinds`.
+Tensor gguf_gemv_cat(const Tensor& x, TensorList blocks, c10::string_view kinds, OptTensorList biases,
+                     bool quantize_activations) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  TORCH_CHECK(x.dim() >= 1, "patcher: x must have at least one dimension");
+  const int64_t count = static_cast<int64_t>(blocks.size());
+  TORCH_CHECK(count >= 1 && count <= patcher::kGgufMaxSegments, "patcher: gguf_gemv_cat takes 1 to ",
+              std::to_string(patcher::kGgufMaxSegments), " weights, got ", std::to_string(count));
+  std::vector<c10::string_view> kind;
+  for (size_t at = 0;;) {
+    const size_t comma = kinds.find(',', at);
+    kind.push_back(kinds.substr(at, comma == c10::string_view::npos ? c10::string_view::npos : comma - at));
+    if (comma == c10::string_view::npos) break;
+    at = comma + 1;
+  }
+  TORCH_CHECK(static_cast<int64_t>(kind.size()) == count && static_cast<int64_t>(biases.size()) == count,
+              "patcher: gguf_gemv_cat needs a kind (comma-separated) and a bias (or None) for each of its ",
+              std::to_string(count), " weights, got '", std::string(kinds), "' and ", std::to_string(biases.size()),
+              " biases");
+  const c10::cuda::CUDAGuard guard(x.device());
+  patcher::GgufGemvParams p{};
+  p.dtype = dtype_of(x);
+  p.quantize_activations = quantize_activations;
+  p.segments = static_cast<int32_t>(count);
+  int64_t cols = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    p.seg[i] = gguf_segment(x, blocks[i], kind[i], biases[i], cols);
+    cols += p.seg[i].n;
+  }
+  p.k = x.size(-1);
+  p.batch = x.numel() / std::max<int64_t>(p.k, 1);
+  TORCH_CHECK(p.batch <= patcher::kGgufMaxBatch, "patcher: gguf_gemv takes 1 to 8 rows of x (a decode step), got ",
+              std::to_string(p.batch), "; more rows run the reference (dequantize + matmul)");
+  p.x = x.data_ptr();
+  p.x_stride = row_stride(x, "x");
   auto sizes = x.sizes().vec();
-  sizes.back() = p.n;
+  sizes.back() = cols;
   Tensor out = at::empty(sizes, x.options());
   p.out = out.data_ptr();
+  p.out_stride = cols;
   Tensor work = at::empty({patcher::gguf_gemv_work_bytes(p.batch, p.k, quantize_activations)},
                           x.options().dtype(at::kByte));
   p.work = work.data_ptr();
   check_launch(patcher::launch_gguf_gemv(p, c10::cuda::getCurrentCUDAStream()), "gguf_gemv");
   return out;
+}
+
+// y [..., N] = x [..., K] . W^T (+ bias) for the 1 to 8 rows of a decode step, W the GGUF rows `blocks`
+// [N, K / block values * block bytes] as GGUFLinear holds them (blocks of 32 values, super-blocks of 256 for the
+// K-quants).
+Tensor gguf_gemv(const Tensor& x, const Tensor& blocks, c10::string_view kind, const OptTensor& bias,
+                 bool quantize_activations) {
+  const std::vector<Tensor> one{blocks};
+  c10::List<std::optional<Tensor>> biases;
+  biases.push_back(bias);
+  return gguf_gemv_cat(x, one, kind, biases, quantize_activations);
 }
 
 // The GGUF rows `blocks` [N, K / block values * block bytes] dequantized to dtype [N, K]: the prefill path's

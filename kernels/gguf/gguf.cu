@@ -16,14 +16,21 @@ cudaError_t launch_round_q8_1_bf16(const Q8_1RoundParams& p, cudaStream_t stream
 cudaError_t launch_round_q8_1_float(const Q8_1RoundParams& p, cudaStream_t stream);
 
 cudaError_t launch_gguf_gemv(const GgufGemvParams& p, cudaStream_t stream) {
-  if (p.batch == 0 || p.n == 0) return cudaSuccess;
-  const int bytes = gguf_block_bytes(p.kind), values = gguf_block_values(p.kind);
-  // The kernels read block fields as 2-byte words (every block size is even); rows follow each other without
-  // padding; K is walked in whole blocks (super-blocks for the K-quants).
-  if (p.batch < 0 || p.batch > kGgufMaxBatch || bytes == 0 || p.k <= 0 || p.k % values ||
-      p.row_bytes != p.k / values * bytes || (reinterpret_cast<uintptr_t>(p.blocks) & 1) || p.work == nullptr ||
-      (reinterpret_cast<uintptr_t>(p.work) & 15))
+  if (p.segments < 1 || p.segments > kGgufMaxSegments || p.batch < 0 || p.batch > kGgufMaxBatch || p.k <= 0 ||
+      p.work == nullptr || (reinterpret_cast<uintptr_t>(p.work) & 15))
     return cudaErrorInvalidValue;
+  int64_t rows = 0;
+  for (int i = 0; i < p.segments; ++i) {
+    const GgufSegment& g = p.seg[i];
+    const int bytes = gguf_block_bytes(g.kind), values = gguf_block_values(g.kind);
+    // The kernels read block fields as 2-byte words (every block size is even); rows follow each other without
+    // padding; K is walked in whole blocks (super-blocks for the K-quants).
+    if (bytes == 0 || g.n < 0 || p.k % values || g.row_bytes != p.k / values * bytes ||
+        (reinterpret_cast<uintptr_t>(g.blocks) & 1) || g.out_col < 0 || g.out_col + g.n > p.out_stride)
+      return cudaErrorInvalidValue;
+    rows += g.n;
+  }
+  if (p.batch == 0 || rows == 0) return cudaSuccess;
   switch (p.dtype) {
     case DType::kFloat16:
       return launch_gguf_gemv_half(p, stream);

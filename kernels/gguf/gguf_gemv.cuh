@@ -149,14 +149,23 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const GgufGe
   __shared__ __align__(16) uint8_t stages[kGgufWarps][kStageBytes<KIND>];
   constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * kGgufWarps + warp;
-  griddep_trigger_at_entry();                      // no decode attention reads this op's output directly
-  if (n >= p.n) return;                            // a warp past the last row (no barrier waits for it)
+  griddep_trigger_at_entry();  // no decode attention reads this op's output directly
+  // The warp's row: the launch's segments' rows one after the other (every segment is of this KIND).
+  int64_t n = static_cast<int64_t>(blockIdx.x) * kGgufWarps + warp;
+  GgufSegment g = p.seg[0];
+#pragma unroll
+  for (int i = 1; i < kGgufMaxSegments; ++i) {  // static indices: the parameters stay in the constant bank
+    if (i < p.segments && n >= g.n) {
+      n -= g.n;
+      g = p.seg[i];
+    }
+  }
+  if (n >= g.n) return;                            // a warp past the last row (no barrier waits for it)
   const int64_t nb = p.k / 32;                     // 32-value blocks (and Q8_1 blocks of x) a row
   const int64_t units = p.k / kBlockValues<KIND>;  // blocks (super-blocks) a row
   const int64_t chunks = (units + kPerChunk - 1) / kPerChunk;
   uint8_t* stage = stages[warp];
-  const uint8_t* row = p.blocks + n * p.row_bytes;
+  const uint8_t* row = g.blocks + n * g.row_bytes;
   auto window = [&](int64_t c) {
     const int64_t end = (c + 1) * kPerChunk < units ? (c + 1) * kPerChunk : units;
     return byte_window(row + c * kPerChunk * kBlockBytes<KIND>, row + end * kBlockBytes<KIND>);
@@ -192,22 +201,24 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const GgufGe
     if constexpr (kOffsetSum) acc_m[b] = warp_sum(acc_m[b]);
   }
   if (lane != 0) return;
-  T* out = static_cast<T*>(p.out);
+  T* out = static_cast<T*>(p.out) + g.out_col + n;
 #pragma unroll
   for (int b = 0; b < BMAX; ++b) {
     if (b >= p.batch) break;
     float y = kOffsetSum ? __fadd_rn(acc[b], acc_m[b]) : acc[b];
-    if (p.bias) {
-      const float bias = load_scalar(p.bias, p.bias_dtype, n);
+    if (g.bias) {
+      const float bias = load_scalar(g.bias, g.bias_dtype, n);
       y = __fadd_rn(y, A8 ? bias : round_to<T>(bias));  // W4A16: the reference's bias.to(x.dtype)
     }
-    out[b * p.n + n] = from_float<T>(y);
+    out[b * p.out_stride] = from_float<T>(y);
   }
 }
 
 template <typename T, int KIND, bool A8, int BMAX>
 cudaError_t launch_gguf(const GgufGemvParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((p.n + kGgufWarps - 1) / kGgufWarps));
+  int64_t rows = 0;
+  for (int i = 0; i < p.segments; ++i) rows += p.seg[i].n;
+  const dim3 grid(static_cast<unsigned>((rows + kGgufWarps - 1) / kGgufWarps));
   return launch_pdl(gguf_gemv_kernel<T, KIND, A8, BMAX>, grid, dim3(kGgufWarps * 32), 0, stream, p);
 }
 
@@ -236,13 +247,9 @@ cudaError_t launch_gguf_input(const GgufGemvParams& p, cudaStream_t stream) {
   return launch_pdl(gguf_input_kernel<T, A8, false>, grid, dim3(kInputThreads), 0, stream, p);
 }
 
-// The input kernel, then the GEMV of the kind.
 template <typename T>
-cudaError_t launch_gguf_gemv_typed(const GgufGemvParams& p, cudaStream_t stream) {
-  const cudaError_t input =
-      p.quantize_activations ? launch_gguf_input<T, true>(p, stream) : launch_gguf_input<T, false>(p, stream);
-  if (input != cudaSuccess) return input;
-  switch (p.kind) {
+cudaError_t launch_gguf_kind(const GgufGemvParams& p, cudaStream_t stream) {
+  switch (p.seg[0].kind) {
     case kGgufQ4_0:
       return launch_gguf_mode<T, kGgufQ4_0>(p, stream);
     case kGgufQ4_1:
@@ -257,6 +264,29 @@ cudaError_t launch_gguf_gemv_typed(const GgufGemvParams& p, cudaStream_t stream)
       return launch_gguf_mode<T, kGgufQ6_K>(p, stream);
   }
   return cudaErrorInvalidValue;
+}
+
+// The input kernel, then one GEMV launch per block type among the segments (in their order), each over the
+// segments of its type.
+template <typename T>
+cudaError_t launch_gguf_gemv_typed(const GgufGemvParams& p, cudaStream_t stream) {
+  const cudaError_t input =
+      p.quantize_activations ? launch_gguf_input<T, true>(p, stream) : launch_gguf_input<T, false>(p, stream);
+  if (input != cudaSuccess) return input;
+  bool launched[kGgufMaxSegments] = {};
+  for (int i = 0; i < p.segments; ++i) {
+    if (launched[i]) continue;
+    GgufGemvParams one = p;
+    one.segments = 0;
+    for (int j = i; j < p.segments; ++j) {
+      if (p.seg[j].kind != p.seg[i].kind) continue;
+      one.seg[one.segments++] = p.seg[j];
+      launched[j] = true;
+    }
+    const cudaError_t e = launch_gguf_kind<T>(one, stream);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace

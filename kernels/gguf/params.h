@@ -34,20 +34,29 @@ enum GgufKind : int32_t { kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ8_0 = 8, kGgufQ4_K
 //     Q6_K per 16-value group, d_w = d * scales[g], with the d_a of the Q8_1 block the group lies in, no m_w.
 //   otherwise (W4A16): the weights dequantized in fp32 as gguf.quants forms them, rounded to the dtype (the
 //     reference's weight.to(x.dtype)), multiplied with x in fp32, plus the bias rounded to the dtype, rounded once.
-struct GgufGemvParams {
-  DType dtype;  // of x and out
-  int32_t kind;  // GgufKind
-  bool quantize_activations;
-  int64_t batch;  // rows of x, 1..8
-  int64_t n;      // output features (rows of W)
-  int64_t k;      // input features, a positive multiple of the kind's block values (32, or 256 for the K-quants)
-  const void* x;  // [batch, k], row stride x_stride, last dimension contiguous
-  int64_t x_stride;
+// Up to kGgufMaxSegments weights (a projection's modules: q, k, v) share x and one output, side by side: segment i
+// writes columns [out_col, out_col + n) of out [batch, out_stride]. Their block types may differ.
+constexpr int kGgufMaxSegments = 3;
+struct GgufSegment {
+  int32_t kind;           // GgufKind
+  int64_t n;              // output features (rows of W)
   const uint8_t* blocks;  // [n, row_bytes] contiguous
   int64_t row_bytes;
   const void* bias;  // [n] or nullptr, in bias_dtype
   DType bias_dtype;
-  void* out;  // [batch, n] contiguous
+  int64_t out_col;  // the first column of out this segment writes
+};
+struct GgufGemvParams {
+  DType dtype;  // of x and out
+  bool quantize_activations;
+  int64_t batch;  // rows of x, 1..8
+  int64_t k;      // input features, a positive multiple of every segment's block values (32, or 256 for K-quants)
+  const void* x;  // [batch, k], row stride x_stride, last dimension contiguous
+  int64_t x_stride;
+  GgufSegment seg[kGgufMaxSegments];
+  int32_t segments;  // 1..kGgufMaxSegments
+  void* out;         // [batch, out_stride] contiguous
+  int64_t out_stride;
   void* work;  // gguf_gemv_work_bytes(batch, k, quantize_activations), 16-byte aligned: x as the GEMV reads it
 };
 // The workspace of one product: x written once in the form the GEMV's lanes read (kernels/gguf/gguf_gemv.cuh).

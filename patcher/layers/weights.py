@@ -89,7 +89,20 @@ class GGUFProjection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.modules) == 1:
             return self.modules[0](x)
-        if self._shared_gemm(x):
+        path = self._shared_path(x)
+        if path == "gemv":
+            # A decode step: one op for every module (on CUDA one input kernel, one GEMV launch a block type).
+            from .. import ops
+
+            first = self.modules[0]
+            return ops.backend_for(x.device).gguf_gemv_cat(
+                x,
+                [m.qweight for m in self.modules],
+                ",".join(m.kind for m in self.modules),
+                [m.bias for m in self.modules],
+                first.quantize_activations,
+            )
+        if path == "gemm":
             # Prefill on a GPU: the modules share x, so W4A8 rounds it through Q8_1 once, not once a module.
             from .. import ops
 
@@ -98,13 +111,20 @@ class GGUFProjection:
             return torch.cat([m.gemm(rounded, backend) for m in self.modules], -1)
         return torch.cat([m(x) for m in self.modules], -1)
 
-    def _shared_gemm(self, x: torch.Tensor) -> bool:
-        """Whether every module takes the GPU prefill path for x in one mode, with no hook of the caller's to run."""
+    def _shared_path(self, x: torch.Tensor) -> str | None:
+        """The op path ("gemv" or "gemm", GGUFLinear._kernel_path) every module takes for x, in one mode and with no
+        hook of the caller's to run, so that one op may serve them all; None otherwise."""
+        from ..ops.gguf import MAX_CAT
+
         first = self.modules[0]
-        return all(
-            m._kernel_path(x) == "gemm" and m.quantize_activations == first.quantize_activations and not user_hooks(m)
+        path = first._kernel_path(x)
+        if path == "gemv" and len(self.modules) > MAX_CAT:
+            return None
+        same = all(
+            m._kernel_path(x) == path and m.quantize_activations == first.quantize_activations and not user_hooks(m)
             for m in self.modules
         )
+        return path if same else None
 
 
 def project(ops, x: torch.Tensor, weight, bias, int4, group=None, gguf: GGUFProjection | None = None) -> torch.Tensor:

@@ -44,6 +44,39 @@ define(
 )
 
 
+MAX_CAT = 3  # weights one gguf_gemv_cat takes (a projection's q, k and v)
+
+
+def gguf_gemv_cat(
+    x: torch.Tensor,
+    blocks: list[torch.Tensor],
+    kinds: str,
+    biases: list[torch.Tensor | None],
+    quantize_activations: bool = True,
+) -> torch.Tensor:
+    """[gguf_gemv(x, blocks[i], kind i, biases[i]) for each i] concatenated along the last dimension: the modules of
+    one projection (q, k, v; gate, up) sharing x, in one input kernel and one GEMV launch per block type on CUDA.
+    `kinds`: the weights' block types, comma-separated ("Q4_K,Q4_K,Q6_K")."""
+    names = kinds.split(",")
+    if not 1 <= len(blocks) <= MAX_CAT or len(names) != len(blocks) or len(biases) != len(blocks):
+        raise ValueError(
+            f"gguf_gemv_cat takes 1 to {MAX_CAT} weights with a kind and a bias (or None) each, got {len(blocks)} "
+            f"weights, kinds {kinds!r} and {len(biases)} biases"
+        )
+    return torch.cat([gguf_gemv(x, w, kind, b, quantize_activations) for w, kind, b in zip(blocks, names, biases)], -1)
+
+
+def _gguf_gemv_cat_fake(x, blocks, kinds, biases, quantize_activations=True):
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in blocks)))
+
+
+define(
+    "gguf_gemv_cat(Tensor x, Tensor[] blocks, str kinds, Tensor?[] biases, bool quantize_activations=True) -> Tensor",
+    gguf_gemv_cat,
+    _gguf_gemv_cat_fake,
+)
+
+
 def gguf_dequantize(blocks: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
     """GGUF rows `blocks` [N, K / block * type size] of `kind` -> W [N, K] in dtype: format.dequantize (bit-identical
     to gguf.quants, fp32), rounded to dtype once."""

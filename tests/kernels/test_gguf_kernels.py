@@ -193,6 +193,46 @@ def test_gguf_gemv_quantizes_like_the_reference(kernels):
         assert_w4a8_close(kernels.gguf_gemv(xd, blocks, "Q8_0", None, True), xd, blocks, "Q8_0", None, str(dtype))
 
 
+CAT_CASES = [  # a projection's modules: (kind, n) each, and K
+    ([("Q4_K", 64), ("Q4_K", 16), ("Q6_K", 16)], 512),  # a Q4_K_M q/k/v: two launches, one input
+    ([("Q4_0", 40), ("Q4_0", 24)], 96),  # gate/up of one type, rows not a multiple of the block's 8
+    ([("Q8_0", 8), ("Q4_1", 33), ("Q5_K", 9)], 256),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize_activations", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(CAT_CASES)))
+def test_gguf_gemv_cat(kernels, case, dtype, rows, quantize_activations):
+    """One op for a projection's modules gives each module's gguf_gemv bit for bit, side by side (same kernels, the
+    input written once), with a bias on every other module and x a strided slice."""
+    parts, k = CAT_CASES[case]
+    mods = [weights(kind, n, k, i % 2 == 0) for i, (kind, n) in enumerate(parts)]
+    blocks = [w.cuda() for w, _ in mods]
+    biases = [None if b is None else b.cuda() for _, b in mods]
+    kinds = [kind for kind, _ in parts]
+    x = torch.randn(rows, k + 8, device="cuda").to(dtype)[:, 8:]
+    got = kernels.gguf_gemv_cat(x, blocks, ",".join(kinds), biases, quantize_activations)
+    expected = torch.cat(
+        [kernels.gguf_gemv(x, w, kind, b, quantize_activations) for w, kind, b in zip(blocks, kinds, biases)], -1
+    )
+    assert got.shape == (rows, sum(n for _, n in parts)) and torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+def test_gguf_gemv_cat_bad_inputs(kernels):
+    w = weights("Q4_0", 8, 64, False)[0].cuda()
+    x = torch.randn(1, 64, device="cuda").half()
+    with pytest.raises(RuntimeError, match="a kind .comma-separated. and a bias"):
+        kernels.gguf_gemv_cat(x, [w, w], "Q4_0", [None, None], True)
+    with pytest.raises(RuntimeError, match="1 to 3 weights"):
+        kernels.gguf_gemv_cat(x, [w] * 4, "Q4_0,Q4_0,Q4_0,Q4_0", [None] * 4, True)
+    with pytest.raises(RuntimeError, match="takes Q4_0"):
+        kernels.gguf_gemv_cat(x, [w, w], "Q4_0,Q2_K", [None, None], True)
+
+
 @pytest.mark.gpu
 def test_gguf_gemv_bad_inputs(kernels):
     blocks, bias = (t.cuda() for t in weights("Q4_0", 33, 96, True))
@@ -324,7 +364,7 @@ def test_gguf_linear_prefill_on_cuda(kernels, kind, dtype, quantize_activations)
 def test_gguf_projection_rounds_its_input_once(device, monkeypatch):
     """A GGUFProjection's modules (q/k/v of three types) share their prefill input: W4A8 rounds it through Q8_1 once,
     with the outputs of the modules run one by one, bit for bit; a caller's hook on one module makes each run its
-    own forward again, so the hook sees its call."""
+    own forward again, so the hook sees its call. A decode step's rows run one gguf_gemv_cat for the three."""
     from patcher.layers.weights import GGUFProjection
     from patcher.ops import backend_for
 
@@ -352,6 +392,13 @@ def test_gguf_projection_rounds_its_input_once(device, monkeypatch):
         handle = layers[1].register_forward_hook(lambda m, args, out: seen.append(out))
         assert torch.equal(projection(x), expected) and len(calls) == 3 and len(seen) == 1
         handle.remove()
+    # A decode step's rows: one gguf_gemv_cat for the three, each module's gguf_gemv bit for bit.
+    cats = []
+    cat = backend.gguf_gemv_cat
+    monkeypatch.setattr(backend, "gguf_gemv_cat", lambda *args: cats.append(args) or cat(*args))
+    with torch.no_grad():
+        step = x[:2]
+        assert torch.equal(projection(step), torch.cat([m(step) for m in layers], -1)) and len(cats) == 1
 
 
 @pytest.mark.gpu
@@ -417,6 +464,30 @@ def test_gguf_gemv_reference_and_schema(kind, quantize_activations):
         assert torch.equal(REFERENCE.gguf_gemv(x, blocks, kind, b, quantize_activations), expected)
     torch.library.opcheck(torch.ops.patcher.gguf_gemv.default, (x, blocks, kind, bias, quantize_activations))
     torch.library.opcheck(torch.ops.patcher.gguf_gemv.default, (x[:1].half(), blocks, kind, None, True))
+
+
+@pytest.mark.parametrize("quantize_activations", [True, False])
+def test_gguf_gemv_cat_reference_and_schema(quantize_activations):
+    """On the CPU gguf_gemv_cat is each module's gguf_gemv, concatenated; it refuses kinds and biases that do not
+    pair with the weights; opcheck tests its schema and fake kernel."""
+    k = 256
+    mods = [weights(kind, n, k, bias) for kind, n, bias in (("Q4_K", 16, True), ("Q6_K", 8, False))]
+    blocks, biases = [w for w, _ in mods], [b for _, b in mods]
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(4))
+    got = KERNELS.gguf_gemv_cat(x, blocks, "Q4_K,Q6_K", biases, quantize_activations)
+    expected = torch.cat(
+        [
+            KERNELS.gguf_gemv(x, w, kind, b, quantize_activations)
+            for w, kind, b in zip(blocks, ("Q4_K", "Q6_K"), biases)
+        ],
+        -1,
+    )
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="a kind and a bias"):
+        REFERENCE.gguf_gemv_cat(x, blocks, "Q4_K", biases, quantize_activations)
+    torch.library.opcheck(
+        torch.ops.patcher.gguf_gemv_cat.default, (x, blocks, "Q4_K,Q6_K", biases, quantize_activations)
+    )
 
 
 @pytest.mark.parametrize("kind", GEMV_KINDS)
