@@ -16,8 +16,7 @@ cudaError_t launch_round_q8_1_bf16(const Q8_1RoundParams& p, cudaStream_t stream
 cudaError_t launch_round_q8_1_float(const Q8_1RoundParams& p, cudaStream_t stream);
 
 cudaError_t launch_gguf_gemv(const GgufGemvParams& p, cudaStream_t stream) {
-  if (p.segments < 1 || p.segments > kGgufMaxSegments || p.batch < 0 || p.batch > kGgufMaxBatch || p.k <= 0 ||
-      p.work == nullptr || (reinterpret_cast<uintptr_t>(p.work) & 15))
+  if (p.segments < 1 || p.segments > kGgufMaxSegments || p.batch < 0 || p.batch > kGgufMaxBatch || p.k <= 0)
     return cudaErrorInvalidValue;
   int64_t rows = 0;
   for (int i = 0; i < p.segments; ++i) {
@@ -31,6 +30,7 @@ cudaError_t launch_gguf_gemv(const GgufGemvParams& p, cudaStream_t stream) {
     rows += g.n;
   }
   if (p.batch == 0 || rows == 0) return cudaSuccess;
+  if (p.work == nullptr || (reinterpret_cast<uintptr_t>(p.work) & 15)) return cudaErrorInvalidValue;
   switch (p.dtype) {
     case DType::kFloat16:
       return launch_gguf_gemv_half(p, stream);

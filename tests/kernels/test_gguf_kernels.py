@@ -225,6 +225,7 @@ def test_gguf_gemv_cat(kernels, case, dtype, rows, quantize_activations):
 def test_gguf_gemv_cat_bad_inputs(kernels):
     w = weights("Q4_0", 8, 64, False)[0].cuda()
     x = torch.randn(1, 64, device="cuda").half()
+    assert kernels.gguf_gemv_cat(x[:0], [w, w], "Q4_0,Q4_0", [None, None], True).shape == (0, 16)  # no rows
     with pytest.raises(RuntimeError, match="a kind .comma-separated. and a bias"):
         kernels.gguf_gemv_cat(x, [w, w], "Q4_0", [None, None], True)
     with pytest.raises(RuntimeError, match="1 to 3 weights"):
