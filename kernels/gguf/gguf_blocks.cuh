@@ -7,6 +7,8 @@
 // a row's chunk is loaded as a byte stream: 16-byte vectors for its aligned body and single bytes for the unaligned
 // head and tail, which keeps every global load of the body 16 bytes wide whatever the row's alignment.
 #pragma once
+#include <type_traits>
+
 #include "common/common.cuh"
 #include "gguf/params.h"
 
@@ -17,6 +19,27 @@ constexpr int kChunkBlocks = 32;  // 32-value blocks (or sub-blocks) per chunk o
 
 template <int KIND>
 constexpr bool kKQuant = KIND == kGgufQ4_K || KIND == kGgufQ5_K || KIND == kGgufQ6_K;
+
+// Calls launch(std::integral_constant<int, KIND>{}) for the GgufKind `kind` and returns what it returns: the one
+// switch from a runtime kind to the kernels' KIND template parameter; cudaErrorInvalidValue for any other value.
+template <typename Launch>
+cudaError_t with_kind(int32_t kind, Launch&& launch) {
+  switch (kind) {
+    case kGgufQ4_0:
+      return launch(std::integral_constant<int, kGgufQ4_0>{});
+    case kGgufQ4_1:
+      return launch(std::integral_constant<int, kGgufQ4_1>{});
+    case kGgufQ8_0:
+      return launch(std::integral_constant<int, kGgufQ8_0>{});
+    case kGgufQ4_K:
+      return launch(std::integral_constant<int, kGgufQ4_K>{});
+    case kGgufQ5_K:
+      return launch(std::integral_constant<int, kGgufQ5_K>{});
+    case kGgufQ6_K:
+      return launch(std::integral_constant<int, kGgufQ6_K>{});
+  }
+  return cudaErrorInvalidValue;
+}
 
 // Bytes and values of a block (a super-block for the K-quants), as gguf_block_bytes / gguf_block_values.
 template <int KIND>
@@ -78,8 +101,8 @@ __device__ __forceinline__ void fetch_chunk(WeightChunk<KIND>& w, const ByteWind
 
 // Writes the chunk into the warp's stage; returns where its first block starts there.
 template <int KIND>
-__device__ __forceinline__ const uint8_t* store_chunk(const WeightChunk<KIND>& w, const ByteWindow& win,
-                                                      uint8_t* stage, int lane) {
+__device__ __forceinline__ const uint8_t* store_chunk(const WeightChunk<KIND>& w, const ByteWindow& win, uint8_t* stage,
+                                                      int lane) {
   const uint8_t* base = win.lo - (reinterpret_cast<uintptr_t>(win.lo) & 15);  // maps to stage[0]
   const int64_t vectors = (win.e - win.a) / 16;
   uint4* body = reinterpret_cast<uint4*>(stage + (win.a - base));
@@ -123,8 +146,8 @@ __device__ __forceinline__ void parse_block(const uint8_t* blk, float& d, float&
         low = __vsub4(low, 0x08080808u);  // per byte, no borrow between bytes
         high = __vsub4(high, 0x08080808u);
       }
-      q[j] = static_cast<int>(low);        // elements 4j .. 4j + 3
-      q[4 + j] = static_cast<int>(high);   // elements 16 + 4j .. 16 + 4j + 3
+      q[j] = static_cast<int>(low);       // elements 4j .. 4j + 3
+      q[4 + j] = static_cast<int>(high);  // elements 16 + 4j .. 16 + 4j + 3
     }
   }
 }

@@ -53,21 +53,7 @@ cudaError_t launch_gguf_dequantize_kind(const GgufDequantizeParams& p, cudaStrea
 // The dtype's dequantize launcher over every kind, which gguf_<dtype>.cu instantiates.
 template <typename T>
 cudaError_t launch_gguf_dequantize_typed(const GgufDequantizeParams& p, cudaStream_t stream) {
-  switch (p.kind) {
-    case kGgufQ4_0:
-      return launch_gguf_dequantize_kind<T, kGgufQ4_0>(p, stream);
-    case kGgufQ4_1:
-      return launch_gguf_dequantize_kind<T, kGgufQ4_1>(p, stream);
-    case kGgufQ8_0:
-      return launch_gguf_dequantize_kind<T, kGgufQ8_0>(p, stream);
-    case kGgufQ4_K:
-      return launch_gguf_dequantize_kind<T, kGgufQ4_K>(p, stream);
-    case kGgufQ5_K:
-      return launch_gguf_dequantize_kind<T, kGgufQ5_K>(p, stream);
-    case kGgufQ6_K:
-      return launch_gguf_dequantize_kind<T, kGgufQ6_K>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_kind(p.kind, [&](auto kind) { return launch_gguf_dequantize_kind<T, kind.value>(p, stream); });
 }
 
 constexpr int kRoundThreads = 256;
@@ -77,21 +63,16 @@ constexpr int kRoundThreads = 256;
 // a multiple of 32 values, so its stores are always whole vectors.
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kRoundThreads) round_q8_1_kernel(const Q8_1RoundParams p) {
-  const int64_t per_row = p.k / 8;
-  const int64_t total = p.rows * per_row;
-  const int64_t g = static_cast<int64_t>(blockIdx.x) * kRoundThreads + threadIdx.x;
-  const bool live = g < total;
-  const int64_t at = live ? g : total - 1;
-  const int64_t row = at / per_row, col = (at % per_row) * 8;
+  const Part8 t = part8(p.rows, p.k, kRoundThreads);
   float v[8];
-  load8<T, VEC>(v, p.x, p.x_stride, row, col);
+  load8<T, VEC>(v, p.x, p.x_stride, t.row, t.col);
   int q[8];
   const float d = quantize_q8_1_part(v, q);
   float y[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(static_cast<float>(q[i]), d);  // exact: |q| <= 127, d an fp16 value
-  if (!live) return;
-  T* dst = static_cast<T*>(p.out) + row * p.k + col;
+  if (!t.live) return;
+  T* dst = static_cast<T*>(p.out) + t.row * p.k + t.col;
   if constexpr (sizeof(T) == 2) {
     store_vec<T, 8>(dst, y);
   } else {

@@ -53,13 +53,9 @@ template <typename T, bool A8, bool VEC>
 __global__ void __launch_bounds__(kInputThreads) gguf_input_kernel(const GgufGemvParams p) {
   griddep_trigger_at_entry();  // the GEMV after it reads only weights before its wait
   griddep_wait();
-  const int64_t per_row = p.k / 8, total = p.batch * per_row;
-  const int64_t g = static_cast<int64_t>(blockIdx.x) * kInputThreads + threadIdx.x;
-  const bool live = g < total;
-  const int64_t at = live ? g : total - 1;
-  const int64_t row = at / per_row, col = (at % per_row) * 8;
+  const Part8 t = part8(p.batch, p.k, kInputThreads);
   float v[8];
-  load8<T, VEC>(v, p.x, p.x_stride, row, col);
+  load8<T, VEC>(v, p.x, p.x_stride, t.row, t.col);
   if constexpr (A8) {
     int q[8];
     const float d = quantize_q8_1_part(v, q);
@@ -68,21 +64,21 @@ __global__ void __launch_bounds__(kInputThreads) gguf_input_kernel(const GgufGem
     for (int i = 0; i < 8; ++i) sum += q[i];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if (!live) return;
+    if (!t.live) return;
     uint32_t packed[2] = {0u, 0u};
 #pragma unroll
     for (int i = 0; i < 8; ++i) packed[i / 4] |= (static_cast<uint32_t>(q[i]) & 0xFFu) << (8 * (i % 4));
     int8_t* xq = static_cast<int8_t*>(p.work);
-    *reinterpret_cast<uint2*>(xq + row * p.k + col) = make_uint2(packed[0], packed[1]);
-    if ((at & 3) == 0) {  // the block's first thread (a row holds whole blocks: per_row is a multiple of 4)
-      const int64_t nb = p.k / 32, blk = row * nb + col / 32;
+    *reinterpret_cast<uint2*>(xq + t.row * p.k + t.col) = make_uint2(packed[0], packed[1]);
+    if (t.col % 32 == 0) {  // the block's first thread
+      const int64_t nb = p.k / 32, blk = t.row * nb + t.col / 32;
       float* xd = reinterpret_cast<float*>(xq + p.batch * p.k);
       xd[blk] = d;
       xd[p.batch * nb + blk] = __fmul_rn(static_cast<float>(sum), d);
     }
   } else {
-    if (!live) return;
-    float* xf = static_cast<float*>(p.work) + row * p.k + col;
+    if (!t.live) return;
+    float* xf = static_cast<float*>(p.work) + t.row * p.k + t.col;
     *reinterpret_cast<float4*>(xf) = make_float4(v[0], v[1], v[2], v[3]);
     *reinterpret_cast<float4*>(xf + 4) = make_float4(v[4], v[5], v[6], v[7]);
   }
@@ -247,25 +243,6 @@ cudaError_t launch_gguf_input(const GgufGemvParams& p, cudaStream_t stream) {
   return launch_pdl(gguf_input_kernel<T, A8, false>, grid, dim3(kInputThreads), 0, stream, p);
 }
 
-template <typename T>
-cudaError_t launch_gguf_kind(const GgufGemvParams& p, cudaStream_t stream) {
-  switch (p.seg[0].kind) {
-    case kGgufQ4_0:
-      return launch_gguf_mode<T, kGgufQ4_0>(p, stream);
-    case kGgufQ4_1:
-      return launch_gguf_mode<T, kGgufQ4_1>(p, stream);
-    case kGgufQ8_0:
-      return launch_gguf_mode<T, kGgufQ8_0>(p, stream);
-    case kGgufQ4_K:
-      return launch_gguf_mode<T, kGgufQ4_K>(p, stream);
-    case kGgufQ5_K:
-      return launch_gguf_mode<T, kGgufQ5_K>(p, stream);
-    case kGgufQ6_K:
-      return launch_gguf_mode<T, kGgufQ6_K>(p, stream);
-  }
-  return cudaErrorInvalidValue;
-}
-
 // The input kernel, then one GEMV launch per block type among the segments (in their order), each over the
 // segments of its type.
 template <typename T>
@@ -283,7 +260,8 @@ cudaError_t launch_gguf_gemv_typed(const GgufGemvParams& p, cudaStream_t stream)
       one.seg[one.segments++] = p.seg[j];
       launched[j] = true;
     }
-    const cudaError_t e = launch_gguf_kind<T>(one, stream);
+    const cudaError_t e =
+        with_kind(one.seg[0].kind, [&](auto kind) { return launch_gguf_mode<T, kind.value>(one, stream); });
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;

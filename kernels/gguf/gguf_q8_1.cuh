@@ -6,6 +6,20 @@
 namespace patcher {
 namespace {
 
+// Thread g's part of x [rows, k] (4 threads a 32-value block, 8 values each): its row and first column, and
+// whether it is live; a thread past the end takes the last part (so that it reaches the shuffles) and stores nothing.
+struct Part8 {
+  int64_t row, col;
+  bool live;
+};
+
+__device__ __forceinline__ Part8 part8(int64_t rows, int64_t k, int threads) {
+  const int64_t per_row = k / 8, total = rows * per_row;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * threads + threadIdx.x;
+  const int64_t at = g < total ? g : total - 1;
+  return {at / per_row, (at % per_row) * 8, g < total};
+}
+
 // A thread's 8 consecutive values of row `row`, column `col` (a multiple of 8). VEC: x's rows start 16-byte aligned,
 // so they load as one or two 16-byte vectors; otherwise one value at a time.
 template <typename T, bool VEC>
