@@ -157,11 +157,14 @@ def case_gguf_linear(tokens, arch, dtype, ops, kind="Q4_0"):
     on the same weight held dense in the dtype: the cost of keeping the weights quantized."""
     if tokens <= 8:
         return None  # up to 8 rows it is the GGUF GEMV, measured by the decode-path "gguf" rows
+    from patcher.gguf import GGUFLinear
+
     H, inter = ARCHS[arch][:2]
     blocks = gguf_blocks(kind, inter, H)
+    layer = GGUFLinear.from_blocks(blocks, kind)
     dense = ops.gguf_dequantize(blocks, kind, dtype)
     x = rand(tokens, H, dtype=dtype)
-    fused = lambda: torch.nn.functional.linear(ops.round_q8_1(x), ops.gguf_dequantize(blocks, kind, dtype))
+    fused = lambda: layer.gemm(ops.round_q8_1(x), ops)
     unfused = lambda: torch.nn.functional.linear(x, dense)
     return fused, unfused, int(blocks.numel() + (tokens * H + tokens * inter) * dtype.itemsize)
 
