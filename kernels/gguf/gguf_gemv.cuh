@@ -141,21 +141,24 @@ __device__ __forceinline__ void accumulate(const uint8_t* chunk, const GgufGemvP
 }
 
 template <typename T, int KIND, bool A8, int BMAX>
-__global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const GgufGemvParams p) {
+__global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const __grid_constant__ GgufGemvParams p) {
   __shared__ __align__(16) uint8_t stages[kGgufWarps][kStageBytes<KIND>];
   constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   griddep_trigger_at_entry();  // no decode attention reads this op's output directly
-  // The warp's row: the launch's segments' rows one after the other (every segment is of this KIND).
+  // The warp's row: the launch's segments' rows one after the other (every segment is of this KIND). Only the
+  // segment's index is kept; its fields are read from the parameters (__grid_constant__: the constant bank, indexed)
+  // where they are used, so that a segment costs no registers across the main loop.
   int64_t n = static_cast<int64_t>(blockIdx.x) * kGgufWarps + warp;
-  GgufSegment g = p.seg[0];
+  int s = 0;
 #pragma unroll
-  for (int i = 1; i < kGgufMaxSegments; ++i) {  // static indices: the parameters stay in the constant bank
-    if (i < p.segments && n >= g.n) {
-      n -= g.n;
-      g = p.seg[i];
+  for (int i = 1; i < kGgufMaxSegments; ++i) {
+    if (i < p.segments && n >= p.seg[s].n) {
+      n -= p.seg[s].n;
+      s = i;
     }
   }
+  const GgufSegment& g = p.seg[s];
   if (n >= g.n) return;                            // a warp past the last row (no barrier waits for it)
   const int64_t nb = p.k / 32;                     // 32-value blocks (and Q8_1 blocks of x) a row
   const int64_t units = p.k / kBlockValues<KIND>;  // blocks (super-blocks) a row
