@@ -464,7 +464,7 @@ def _generate(self, inputs, generation_config, **kwargs):
         reason, prepared = call_reason(self, generation_config, kwargs)
     if reason is None and state.planner.tensor_parallel:
         reason = tensor_parallel_call_reason(prepared)
-    if reason is None:  # the kernels' row limits, which the runner knows (GPTQ int4 and GGUF linears take 8 rows)
+    if reason is None:  # the step's row limit, which the runner knows
         if state.runner is None:
             state.runner = DecodeRunner(self)
         batch = prepared["input_ids"].shape[0]

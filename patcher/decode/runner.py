@@ -35,17 +35,41 @@ KERNEL_MAX_ROWS = 8  # rows the GPTQ int4 kernels and the dense GEMV kernels tak
 
 
 class StepState:
-    """The static buffers one (batch size, cache capacity) pair decodes in; a captured graph reads only these."""
+    """The static buffers one (batch size, cache capacity) pair decodes in; a captured graph reads only these.
 
-    def __init__(self, step: DecodeStep, options: DecodeOptions, batch: int, capacity: int):
-        dev, cuda = step.device, step.device.type == "cuda"
+    Past `rows` rows (the GPTQ int4 and GGUF kernels take 8) the model's part of a step runs in chunks of at most
+    `rows` rows, one after another: each chunk is a StepState over views of this one's cache, tokens and embeddings
+    (its rows), with its own workspaces, and the logits are their rows joined. Each chunk reads the weights again,
+    so a step of B rows costs about ceil(B / rows) steps of `rows` rows."""
+
+    def __init__(self, step: DecodeStep, options: DecodeOptions, batch: int, capacity: int, rows: int | None = None,
+                 whole: StepState | None = None, first: int = 0):  # fmt: skip
+        dev = step.device
         self.batch, self.capacity = batch, capacity
-        kv_shape = (step.num_layers, batch, step.num_kv_heads, capacity, step.head_dim)
-        self.k = torch.zeros(kv_shape, dtype=step.dtype, device=dev)
-        self.v = torch.zeros(kv_shape, dtype=step.dtype, device=dev)
-        self.tokens = torch.zeros(batch, capacity + 1, dtype=torch.long, device=dev)  # prompt + generated
-        self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # index of the current token (= its cache row)
-        self.pad = torch.zeros(batch, dtype=torch.long, device=dev)  # leading pad tokens per row
+        if whole is None:
+            kv_shape = (step.num_layers, batch, step.num_kv_heads, capacity, step.head_dim)
+            self.k = torch.zeros(kv_shape, dtype=step.dtype, device=dev)
+            self.v = torch.zeros(kv_shape, dtype=step.dtype, device=dev)
+            self.tokens = torch.zeros(batch, capacity + 1, dtype=torch.long, device=dev)  # prompt + generated
+            self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # index of the current token (= its cache row)
+            self.pad = torch.zeros(batch, dtype=torch.long, device=dev)  # leading pad tokens per row
+            self.x = torch.zeros(batch, step.hidden, dtype=step.dtype, device=dev)  # the current tokens' embeddings
+            self.cos, self.sin = step.rope_tables(capacity)
+        else:  # a chunk: rows [first, first + batch) of `whole` (each layer's cache rows stay contiguous)
+            rows_of = slice(first, first + batch)
+            self.k, self.v = whole.k[:, rows_of], whole.v[:, rows_of]
+            self.tokens, self.pad, self.x = whole.tokens[rows_of], whole.pad[rows_of], whole.x[rows_of]
+            self.slot, self.cos, self.sin = whole.slot, whole.cos, whole.sin
+        self.chunks: list[StepState] = []
+        if rows is not None and batch > rows:
+            self.chunks = [
+                StepState(step, options, min(rows, batch - r), capacity, whole=self, first=r)
+                for r in range(0, batch, rows)
+            ]
+        else:
+            self._step_buffers(step, options, batch)
+        if whole is not None:
+            return
         self.finished = torch.zeros(batch, dtype=torch.bool, device=dev)
         self.eos = torch.full((MAX_EOS_IDS,), -1, dtype=torch.long, device=dev)  # EOS ids, -1 for unused entries
         self.pad_token = torch.zeros((), dtype=torch.long, device=dev)
@@ -55,13 +79,22 @@ class StepState:
         self.max_length = torch.zeros((), dtype=torch.long, device=dev)
         self.min_length = torch.zeros((), dtype=torch.long, device=dev)
         self.min_new_tokens = torch.zeros((), dtype=torch.long, device=dev)
-        self.x = torch.zeros(batch, step.hidden, dtype=step.dtype, device=dev)  # the current tokens' embeddings
+        self.next_token_workspace = next_token_workspace(batch, dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_sampling: tuple | None = None  # (Sampling, keeps scores and logits, only the model's part)
+        self.step_logits: torch.Tensor | None = None  # the model's part's output, where the caller has processors
+        self.kept: tuple | None = None  # float32 [B, V] scores and logits of the last step, where a call asks
+        self.processors: Processors | None = None
+
+    def _step_buffers(self, step: DecodeStep, options: DecodeOptions, batch: int) -> None:
+        """What the model's part of a step of `batch` rows reads besides the cache: workspaces and per-batch
+        choices."""
+        dev, cuda = step.device, step.device.type == "cuda"
         # tensor parallel, an lm_head sharded by vocabulary: every rank's block of logits [ranks x B, V / ranks]
         self.gathered_logits = None
         if step.lm_group is not None:
             width = step.lm_weight.shape[0]
             self.gathered_logits = torch.empty(batch * step.vocab // width, width, dtype=step.dtype, device=dev)
-        self.next_token_workspace = next_token_workspace(batch, dev)
         self.cublas = cuda and batch >= options.cublas_min_batch
         # Norms inside the GEMVs' prologues (on the CPU always: the reference path is the same either way).
         self.fused_norms = not self.cublas and (not cuda or step.hidden <= options.fused_norm_max_hidden)
@@ -70,7 +103,6 @@ class StepState:
         self.workspace = decode_attention_workspace(
             batch, step.num_heads, step.num_kv_heads, step.head_dim, self.splits, dev
         )
-        self.cos, self.sin = step.rope_tables(capacity)
         # GPTQ int4 linears: K slices per linear for this batch size, and one workspace the kernels of one stream
         # share (each leaves its counters zero, and they run one after another); the branch stream has its own.
         plan = step.int4
@@ -80,15 +112,16 @@ class StepState:
         branch_size = size if step.branch_stream is not None else 0
         self.branch_int4_workspace = torch.zeros(branch_size, dtype=torch.int32, device=dev)
         self.deferred = plan.deferred_outputs(batch)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.graph_sampling: tuple | None = None  # (Sampling, keeps scores and logits, only the model's part)
-        self.step_logits: torch.Tensor | None = None  # the model's part's output, where the caller has processors
-        self.kept: tuple | None = None  # float32 [B, V] scores and logits of the last step, where a call asks
-        self.processors: Processors | None = None
 
     @property
     def nbytes(self) -> int:
-        buffers = (self.k, self.v, self.tokens, self.x, self.workspace, self.int4_workspace, self.branch_int4_workspace)
+        buffers = (self.k, self.v, self.tokens, self.x)
+        return sum(t.numel() * t.element_size() for t in buffers) + self._step_nbytes()
+
+    def _step_nbytes(self) -> int:
+        if self.chunks:
+            return sum(chunk._step_nbytes() for chunk in self.chunks)
+        buffers = (self.workspace, self.int4_workspace, self.branch_int4_workspace)
         buffers += () if self.gathered_logits is None else (self.gathered_logits,)
         buffers += tuple(t for d in self.deferred.values() for t in (d.acc, d.bias_rows) if t is not None)
         return sum(t.numel() * t.element_size() for t in buffers)
@@ -211,9 +244,13 @@ class DecodeRunner:
         self.largest_cache = 0
 
     def batch_limit(self) -> tuple[int, str]:
-        """The most rows a step of this model takes, and why: MAX_BATCH, but KERNEL_MAX_ROWS where the step has
-        GPTQ int4 linears, GEMV_MAX_ROWS where it has GGUF ones, or (CUDA) where dense linears stay on the GEMV
-        kernels past KERNEL_MAX_ROWS rows."""
+        """The most rows a step of this model takes, and why."""
+        return MAX_BATCH, f"the decode step takes 1 to {MAX_BATCH} rows (the next_token kernel)"
+
+    def step_rows(self) -> tuple[int | None, str]:
+        """The most rows one pass of the model's part of a step takes (more run in chunks, StepState), and why:
+        KERNEL_MAX_ROWS where the step has GPTQ int4 linears, GEMV_MAX_ROWS where it has GGUF ones, or (CUDA) where
+        dense linears stay on the GEMV kernels past KERNEL_MAX_ROWS rows; None where any batch runs at once."""
         if self.decode_step.int4.linears:
             return KERNEL_MAX_ROWS, f"the GPTQ int4 decode kernels take 1 to {KERNEL_MAX_ROWS} rows"
         if self.decode_step.gguf:
@@ -223,7 +260,7 @@ class DecodeRunner:
                 f"the dense GEMV kernels take 1 to {KERNEL_MAX_ROWS} rows (DecodeOptions.cublas_min_batch "
                 f"{self.options.cublas_min_batch})"
             )
-        return MAX_BATCH, f"the decode step takes 1 to {MAX_BATCH} rows (the next_token kernel)"
+        return None, "every batch in one pass"
 
     def cache_bytes(self, batch: int, capacity: int) -> int:
         step = self.decode_step
@@ -242,7 +279,8 @@ class DecodeRunner:
         while self.states and held + size > self.largest_cache:
             _, dropped = self.states.popitem(last=False)
             held -= self.cache_bytes(dropped.batch, dropped.capacity)
-        state = self.states[batch] = StepState(self.decode_step, self.options, batch, capacity)
+        rows = self.step_rows()[0]
+        state = self.states[batch] = StepState(self.decode_step, self.options, batch, capacity, rows)
         return state
 
     def cache(self, batch: int, length: int):
@@ -265,7 +303,9 @@ class DecodeRunner:
         self.largest_cache = 0
 
     def logits(self, st: StepState, x: torch.Tensor | None = None) -> torch.Tensor:
-        return self.decode_step.logits(st, x)
+        if not st.chunks:
+            return self.decode_step.logits(st, x)
+        return torch.cat([self.decode_step.logits(c, None if x is None else c.x) for c in st.chunks])
 
     def processors(self, st: StepState, sampling: Sampling) -> Processors:
         """The state's logits processors for `sampling`, built (outside any capture) when it changes."""
@@ -385,8 +425,9 @@ class DecodeRunner:
         kept = ([], [])
         # Each step leaves the int4 accumulators as the next one needs them; one cut short (an exception in an eager
         # step) may not have, so every generate starts from zeros.
-        for deferred in st.deferred.values():
-            deferred.acc.zero_()
+        for part in st.chunks or [st]:
+            for deferred in part.deferred.values():
+                deferred.acc.zero_()
         st.eos.fill_(-1)
         if eos:
             st.eos[: len(eos)].copy_(torch.tensor(eos, dtype=torch.long))

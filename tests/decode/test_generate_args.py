@@ -209,24 +209,31 @@ def test_num_return_sequences_past_eight_rows():
     assert got.shape[0] == 15 and torch.equal(got, expected)
 
 
-def test_int4_models_keep_to_eight_rows(monkeypatch):
-    """A model with GPTQ int4 linears: the runner takes 1 to 8 rows, and generate sends a batch of 9 to HF's loop
-    with the reason (the CPU model stands in for a CUDA one: its runner runs eagerly)."""
+def test_int4_models_decode_past_eight_rows_in_chunks(monkeypatch):
+    """A model with GPTQ int4 linears, whose kernels take 1 to 8 rows: a left-padded batch of 11 decodes as chunks of
+    8 and 3 rows over one cache and gives HF's greedy tokens; generate takes the runner for it (the CPU model stands
+    in for a CUDA one: its runner runs eagerly), and sends a batch past 64 rows to HF's loop with the reason."""
     model = rm.quantize_random(rm.build("tiny-llama"), group_size=32)
     model.generation_config.eos_token_id = None
-    patch_model(model)
+    ids, mask = padded_prompts(11, 3)
+    args = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    expected, got = run_both(model, ids, mask, args)
+    assert torch.equal(got, expected)
     runner = DecodeRunner(model, EAGER)
-    assert runner.batch_limit()[0] == 8
-    ids = torch.randint(3, VOCAB, (9, 4))
-    with pytest.raises(ValueError, match="int4"):
-        runner.generate(ids, torch.ones_like(ids), 2, gen.Sampling(), eos=[], pad_token_id=0)
+    assert runner.step_rows()[0] == 8
+    runner.generate(ids, mask, 2, gen.Sampling(), eos=[], pad_token_id=0)
+    st = runner.states[11]
+    assert [c.batch for c in st.chunks] == [8, 3]
+    assert st.chunks[1].k.data_ptr() == st.k[:, 8].data_ptr()  # views of one cache
+    assert st.chunks[1].tokens.data_ptr() == st.tokens[8].data_ptr()
     model._patcher_state.runner = runner
     monkeypatch.setattr(gen, "model_reason", lambda model: None)
-    with pytest.warns(UserWarning, match="batch 9.*int4"):
-        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
-    assert gen.generate_path(model)["path"] == "hf"
-    model.generate(ids[:8], max_new_tokens=2, do_sample=False, pad_token_id=0)
+    model.generate(ids, attention_mask=mask, **args)
     assert gen.generate_path(model)["path"] == "eager-runner"
+    many = torch.randint(3, VOCAB, (65, 4))
+    with pytest.warns(UserWarning, match="batch 65.*1 to 64"):
+        model.generate(many, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    assert gen.generate_path(model)["path"] == "hf"
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------------
@@ -287,3 +294,16 @@ def test_graph_path_num_return_sequences_matches_hf():
     ids, mask = padded_prompts(4, 3)
     graph_path_equals_hf(model, ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=12, do_sample=True, top_k=1,
                          num_return_sequences=4, pad_token_id=0, no_repeat_ngram_size=3)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])
+def test_graph_path_int4_past_eight_rows_matches_hf(name):
+    """GPU, fp32: a GPTQ int4 model at batch 19 takes the graph path, its step running chunks of 8, 8 and 3 rows over
+    one cache, and gives HF's greedy tokens, with repetition_penalty and EOS ids."""
+    model = rm.quantize_random(rm.build(name, device="cuda"), group_size=32)
+    model.generation_config.eos_token_id = None
+    ids, mask = padded_prompts(19, 4)
+    graph_path_equals_hf(model, ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=16, do_sample=False,
+                         pad_token_id=0, repetition_penalty=1.1, eos_token_id=[5, 6])  # fmt: skip
+    assert [c.batch for c in model._patcher_state.runner.states[19].chunks] == [8, 8, 3]

@@ -14,7 +14,7 @@ import torch
 from conftest import FP32_LOGIT_ATOL, max_err
 from gguf_blocks import write_tiny_model
 
-from patcher import load_gguf, patch_model, set_fast_generate, unpatch_model
+from patcher import load_gguf, patch_model, unpatch_model
 from patcher import random_models as rm
 from patcher.decode import DecodeOptions, DecodeRunner, Sampling, generate_path
 from patcher.decode import generate as gen
@@ -38,7 +38,6 @@ Q4_K_M = {
 }
 FILES = {"llama": ("llama", None), "qwen2": ("qwen2", None), "llama-q4_k_m": ("llama", Q4_K_M),
          "qwen2-q4_k_m": ("qwen2", Q4_K_M)}  # fmt: skip
-GGUF_REASON = "GGUF decode GEMV"
 
 
 @pytest.fixture(scope="module", params=list(FILES))
@@ -105,33 +104,30 @@ def test_patched_gguf_model_gives_the_unpatched_logits(tiny_file, quantize_activ
 
 @pytest.mark.parametrize("quantize_activations", [False, True], ids=["w4a16", "w4a8"])
 def test_decode_runner_on_gguf_model_gives_hf_greedy_tokens(tiny_file, quantize_activations):
-    """The eager decode step (separate norms, each GGUF projection, rope_qkv_cache): HF's greedy tokens, batch 1 and a
-    left-padded batch 3; the runner takes 1 to 8 rows."""
+    """The eager decode step (separate norms, each GGUF projection, rope_qkv_cache): HF's greedy tokens, batch 1, a
+    left-padded batch 3, and a batch of 11, which the step runs as chunks of 8 and 3 rows (the GEMV takes 1 to 8)."""
     model = load(tiny_file, quantize_activations)
-    cases = [prompt(1), prompt(3)]
+    cases = [prompt(1), prompt(3), prompt(11)]
     expected = [hf_greedy(model, ids, mask, 16) for ids, mask in cases]
     patch_model(model)
     runner = DecodeRunner(model, EAGER)
-    assert runner.batch_limit() == (8, "the GGUF decode GEMV (gguf_gemv) takes 1 to 8 rows")
+    assert runner.step_rows() == (8, "the GGUF decode GEMV (gguf_gemv) takes 1 to 8 rows")
     for (ids, mask), want in zip(cases, expected):
         assert torch.equal(runner.generate(ids, mask, 16, Sampling(), eos=[], pad_token_id=0), want)
 
 
-def test_gguf_model_keeps_to_eight_rows(tiny_file, monkeypatch):
-    """A batch of 9 goes to HF's loop with the GGUF reason; 8 rows take the runner (the CPU model stands in for a CUDA
-    one: its runner runs eagerly)."""
+def test_gguf_model_generates_past_eight_rows(tiny_file, monkeypatch):
+    """generate takes the runner for a batch of 9 (chunks of 8 and 1 rows) and gives HF's tokens (the CPU model
+    stands in for a CUDA one: its runner runs eagerly)."""
     model = load(tiny_file, False)
-    patch_model(model)
     ids, mask = prompt(9)
-    with pytest.raises(ValueError, match=GGUF_REASON):
-        DecodeRunner(model, EAGER).generate(ids, mask, 2, Sampling(), eos=[], pad_token_id=0)
+    want = hf_greedy(model, ids, mask, 3)
+    patch_model(model)
     model._patcher_state.runner = DecodeRunner(model, EAGER)
     monkeypatch.setattr(gen, "model_reason", lambda model: None)
-    with pytest.warns(UserWarning, match=f"batch 9.*{GGUF_REASON}"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
-    assert generate_path(model)["path"] == "hf"
-    model.generate(ids[:8], attention_mask=mask[:8], max_new_tokens=2, do_sample=False, pad_token_id=0)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert generate_path(model)["path"] == "eager-runner"
+    assert torch.equal(got, want)
 
 
 def test_gguf_and_dense_in_one_projection_stay_on_hf(tmp_path):
@@ -214,8 +210,7 @@ def test_gpt_neox_with_gguf_linears(name):
 @pytest.mark.parametrize("quantize_activations", [False, True], ids=["w4a16", "w4a8"])
 def test_graph_generate_fp32_gives_hf_greedy_tokens(tiny_file, quantize_activations):
     """fp32 on CUDA: the patched model's generate takes the graph path and gives the unpatched model's greedy tokens
-    (batch 1 and a left-padded batch 3); a batch of 9 goes to HF's loop with its static cache, the GGUF reason
-    recorded, and gives HF's tokens."""
+    (batch 1 and a left-padded batch 3); a batch of 9 takes the graph path too, as chunks of 8 and 1 rows."""
     model = load(tiny_file, quantize_activations, device="cuda")
     cases = [prompt(1, "cuda"), prompt(3, "cuda")]
     expected = [hf_greedy(model, ids, mask, 24) for ids, mask in cases]
@@ -224,14 +219,13 @@ def test_graph_generate_fp32_gives_hf_greedy_tokens(tiny_file, quantize_activati
         got = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
         assert generate_path(model)["path"] == "graph", generate_path(model)
         assert torch.equal(got, want)
+    # A batch of 9: the step runs chunks of 8 and 1 rows, whose tokens are those of the two batches run apart.
     ids, mask = prompt(9, "cuda")
-    set_fast_generate(model, False)  # HF's own loop as it is
-    want = hf_greedy(model, ids, mask, 4)
-    set_fast_generate(model, True)
-    with pytest.warns(UserWarning, match=f"static cache, compiled.*batch 9.*{GGUF_REASON}"):
-        got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert generate_path(model)["path"] == "hf-static" and GGUF_REASON in generate_path(model)["reason"]
-    assert torch.equal(got, want)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert generate_path(model)["path"] == "graph", generate_path(model)
+    apart = [model.generate(i, attention_mask=m, max_new_tokens=8, do_sample=False, pad_token_id=0)
+             for i, m in ((ids[:8], mask[:8]), (ids[8:], mask[8:]))]  # fmt: skip
+    assert torch.equal(got, torch.cat(apart))
 
 
 @pytest.mark.gpu
