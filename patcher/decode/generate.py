@@ -5,8 +5,8 @@ run), whether the request is one the decode runner reproduces exactly: greedy or
 top-p, min-p) with the logits processors of processors.py (repetition_penalty, no_repeat_ngram_size, bad_words_ids,
 min_length, min_new_tokens, suppress_tokens, begin_suppress_tokens, forced BOS/EOS), a streamer, stop_strings and
 max_time, the caller's own stopping criteria (run on the host a step behind, runner.TokenFeed), the dict output
-with scores and logits, the caller's own logits processors (run between graph replays), batch 1 to 64 (1 to 8 for a
-model with GPTQ int4 or GGUF linears, whose kernels take at most 8 rows), token ids with a left-padded (or absent)
+with scores and logits, the caller's own logits processors (run between graph replays), batch 1 to 64 (a model
+with GPTQ int4 or GGUF linears, whose kernels take at most 8 rows, decodes in chunks of 8 rows), token ids with a left-padded (or absent)
 attention mask, the model on one CUDA device with every layer patched (tensor parallel: each rank's device, greedy
 calls only, every rank making the same tokens; see tensor_parallel_reason). Anything else (beam search, attentions
 in the output, sequence_bias, prefix_allowed_tokens_fn, a caller's MaxLengthCriteria or EosTokenCriteria, ...) goes
