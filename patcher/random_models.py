@@ -95,6 +95,18 @@ CONFIGS = {
     "llama-3.1-8b": lambda: _llama(
         4096, 32, 32, 8, 14336, 128256, LLAMA31_ROPE, max_position_embeddings=131072, tie_word_embeddings=False
     ),
+    "llama-3.2-1b": lambda: _llama(
+        2048,
+        16,
+        32,
+        8,
+        8192,
+        128256,
+        {**LLAMA31_ROPE, "factor": 32.0},
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        head_dim=64,
+    ),
     "qwen2-1.5b": lambda: _qwen2(
         1536, 28, 12, 2, 8960, 151936, 10000.0, max_position_embeddings=131072, tie_word_embeddings=False
     ),
