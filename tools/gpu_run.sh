@@ -8,6 +8,8 @@
 #                            128), random weights, one JSON file each
 #   tools/gpu_run.sh presets [MODEL...]  TPOT of every generate-argument preset (evals/presets.py), patched against
 #                            HF's static cache + compile, fp16, batch 1, one JSON file a model (default: the four)
+#   tools/gpu_run.sh anchor  the Llama-3.2-1B shape in bf16, prompt 32, 128 new tokens (context 32-160), HF's static
+#                            cache + compile against patched: the setting of published Llama-3.2-1B decode figures
 #   tools/gpu_run.sh gguf    the GGUF goals: decode TPOT and 2048-token prefill (TTFT) of the Llama-3.1-8B shape in
 #                            fp16, GPTQ int4 g128, GGUF Q4_0 and the Q4_K_M mix (W4A8), one process each (and the
 #                            eight in gguf_llama-3.1-8b_decode-prefill.json); the GGUF ops alone (evals.ops: the
@@ -56,6 +58,10 @@ case "${1:-}" in
         --json "$OUT/tpot_presets_${model}.json" 2>&1 | tee "$OUT/tpot_presets_${model}.log" | grep -v "it/s" || true
     done
     ;;
+  anchor)
+    python3 -m evals.tpot --random-config llama-3.2-1b --dtype bf16 --prompt-len 32 --new-tokens 128 --repeats 5 \
+      --modes hf-static-compiled,patched --json "$OUT/tpot_llama-3.2-1b_bf16.json" 2>&1 | grep -v "it/s" || true
+    ;;
   gguf)
     for weights in fp16 int4 q4_0 q4_k_m; do
       case "$weights" in
@@ -90,7 +96,7 @@ EOF
     fi
     ;;
   *)
-    echo "usage: tools/gpu_run.sh tests|tpot|presets|gguf" >&2
+    echo "usage: tools/gpu_run.sh tests|tpot|presets|anchor|gguf" >&2
     exit 2
     ;;
 esac
