@@ -1,19 +1,19 @@
 """`model.generate` of a patched model: the graph-captured decode path where it applies, HF's loop otherwise.
 
-patch_model sets this as the instance's `generate`. It decides per call, from the arguments alone (no trial
-run), whether the request is one the decode runner reproduces exactly: greedy or sampling (temperature, top-k,
-top-p, min-p) with the logits processors of processors.py (repetition_penalty, no_repeat_ngram_size, bad_words_ids,
-min_length, min_new_tokens, suppress_tokens, begin_suppress_tokens, forced BOS/EOS), a streamer, stop_strings and
-max_time, the caller's own stopping criteria (run on the host a step behind, runner.TokenFeed), the dict output
-with scores and logits, the caller's own logits processors (run between graph replays), batch 1 to 64 (a model
-with GPTQ int4 or GGUF linears, whose kernels take at most 8 rows, decodes in chunks of 8 rows), token ids with a left-padded (or absent)
-attention mask, the model on one CUDA device with every layer patched (tensor parallel: each rank's device, greedy
-calls only, every rank making the same tokens; see tensor_parallel_reason). Anything else (beam search, attentions
-in the output, sequence_bias, prefix_allowed_tokens_fn, a caller's MaxLengthCriteria or EosTokenCriteria, ...) goes
-to transformers' own `generate` unchanged (our fused kernels still run inside its forward), and the reason is
-recorded (`generate_path(model)`) and warned about once. Each call first checks the weights
-(PatchState.check_weights): where they changed since the last call, the runner with its caches and captured graphs
-is dropped and rebuilt from the current plans; modules with hooks keep the call on HF's loop.
+patch_model sets this as the instance's `generate`. It decides per call, from the arguments alone (no trial run),
+whether the request is one the decode runner reproduces exactly: greedy or sampling (temperature, top-k, top-p, min-p)
+with the logits processors of processors.py (repetition_penalty, no_repeat_ngram_size, bad_words_ids, min_length,
+min_new_tokens, suppress_tokens, begin_suppress_tokens, forced BOS/EOS), a streamer, stop_strings and max_time, the
+caller's own stopping criteria (run on the host a step behind, runner.TokenFeed), the dict output with scores and
+logits, the caller's own logits processors (run between graph replays), batch 1 to 64 (a model with GPTQ int4 or GGUF
+linears, whose kernels take at most 8 rows, decodes in chunks of 8 rows), token ids with a left-padded (or absent)
+attention mask, the model on one CUDA device with every layer patched (tensor parallel: each rank's device, greedy calls
+only, every rank making the same tokens; see tensor_parallel_reason). Anything else (beam search, attentions in the
+output, sequence_bias, prefix_allowed_tokens_fn, a caller's MaxLengthCriteria or EosTokenCriteria, ...) goes to
+transformers' own `generate` unchanged (our fused kernels still run inside its forward), and the reason is recorded
+(`generate_path(model)`) and warned about once. Each call first checks the weights (PatchState.check_weights): where
+they changed since the last call, the runner with its caches and captured graphs is dropped and rebuilt from the current
+plans; modules with hooks keep the call on HF's loop.
 """
 
 from __future__ import annotations
@@ -464,13 +464,6 @@ def _generate(self, inputs, generation_config, **kwargs):
         reason, prepared = call_reason(self, generation_config, kwargs)
     if reason is None and state.planner.tensor_parallel:
         reason = tensor_parallel_call_reason(prepared)
-    if reason is None:  # the step's row limit, which the runner knows
-        if state.runner is None:
-            state.runner = DecodeRunner(self)
-        batch = prepared["input_ids"].shape[0]
-        limit, why = state.runner.batch_limit()
-        if batch > limit:
-            reason = f"batch {batch} ({why})"
     if reason is not None:
         static = static_cache_fallback(self, generation_config, kwargs)
         state.last_generate = {"path": "hf-static" if static else "hf", "reason": reason}
@@ -483,6 +476,8 @@ def _generate(self, inputs, generation_config, **kwargs):
             kwargs = {**kwargs, "cache_implementation": "static"}
         original = state.original_generate or type(self).generate.__get__(self)
         return original(generation_config=generation_config, **kwargs)
+    if state.runner is None:
+        state.runner = DecodeRunner(self)
     outputs = prepared["outputs"]
     result = state.runner.generate(**prepared)
     tokens, scores, logits = result if isinstance(result, tuple) else (result, None, None)

@@ -243,10 +243,6 @@ class DecodeRunner:
         self.states: OrderedDict[int, StepState] = OrderedDict()
         self.largest_cache = 0
 
-    def batch_limit(self) -> tuple[int, str]:
-        """The most rows a step of this model takes, and why."""
-        return MAX_BATCH, f"the decode step takes 1 to {MAX_BATCH} rows (the next_token kernel)"
-
     def step_rows(self) -> tuple[int | None, str]:
         """The most rows one pass of the model's part of a step takes (more run in chunks, StepState), and why:
         KERNEL_MAX_ROWS where the step has GPTQ int4 linears, GEMV_MAX_ROWS where it has GGUF ones, or (CUDA) where
@@ -397,9 +393,8 @@ class DecodeRunner:
                 "the old ones); build a new DecodeRunner (model.generate does so by itself)"
             )
         B, T = input_ids.shape
-        limit, why = self.batch_limit()
-        if not 1 <= B <= limit:
-            raise ValueError(f"batch {B}: {why}")
+        if not 1 <= B <= MAX_BATCH:
+            raise ValueError(f"batch {B}: the decode step takes 1 to {MAX_BATCH} rows (the next_token kernel)")
         lengths, sampling = (sampling.min_length, sampling.min_new_tokens), sampling.graph_key()
         keep = outputs is not None and (outputs.get("scores", False) or outputs.get("logits", False))
         st = self.state_for(B, T + new_tokens)

@@ -1,11 +1,10 @@
-"""GGUF block-quantized linears (kernels/gguf/): the decode GEMV of 1 to 8 rows against GGUF blocks as GGUFLinear
-holds them (uint8 [out_features, bytes per row]), and the two ops of the prefill path, which hands more rows to a
-GEMM: the weights dequantized to the activations' dtype, and (W4A8) the activations rounded through Q8_1. Its reference is patcher/gguf/reference.py: W4A8 (activations
-quantized to Q8_1 blocks, integer dot products a block, scaled in fp32) or W4A16 (the weights dequantized and cast to
-the activations' dtype, then F.linear). The CUDA kernels take Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K
-(GEMV_KINDS: every type patcher.gguf.format reads), whose rows are whole super-blocks of 256 values; the reference
-takes the same types, so on the CPU the op runs them all.
-"""
+"""GGUF block-quantized linears (kernels/gguf/): the decode GEMV of 1 to 8 rows against GGUF blocks as GGUFLinear holds
+them (uint8 [out_features, bytes per row]), and the two ops of the prefill path, which hands more rows to a GEMM: the
+weights dequantized to the activations' dtype, and (W4A8) the activations rounded through Q8_1. Its reference is
+patcher/gguf/reference.py: W4A8 (activations quantized to Q8_1 blocks, integer dot products a block, scaled in fp32) or
+W4A16 (the weights dequantized and cast to the activations' dtype, then F.linear). The CUDA kernels take Q4_0, Q4_1,
+Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (GEMV_KINDS: every type patcher.gguf.format reads), whose rows are whole
+super-blocks of 256 values; the reference takes the same types, so on the CPU the op runs them all."""
 
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ define(
 )
 
 
-MAX_CAT = 3  # weights one gguf_gemv_cat takes (a projection's q, k and v)
+MAX_CAT = 3  # weights one gguf_gemv_cat takes (a projection's q, k and v): kGgufMaxSegments (kernels/gguf/params.h)
 
 
 def gguf_gemv_cat(
