@@ -10,7 +10,8 @@ linears, whose kernels take at most 8 rows, decodes in chunks of 8 rows), token 
 attention mask, the model on one CUDA device with every layer patched (tensor parallel: each rank's device, greedy calls
 only, every rank making the same tokens; see tensor_parallel_reason). Anything else (beam search, attentions in the
 output, sequence_bias, prefix_allowed_tokens_fn, a caller's MaxLengthCriteria or EosTokenCriteria, ...) goes to
-transformers' own `generate` unchanged (our fused kernels still run inside its forward), and the reason is recorded
+transformers' own `generate` (our fused kernels still run inside its forward, except with HF's static cache,
+static_cache_fallback, where HF's own forwards run as in the unpatched model), and the reason is recorded
 (`generate_path(model)`) and warned about once. Each call first checks the weights (PatchState.check_weights): where
 they changed since the last call, the runner with its caches and captured graphs is dropped and rebuilt from the current
 plans; modules with hooks keep the call on HF's loop.
@@ -470,12 +471,19 @@ def _generate(self, inputs, generation_config, **kwargs):
         if reason not in state.warned and state.fast_generate:
             state.warned.add(reason)
             runs = "fused kernels" if "kernels" in state.report.backend.split("+") else "the pure-torch reference ops"
+            runs = "transformers' own forwards" if static else runs
             loop = "its static cache, compiled" if static else "no CUDA graph"
             warnings.warn(f"patcher: generate uses transformers' loop ({runs}, {loop}): {reason}", stacklevel=3)
-        if static:
-            kwargs = {**kwargs, "cache_implementation": "static"}
         original = state.original_generate or type(self).generate.__get__(self)
-        return original(generation_config=generation_config, **kwargs)
+        if not static:
+            return original(generation_config=generation_config, **kwargs)
+        # The unpatched model's fastest loop, run as the unpatched model runs it: transformers compiles HF's own
+        # forwards faster than the fused ones for most shapes (docs/architecture.md, "generate").
+        state.planner.hf_forwards = True
+        try:
+            return original(generation_config=generation_config, **{**kwargs, "cache_implementation": "static"})
+        finally:
+            state.planner.hf_forwards = False
     if state.runner is None:
         state.runner = DecodeRunner(self)
     outputs = prepared["outputs"]

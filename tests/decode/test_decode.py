@@ -19,6 +19,7 @@ from patcher import patch_model, set_fast_generate, unpatch_model
 from patcher import random_models as rm
 from patcher.decode import DecodeOptions, DecodeRunner, Sampling, generate_path
 from patcher.decode.generate import call_reason
+from patcher.layers.guard import Guard
 
 EAGER = DecodeOptions(use_graphs=False)
 
@@ -140,9 +141,9 @@ def test_static_cache_fallback_only_where_hf_supports_it(monkeypatch):
 
 
 def test_static_cache_fallback_gives_hf_tokens(monkeypatch):
-    """Taken, the fallback is HF's loop with cache_implementation="static" over the patched layers (on the CPU,
-    where transformers does not compile): the unpatched model's greedy tokens, with the path and its reason
-    recorded and the warning saying what runs."""
+    """Taken, the fallback is HF's loop with cache_implementation="static" and HF's own forward in every patched
+    module (on the CPU, where transformers does not compile): the unpatched model's greedy tokens, with the path and its reason recorded and the warning saying what runs; the fused forwards serve the next
+    calls."""
     from patcher.decode import generate as gen
 
     model = rm.build("tiny-llama")
@@ -151,16 +152,23 @@ def test_static_cache_fallback_gives_hf_tokens(monkeypatch):
     expected = hf_generate(model, ids, mask, max_new_tokens=12, do_sample=False)
     patch_model(model)
     state = model._patcher_state
-    seen = []
+    seen, fused = [], []
     original = state.original_generate or type(model).generate.__get__(model)
     monkeypatch.setattr(state, "original_generate", lambda **kwargs: seen.append(kwargs) or original(**kwargs))
     monkeypatch.setattr(gen, "static_cache_fallback", lambda model, config, kwargs: True)
-    with pytest.warns(UserWarning, match="its static cache, compiled"):
+    guard_fused = Guard.fused
+    monkeypatch.setattr(Guard, "fused", lambda *a: fused.append(guard_fused(*a)) or fused[-1])
+    with pytest.warns(UserWarning, match="transformers' own forwards, its static cache, compiled"):
         got = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert seen and seen[0]["cache_implementation"] == "static"
+    assert fused and not any(fused)  # every patched module ran HF's forward
     path = generate_path(model)
     assert path["path"] == "hf-static" and "CUDA device" in path["reason"]
     assert torch.equal(got, expected)
+    fused.clear()
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    assert fused and all(fused)  # the fused forwards serve the next calls
 
 
 def test_calls_the_runner_does_not_handle_go_to_hf_with_a_reason():
