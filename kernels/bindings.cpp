@@ -14,15 +14,15 @@
 #include <string>
 #include <tuple>
 
-#include "bindings_gguf.h"
-#include "bindings_int4.h"
-#include "glue.h"
 #include "activation/params.h"
 #include "attention/params.h"
+#include "bindings_gguf.h"
+#include "bindings_int4.h"
+#include "bindings_sampling.h"
 #include "gemv/params.h"
+#include "glue.h"
 #include "norm/params.h"
 #include "rope/params.h"
-#include "sampling/params.h"
 
 namespace {
 
@@ -369,76 +369,6 @@ Tensor decode_attention_qkv_acc(const Tensor& acc, const OptTensor& bias_rows, c
   return out;
 }
 
-// A device tensor of the decode loop's state that check_index (int64 [n]) does not cover: the finished flags and the
-// 0-d pad id. On scores' device, of `type`, contiguous, `n` elements.
-void check_state(const Tensor& t, at::ScalarType type, int64_t n, const Tensor& like, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.device() == like.device(), "patcher: ", name, " must be on ", like.device());
-  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.numel() == n, "patcher: ", name,
-              " must be a contiguous ", c10::toString(type), " tensor of ", std::to_string(n), " element(s), got ",
-              t.scalar_type(), " ", dims(t.sizes()));
-}
-
-void next_token(const Tensor& scores, Tensor& tokens, Tensor& slot, Tensor& finished, const Tensor& eos,
-                const Tensor& pad_token, const OptTensor& embed_weight, Tensor& x, Tensor& workspace) {
-  TORCH_CHECK(scores.is_cuda(), "patcher: scores must be a CUDA tensor, got ", scores.device());
-  const c10::cuda::CUDAGuard guard(scores.device());
-  TORCH_CHECK(scores.dim() == 2 && scores.size(0) > 0 && scores.size(1) > 0,
-              "patcher: scores must be [batch, vocab], got ", dims(scores.sizes()));
-  const int64_t B = scores.size(0), V = scores.size(1);
-  TORCH_CHECK(B <= patcher::kNextTokenMaxBatch, "patcher: next_token takes at most ",
-              std::to_string(patcher::kNextTokenMaxBatch), " rows, got ", std::to_string(B));
-  TORCH_CHECK(V < (int64_t{1} << 30), "patcher: next_token takes a vocabulary below 2^30, got ", std::to_string(V));
-  TORCH_CHECK(tokens.is_cuda() && tokens.device() == scores.device() && tokens.scalar_type() == at::kLong &&
-                  tokens.dim() == 2 && tokens.size(0) == B && tokens.stride(1) == 1,
-              "patcher: tokens must be an int64 [", std::to_string(B), ", columns] tensor on ", scores.device(),
-              " with contiguous rows, got ", tokens.scalar_type(), " ", dims(tokens.sizes()));
-  check_index(slot, 1, scores, "slot");
-  check_state(finished, at::kBool, B, scores, "finished");
-  TORCH_CHECK(eos.dim() == 1 && eos.numel() <= 64, "patcher: eos must be a 1-D tensor of at most 64 ids");
-  check_index(eos, eos.numel(), scores, "eos");
-  check_state(pad_token, at::kLong, 1, scores, "pad_token");
-  const int64_t needed = patcher::next_token_workspace_size(B);
-  TORCH_CHECK(workspace.is_cuda() && workspace.device() == scores.device() && workspace.scalar_type() == at::kInt &&
-                  workspace.is_contiguous() && workspace.numel() >= needed,
-              "patcher: workspace must be a zeroed contiguous int32 tensor on ", scores.device(), " of at least ",
-              std::to_string(needed), " elements (patcher.ops.next_token_workspace)");
-  patcher::NextTokenParams p{};
-  p.dtype = dtype_of(scores);
-  p.batch = B;
-  p.vocab = V;
-  p.scores = scores.data_ptr();
-  p.scores_stride = row_stride(scores, "scores");
-  p.tokens = tokens.data_ptr<int64_t>();
-  p.tokens_stride = tokens.stride(0);
-  p.columns = tokens.size(1);
-  p.slot = slot.data_ptr<int64_t>();
-  p.finished = reinterpret_cast<uint8_t*>(finished.data_ptr<bool>());
-  p.eos = eos.data_ptr<int64_t>();
-  p.num_eos = static_cast<int32_t>(eos.numel());
-  p.pad_token = pad_token.data_ptr<int64_t>();
-  if (embed_weight.has_value()) {
-    const Tensor& e = *embed_weight;
-    TORCH_CHECK(e.dim() == 2 && e.is_contiguous() && e.size(0) >= V,
-                "patcher: embed_weight must be a contiguous [rows, ",
-                "hidden] tensor with at least as many rows as scores has columns (", std::to_string(V), "), got ",
-                dims(e.sizes()));
-    (void)dtype_of(e);  // float16, bfloat16 or float32
-    check_like(x, e, "x");
-    TORCH_CHECK(x.dim() == 2 && x.size(0) == B && x.size(1) == e.size(1) && x.is_contiguous(), "patcher: x must be ",
-                "a contiguous [", std::to_string(B), ", ", std::to_string(e.size(1)), "] tensor, got ",
-                dims(x.sizes()));
-    TORCH_CHECK(e.device() == scores.device(), "patcher: embed_weight is on ", e.device(), " but scores are on ",
-                scores.device());
-    p.embed = e.data_ptr();
-    p.embed_rows = e.size(0);
-    p.hidden = e.size(1);
-    p.embed_elem_bytes = e.element_size();
-    p.x = x.data_ptr();
-  }
-  p.workspace = workspace.data_ptr<int32_t>();
-  check_launch(patcher::launch_next_token(p, c10::cuda::getCurrentCUDAStream()), "next_token");
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
@@ -458,6 +388,7 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_attention_qkv_acc", &decode_attention_qkv_acc);
   m.impl("next_token", &next_token);
+  m.impl("warp_survivors", &warp_survivors);
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int4_gemv_cat", &int4_gemv_cat);

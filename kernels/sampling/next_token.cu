@@ -1,7 +1,8 @@
 // The decode step's last op: each row's next token from its scores, and the decode loop's bookkeeping.
 //
 //   token[b]     = finished[b] ? pad_token : argmax(scores[b])   (the first index of the maximum; a NaN counts as
-//                                                                 the maximum, as in torch.argmax)
+//                                                                 the maximum, as in torch.argmax; mapped through
+//                                                                 ids[b] where given)
 //   finished[b] |= token[b] is one of eos
 //   tokens[b, slot + 1] = token[b];   x[b] = embed[token[b]] (the next step's input);   then slot += 1
 //
@@ -82,7 +83,8 @@ __device__ void finish_rows(const NextTokenParams& p, const float* part_values, 
     }
     warp_argmax(v, i);
     if (lane == 0) {
-      const int64_t token = p.finished[b] ? *p.pad_token : i;
+      const int64_t best = p.ids ? p.ids[b * p.ids_stride + i] : i;
+      const int64_t token = p.finished[b] ? *p.pad_token : best;
       bool eos = false;
       for (int e = 0; e < p.num_eos; ++e) eos |= p.eos[e] == token;
       if (eos) p.finished[b] = 1;
@@ -91,7 +93,8 @@ __device__ void finish_rows(const NextTokenParams& p, const float* part_values, 
     }
   }
   __syncthreads();
-  // The runner checks the pad id against the embedding (an argmax is below vocab <= embed_rows).
+  // The runner checks the pad id against the embedding (an argmax is below vocab <= embed_rows; an id of `ids` is
+  // checked here).
   if (p.embed) {
     const int64_t row_bytes = p.hidden * p.embed_elem_bytes;
     for (int b = 0; b < p.batch; ++b) {

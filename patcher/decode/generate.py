@@ -478,7 +478,7 @@ def _generate(self, inputs, generation_config, **kwargs):
         if not static:
             return original(generation_config=generation_config, **kwargs)
         # The unpatched model's fastest loop, run as the unpatched model runs it: transformers compiles HF's own
-        # forwards faster than the fused ones for most shapes (docs/architecture.md, "generate").
+        # forwards faster than the fused ones for most shapes (docs/architecture.md, "The decode step").
         state.planner.hf_forwards = True
         try:
             return original(generation_config=generation_config, **{**kwargs, "cache_implementation": "static"})

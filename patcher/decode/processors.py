@@ -38,6 +38,9 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+from ..ops import REFERENCE
+from ..ops.sampling import WARP_SURVIVORS_MAX, warp_scores
+
 
 def _penalty_skips_padding() -> bool:
     """Whether transformers' generate leaves each row's left padding out of repetition_penalty. Later 5.x releases
@@ -90,10 +93,12 @@ class Sampling:
 
 class Processors:
     """`Sampling` as tensor ops over one StepState's tokens; the constant masks are built here, before any capture
-    (a graph cannot copy host lists to the device)."""
+    (a graph cannot copy host lists to the device). `ops`: the backend that runs warp_survivors (the reference by
+    default)."""
 
-    def __init__(self, sampling: Sampling, vocab: int, device: torch.device):
+    def __init__(self, sampling: Sampling, vocab: int, device: torch.device, ops=None):
         self.sampling, self.vocab = sampling, vocab
+        self.ops = REFERENCE if ops is None else ops
 
         def mask(ids) -> torch.Tensor:
             m = torch.zeros(vocab, dtype=torch.bool, device=device)
@@ -128,7 +133,8 @@ class Processors:
     def __call__(self, logits: torch.Tensor, st, keep: tuple | None = None, extra=None, input_ids=None):
         """What next_token takes the argmax of, for the step whose current token is at st.slot: the logits
         themselves where nothing processes them; else the processed float32 scores (greedy), or probs / E with
-        E ~ Exp(1), whose argmax is a draw from probs (sampling). `keep`: float32 [B, V] buffers (scores, logits)
+        E ~ Exp(1), whose argmax is a draw from probs (sampling): over the vocabulary, or with top-k on, a pair
+        (probs / E of the survivors [B, m], their ids [B, m]) whose argmax next_token maps through the ids. `keep`: float32 [B, V] buffers (scores, logits)
         that receive what HF's generate reports as the step's `scores` (processed and warped) and `logits`.
         `extra`: the caller's own LogitsProcessorList, run as HF runs it, after these processors and before the
         warpers, on `input_ids` (the sequences so far)."""
@@ -177,12 +183,10 @@ class Processors:
             if keep is not None:
                 keep[0].copy_(scores)
             return self.draw(scores)
-        values, ids = survivors
+        warped, ids, drawn = survivors
         if keep is not None:
-            keep[0].fill_(-math.inf).scatter_(1, ids, values)
-        # next_token takes the argmax over the vocabulary: the draw's values where the survivors are, 0 elsewhere
-        # (a survivor's probs / E is > 0 for at least the one with the largest probability)
-        return torch.zeros_like(scores).scatter_(1, ids, self.draw(values))
+            keep[0].fill_(-math.inf).scatter_(1, ids, warped)
+        return drawn, ids
 
     def no_repeat_ngram(self, scores: torch.Tensor, st) -> torch.Tensor:
         """HF's NoRepeatNGramLogitsProcessor on the sequence so far, st.tokens[:, : slot + 1]: each complete n-gram
@@ -224,49 +228,33 @@ class Processors:
         HF's generate reports, -inf where a warper removed the token."""
         survivors = self.survivors(scores)
         if survivors is None:
-            return self._warp(scores)
-        values, ids = survivors
-        return torch.full_like(scores, -math.inf).scatter_(1, ids, values)
+            p = self.sampling
+            return warp_scores(scores, p.temperature, p.top_k, p.top_p, p.min_p or 0.0)
+        warped, ids, _ = survivors
+        return torch.full_like(scores, -math.inf).scatter_(1, ids, warped)
 
-    def survivors(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """With top-k on, the warpers applied to the only tokens that can survive top-k: (warped scores [B, m],
-        their ids [B, m]) with m = min(SURVIVORS_PER_K * top_k, V), -inf where a warper removed one; None with top-k
-        off. A full-vocabulary top-p would sort all V scores; here one top-m selection and sorts of m values do.
+    def survivors(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """With top-k on, the warpers and the draw on the only tokens that can survive top-k (warp_survivors): (warped
+        scores [B, m], their ids [B, m] in increasing order, probs / E of them), m = min(SURVIVORS_PER_K * top_k, V),
+        -inf where a warper removed one; None with top-k off. A full-vocabulary top-p would sort all V scores; here
+        one top-m selection and one kernel on m values do (the reference past WARP_SURVIVORS_MAX survivors).
 
-        The same as warping all V scores (`_warp`) unless more than m tokens score at least the k-th largest score
-        (ties at the k-th), and up to the order of equal scores in top-p's sort, which HF's unstable sort leaves to the
-        sort's implementation (here: id order). Dividing by the temperature keeps the order, so the k largest scaled
-        scores are among the m selected, and the softmax of the survivors is HF's softmax over the vocabulary, whose
-        other entries are -inf after top-k."""
+        The same as warping all V scores unless more than m tokens score at least the k-th largest score (ties at the
+        k-th), and up to the order of equal scores in top-p's sort, which HF's unstable sort leaves to the sort's
+        implementation (here: id order). Dividing by the temperature keeps the order, so the k largest scaled scores
+        are among the m selected, and the softmax of the survivors is HF's softmax over the vocabulary, whose other
+        entries are -inf after top-k."""
         p = self.sampling
-        vocab = scores.shape[-1]
         if p.top_k <= 0:
             return None
-        m = min(SURVIVORS_PER_K * p.top_k, vocab)
+        m = min(SURVIVORS_PER_K * p.top_k, scores.shape[-1])
         values, ids = torch.topk(scores, m, dim=-1)
-        ids, order = torch.sort(ids, dim=-1)
-        return self._warp(values.gather(1, order), stable=True), ids
-
-    def _warp(self, scores: torch.Tensor, stable: bool = False) -> torch.Tensor:
-        """temperature, top-k, top-p, min-p on scores [B, n] (the vocabulary, or top-k's survivors in id order,
-        `stable`); top-p sorts as HF's TopPLogitsWarper does, or stably."""
-        p = self.sampling
-        if p.temperature != 1.0:
-            scores = scores / p.temperature
-        if 0 < p.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, p.top_k, dim=-1).values[..., -1:]
-            scores = scores.masked_fill(scores < kth, -math.inf)
-        if p.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=False, stable=stable)
-            remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - p.top_p)
-            remove[..., -1:] = False
-            scores = scores.masked_fill(remove.scatter(1, order, remove), -math.inf)
-        if p.min_p is not None:
-            probs = scores.softmax(dim=-1)
-            remove = probs < p.min_p * probs.amax(dim=-1, keepdim=True)
-            remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
-            scores = scores.masked_fill(remove, -math.inf)
-        return scores
+        noise = torch.empty_like(values).exponential_(1.0)
+        warped, by_id, drawn = torch.empty_like(values), torch.empty_like(ids), torch.empty_like(values)
+        ops = self.ops if m <= WARP_SURVIVORS_MAX else REFERENCE
+        ops.warp_survivors(values, ids, noise, float(p.temperature), int(p.top_k), float(p.top_p),
+                           float(p.min_p or 0.0), warped, by_id, drawn)  # fmt: skip
+        return warped, by_id, drawn
 
     @staticmethod
     def draw(scores: torch.Tensor) -> torch.Tensor:

@@ -306,16 +306,18 @@ class DecodeRunner:
     def processors(self, st: StepState, sampling: Sampling) -> Processors:
         """The state's logits processors for `sampling`, built (outside any capture) when it changes."""
         if st.processors is None or st.processors.sampling != sampling:
-            st.processors = Processors(sampling, self.decode_step.vocab, self.device)
+            st.processors = Processors(sampling, self.decode_step.vocab, self.device, self.decode_step.ops)
         return st.processors
 
-    def next_token(self, scores: torch.Tensor, st: StepState) -> None:
+    def next_token(self, scores, st: StepState) -> None:
         """The token after the current one from `scores` (pad for finished rows; EOS ids finish a row) written at
-        slot + 1, the slot advanced, and (plain embeddings) the new token's embedding in st.x: one kernel."""
+        slot + 1, the slot advanced, and (plain embeddings) the new token's embedding in st.x: one kernel. `scores`:
+        [B, V], or (scores [B, m], ids [B, m]) whose argmax is mapped through the ids (Processors.__call__)."""
         ops = self.next_token_ops or self.decode_step.ops
         embed_weight = self.decode_step.embed_weight
+        scores, ids = scores if isinstance(scores, tuple) else (scores, None)
         ops.next_token(scores, st.tokens, st.slot, st.finished, st.eos, st.pad_token, embed_weight, st.x,
-                       st.next_token_workspace)  # fmt: skip
+                       st.next_token_workspace, ids)  # fmt: skip
 
     def run_step(self, st: StepState, sampling: Sampling, keep: bool = False) -> None:
         """One decode step: logits, the token chosen, written and its embedding looked up (and with `keep`, the

@@ -1,21 +1,27 @@
-"""The decode loop's step after the lm_head (kernels/sampling/next_token.cu): the next token of every row, written
-into the decode state in place."""
+"""The decode loop's step after the lm_head (kernels/sampling/): the sampling warpers on top-k's survivors and their
+draw (warp_survivors.cu), and the next token of every row, written into the decode state in place (next_token.cu)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .library import define
 
 NEXT_TOKEN_MAX_PARTS = 64  # kNextTokenMaxParts (kernels/sampling/params.h): blocks per row of scores, at most
+WARP_SURVIVORS_MAX = 1024  # kWarpSurvivorsMax: the most survivors a row warp_survivors takes (one block a row)
 
 
-def next_token(scores, tokens, slot, finished, eos, pad_token, embed_weight, x, workspace) -> None:
-    """The decode step's last op, in place: each row's next token (the argmax of its scores [B, V], or pad_token
-    once the row has finished), finished |= token in eos, tokens[:, slot + 1] = token, x = embed_weight[token] (when
-    embed_weight is given: the next step's input), slot += 1. `workspace` (next_token_workspace) is the CUDA
-    kernel's scratch."""
-    token = torch.where(finished, pad_token, scores.argmax(dim=-1))
+def next_token(scores, tokens, slot, finished, eos, pad_token, embed_weight, x, workspace, ids=None) -> None:
+    """The decode step's last op, in place: each row's next token (the argmax of its scores [B, V], mapped through
+    ids [B, V] where given, or pad_token once the row has finished), finished |= token in eos, tokens[:, slot + 1] =
+    token, x = embed_weight[token] (when embed_weight is given: the next step's input), slot += 1. `workspace`
+    (next_token_workspace) is the CUDA kernel's scratch."""
+    best = scores.argmax(dim=-1)
+    if ids is not None:
+        best = ids.gather(1, best[:, None]).squeeze(1)
+    token = torch.where(finished, pad_token, best)
     finished |= (token[:, None] == eos[None, :]).any(-1)
     tokens.index_copy_(1, slot + 1, token[:, None])
     if embed_weight is not None:
@@ -30,7 +36,50 @@ def next_token_workspace(batch: int, device) -> torch.Tensor:
 
 define(
     "next_token(Tensor scores, Tensor(a!) tokens, Tensor(b!) slot, Tensor(c!) finished, Tensor eos, Tensor pad_token,"
-    " Tensor? embed_weight, Tensor(d!) x, Tensor(e!) workspace) -> ()",
+    " Tensor? embed_weight, Tensor(d!) x, Tensor(e!) workspace, Tensor? ids=None) -> ()",
     next_token,
+    lambda *args: None,
+)
+
+
+def warp_scores(scores, temperature: float, top_k: int, top_p: float, min_p: float, stable: bool = False):
+    """transformers' sampling warpers in its order on float32 scores [B, n] (min_p <= 0: off): temperature, top-k,
+    top-p (its ascending sort stable where `stable`: equal scores in index order), min-p; -inf where one removed a
+    token."""
+    if temperature != 1.0:
+        scores = scores / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False, stable=stable)
+        remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+        remove[..., -1:] = False
+        scores = scores.masked_fill(remove.scatter(1, order, remove), -math.inf)
+    if min_p > 0:
+        probs = scores.softmax(dim=-1)
+        remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+        remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+        scores = scores.masked_fill(remove, -math.inf)
+    return scores
+
+
+def warp_survivors(values, ids, noise, temperature, top_k, top_p, min_p, warped, sorted_ids, draw) -> None:
+    """The warpers and the draw on top-k's survivors, in place. values float32 [B, m] and ids int64 [B, m]: torch.topk's
+    m largest scores of each row (distinct ids, values in descending order); noise float32 [B, m]: Exp(1) draws.
+    Writes sorted_ids (each row's ids in increasing order), warped (the survivors' scores in that order after
+    warp_scores, its top-p sort stable: equal scores in id order) and draw = softmax(warped) / noise, whose argmax
+    is a draw from the warped distribution."""
+    by_id, order = torch.sort(ids, dim=-1)
+    sorted_ids.copy_(by_id)
+    scores = warp_scores(values.gather(1, order), temperature, top_k, top_p, min_p, stable=True)
+    warped.copy_(scores)
+    draw.copy_(scores.softmax(dim=-1) / noise)
+
+
+define(
+    "warp_survivors(Tensor values, Tensor ids, Tensor noise, float temperature, int top_k, float top_p, float min_p,"
+    " Tensor(a!) warped, Tensor(b!) sorted_ids, Tensor(c!) draw) -> ()",
+    warp_survivors,
     lambda *args: None,
 )

@@ -148,7 +148,11 @@ def test_sampling_draws_from_the_warped_scores(args):
     st = state(tokens, torch.zeros(rows, dtype=torch.long), prompt, prompt, new_tokens, prompt, processors.sampling)
     kept = (torch.empty(rows, VOCAB), torch.empty(rows, VOCAB))
     torch.manual_seed(4)
-    drawn = processors(logits, st, kept).argmax(-1)
+    out = processors(logits, st, kept)
+    if isinstance(out, tuple):  # with top-k: (probs / E of the survivors, their ids)
+        drawn = out[1].gather(1, out[0].argmax(-1, keepdim=True)).squeeze(1)
+    else:
+        drawn = out.argmax(-1)
     warped = processors.warp(_before_warpers(processors, logits, st))
     assert torch.equal(kept[0], warped) and torch.equal(kept[1], logits)
     probs = warped[0].softmax(-1)
