@@ -14,4 +14,19 @@ namespace patcher {
 
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// The launcher of a per-dtype translation unit (an op's <name>_half.cu, _bf16.cu, _float.cu) for `dtype`, or
+// nullptr for another value: `const auto launch = by_dtype(p.dtype, f_half, f_bf16, f_float);`.
+template <typename F>
+inline F by_dtype(DType dtype, F half, F bf16, F f32) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return half;
+    case DType::kBFloat16:
+      return bf16;
+    case DType::kFloat32:
+      return f32;
+  }
+  return nullptr;
+}
+
 }  // namespace patcher

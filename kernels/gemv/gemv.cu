@@ -44,15 +44,8 @@ cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream) {
   q.stage_inputs =
       p.norm.weight && p.k % (16 / element_size(p.dtype)) == 0 && gemv_prologue_smem(p, true) <= gemv_max_smem();
   if (gemv_prologue_smem(q, q.stage_inputs) > gemv_max_smem()) return cudaErrorInvalidValue;
-  switch (p.dtype) {
-    case DType::kFloat16:
-      return launch_gemv_half(q, stream);
-    case DType::kBFloat16:
-      return launch_gemv_bf16(q, stream);
-    case DType::kFloat32:
-      return launch_gemv_float(q, stream);
-  }
-  return cudaErrorInvalidValue;
+  const auto launch = by_dtype(p.dtype, launch_gemv_half, launch_gemv_bf16, launch_gemv_float);
+  return launch ? launch(q, stream) : cudaErrorInvalidValue;
 }
 
 }  // namespace patcher

@@ -31,15 +31,8 @@ cudaError_t launch_gguf_gemv(const GgufGemvParams& p, cudaStream_t stream) {
   }
   if (p.batch == 0 || rows == 0) return cudaSuccess;
   if (p.work == nullptr || (reinterpret_cast<uintptr_t>(p.work) & 15)) return cudaErrorInvalidValue;
-  switch (p.dtype) {
-    case DType::kFloat16:
-      return launch_gguf_gemv_half(p, stream);
-    case DType::kBFloat16:
-      return launch_gguf_gemv_bf16(p, stream);
-    case DType::kFloat32:
-      return launch_gguf_gemv_float(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  const auto launch = by_dtype(p.dtype, launch_gguf_gemv_half, launch_gguf_gemv_bf16, launch_gguf_gemv_float);
+  return launch ? launch(p, stream) : cudaErrorInvalidValue;
 }
 
 cudaError_t launch_gguf_dequantize(const GgufDequantizeParams& p, cudaStream_t stream) {
@@ -49,29 +42,16 @@ cudaError_t launch_gguf_dequantize(const GgufDequantizeParams& p, cudaStream_t s
   if (p.n < 0 || bytes == 0 || p.k <= 0 || p.k % values || p.row_bytes != p.k / values * bytes ||
       (reinterpret_cast<uintptr_t>(p.blocks) & 1) || (reinterpret_cast<uintptr_t>(p.out) & 15))
     return cudaErrorInvalidValue;
-  switch (p.dtype) {
-    case DType::kFloat16:
-      return launch_gguf_dequantize_half(p, stream);
-    case DType::kBFloat16:
-      return launch_gguf_dequantize_bf16(p, stream);
-    case DType::kFloat32:
-      return launch_gguf_dequantize_float(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  const auto launch =
+      by_dtype(p.dtype, launch_gguf_dequantize_half, launch_gguf_dequantize_bf16, launch_gguf_dequantize_float);
+  return launch ? launch(p, stream) : cudaErrorInvalidValue;
 }
 
 cudaError_t launch_round_q8_1(const Q8_1RoundParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
   if (p.rows < 0 || p.k <= 0 || p.k % 32 || p.x_stride < p.k) return cudaErrorInvalidValue;
-  switch (p.dtype) {
-    case DType::kFloat16:
-      return launch_round_q8_1_half(p, stream);
-    case DType::kBFloat16:
-      return launch_round_q8_1_bf16(p, stream);
-    case DType::kFloat32:
-      return launch_round_q8_1_float(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  const auto launch = by_dtype(p.dtype, launch_round_q8_1_half, launch_round_q8_1_bf16, launch_round_q8_1_float);
+  return launch ? launch(p, stream) : cudaErrorInvalidValue;
 }
 
 }  // namespace patcher

@@ -123,15 +123,8 @@ int64_t int4_tiles(const Int4Params& p) {
 cudaError_t launch_int4_gemv(const Int4Params& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
   if (p.batch > 8 || p.splits < 1 || p.k % 8) return cudaErrorInvalidValue;
-  switch (p.dtype) {
-    case DType::kFloat16:
-      return launch_int4_gemv_half(p, stream);
-    case DType::kBFloat16:
-      return launch_int4_gemv_bf16(p, stream);
-    case DType::kFloat32:
-      return launch_int4_gemv_float(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  const auto launch = by_dtype(p.dtype, launch_int4_gemv_half, launch_int4_gemv_bf16, launch_int4_gemv_float);
+  return launch ? launch(p, stream) : cudaErrorInvalidValue;
 }
 
 cudaError_t launch_int4_dequantize(const Int4DequantParams& p, cudaStream_t stream) {
