@@ -14,6 +14,8 @@ asks for, returning generate() keyword arguments:
   min-new-tokens  greedy, min_new_tokens = the tokens the call asks for, with two EOS ids (the processor acts only
                   where there are EOS ids)
   stop-strings    greedy, three stop_strings the text never holds, with the tokenizer
+  hidden-states   greedy with output_hidden_states and return_dict_in_generate: a call the decode graph does not
+                  serve (it keeps no hidden states), so a patched model runs HF's static cache + compile
 
 EOS ids: the last ids of the model's vocabulary (config.vocab_size), which a random-weight model makes no more often
 than any other id. Every call's output is checked after the timing: one shorter than asked (every row stopped at an
@@ -113,6 +115,11 @@ PRESETS: dict[str, Callable[[Setup, int], dict]] = {
         "do_sample": False,
         "stop_strings": setup.stop_strings,
         "tokenizer": setup.tokenizer,
+    },
+    "hidden-states": lambda setup, n: {
+        "do_sample": False,
+        "output_hidden_states": True,
+        "return_dict_in_generate": True,
     },
 }
 NEEDS_TOKENIZER = {"streamer", "stop-strings"}

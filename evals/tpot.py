@@ -152,7 +152,7 @@ def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True,
         if kwargs.get("do_sample"):
             torch.manual_seed(presets.SEED)
         out = model.generate(prompt, max_new_tokens=n, **base, **kwargs)
-        outputs.append((n, out))
+        outputs.append((n, out if isinstance(out, torch.Tensor) else out.sequences))  # (return_dict_in_generate)
         return out
 
     row = {"mode": mode}
