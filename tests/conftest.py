@@ -12,6 +12,8 @@ Tolerances:
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import warnings
 from pathlib import Path
@@ -63,6 +65,29 @@ def smollm2_gguf() -> Path | None:
     """The trained SmolLM2-135M GGUF: $PATCHER_SMOLLM2_GGUF, or None (tests that need it skip)."""
     path = os.environ.get("PATCHER_SMOLLM2_GGUF")
     return Path(path) if path and Path(path).is_file() else None
+
+
+@functools.cache
+def _smollm2_parts():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_gguf()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return model.config, model.generation_config, model.state_dict(), tokenizer
+
+
+def smollm2_transformers(dtype: torch.dtype = torch.float32, device="cpu"):
+    """transformers' own load of the trained SmolLM2 GGUF (every tensor dequantized), in eval mode, and its tokenizer.
+    The file is read and dequantized once a test process; each call builds a fresh model from those fp32 weights cast
+    to `dtype`, as transformers' loader does for any dtype (it dequantizes to fp32, then casts)."""
+    from transformers import AutoModelForCausalLM
+
+    config, generation_config, state, tokenizer = _smollm2_parts()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(state)
+    model.generation_config = copy.deepcopy(generation_config)
+    return model.to(device).eval(), tokenizer
 
 
 def wikitext_path() -> Path | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FP32_LOGIT_ATOL, max_err, smollm2_gguf
+from conftest import FP32_LOGIT_ATOL, max_err, smollm2_gguf, smollm2_transformers
 from gguf_blocks import patched_logits, set_mode
 
 from patcher import load_gguf
@@ -24,17 +24,13 @@ PROMPT = "The capital of France is Paris. The largest city in Germany is Berlin,
 
 @pytest.fixture(scope="module")
 def tokens():
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+    _, tokenizer = smollm2_transformers()
     return tokenizer(PROMPT, return_tensors="pt").input_ids
 
 
 @pytest.fixture(scope="module")
 def dequantized_logits(tokens):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32).eval()
+    model, _ = smollm2_transformers()
     with torch.no_grad():
         return model(tokens).logits
 

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FP32_LOGIT_ATOL, assert_within_torch_error, max_err, smollm2_gguf, wikitext_path
+from conftest import (
+    FP32_LOGIT_ATOL,
+    assert_within_torch_error,
+    max_err,
+    smollm2_gguf,
+    smollm2_transformers,
+    wikitext_path,
+)
 
 from patcher import patch_model, unpatch_model
 
@@ -23,11 +30,7 @@ pytestmark = [
 
 
 def load(dtype, device="cpu"):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
-    return model, tokenizer
+    return smollm2_transformers(dtype, device)
 
 
 @pytest.fixture(scope="module")
