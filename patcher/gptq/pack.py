@@ -78,15 +78,13 @@ def load_source(src: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(src)
-    if path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError):  # a model folder without tokenizer files
-            tokenizer = None
+    gguf = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    folder = path.parent if gguf else path
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **gguf)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **gguf)
+    except (OSError, ValueError):  # a model folder without tokenizer files, a GGUF file without a tokenizer
+        tokenizer = None
     return model.eval(), tokenizer
 
 

@@ -57,6 +57,23 @@ def tiny(request, tmp_path_factory):
     return path, types, model
 
 
+def test_pack_tool_reads_a_gguf_file(tiny, tmp_path):
+    """`python -m patcher.gptq.pack FILE.gguf DST` packs the model transformers reads from the file: the same
+    checkpoint, logits bit for bit, as pack_model on transformers' dequantized model."""
+    from patcher import load_gptq
+    from patcher.gptq.pack import main as pack_main
+    from patcher.gptq.pack import pack_model
+
+    path, _, dequantized = tiny
+    assert pack_main([str(path), str(tmp_path / "cli"), "--group-size", "64"]) == 0
+    pack_model(dequantized, tmp_path / "direct", group_size=64, sym=False)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        got = load_gptq(tmp_path / "cli", dtype=torch.float32)(ids).logits
+        want = load_gptq(tmp_path / "direct", dtype=torch.float32)(ids).logits
+    assert torch.equal(got, want)
+
+
 def gguf_layers(model) -> dict[str, GGUFLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, GGUFLinear)}
 
