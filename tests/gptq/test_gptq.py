@@ -13,13 +13,19 @@ import json
 
 import pytest
 import torch
-from conftest import FP32_LOGIT_ATOL, assert_within_torch_error, max_err, smollm2_gguf, wikitext_path
+from conftest import (
+    FP32_LOGIT_ATOL,
+    assert_within_torch_error,
+    max_err,
+    smollm2_gguf,
+    smollm2_transformers,
+    wikitext_path,
+)
 from streams import one_and_two_stream_tokens
 
 from patcher import load_gptq, patch_model, unpatch_model
 from patcher import random_models as rm
-from patcher.decode import DecodeOptions, DecodeRunner, Sampling, generate_path
-from patcher.decode import int4_plan
+from patcher.decode import DecodeOptions, DecodeRunner, Sampling, generate_path, int4_plan
 from patcher.gptq import format as fmt
 from patcher.gptq.linear import GPTQLinear
 from patcher.gptq.pack import main as pack_main
@@ -627,9 +633,7 @@ def test_int4_model_on_the_gpu(name, dtype, act_order, tmp_path):
         got = model(ids).logits
     assert_within_torch_error(got, hf, ref32, f"{name} int4 logits")
     for batch in (1, 3):
-        eager = DecodeRunner(model, EAGER).generate(
-            ids[:batch], mask[:batch], 24, Sampling(), eos=[], pad_token_id=0
-        )
+        eager = DecodeRunner(model, EAGER).generate(ids[:batch], mask[:batch], 24, Sampling(), eos=[], pad_token_id=0)
         graph = model.generate(ids[:batch], attention_mask=mask[:batch], max_new_tokens=24, do_sample=False)
         assert generate_path(model)["path"] == "graph"
         assert torch.equal(graph, eager)
@@ -710,9 +714,11 @@ needs_smollm2 = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def smollm2_int4(tmp_path_factory):
-    """The trained SmolLM2 packed to int4 g128 by the pack tool (once for the module)."""
+    """The trained SmolLM2 packed to int4 g128 as `python -m patcher.gptq.pack GGUF DST --group-size 128` packs it
+    (asymmetric, v1), from the test process's one read of the file (once for the module)."""
     path = tmp_path_factory.mktemp("smollm2") / "q"
-    assert pack_main([str(smollm2_gguf()), str(path), "--group-size", "128"]) == 0
+    model, tokenizer = smollm2_transformers()
+    pack_model(model, path, group_size=128, sym=False, checkpoint_format="gptq", tokenizer=tokenizer)
     return path
 
 
