@@ -1,15 +1,18 @@
 """`load_gguf`: an HF model from a GGUF file whose decoder linears keep the file's blocks (GGUFLinear).
 
-The model, its config and every tensor are first built by transformers' own GGUF loader
-(`from_pretrained(folder, gguf_file=name)`, which dequantizes everything); then each decoder linear whose GGUF
-tensor has a supported block type (format.TYPES) is replaced by a GGUFLinear holding that tensor's blocks as the
-file stores them. So the peak memory of loading is that of the dequantized model.
+The config (and later the tokenizer) come from transformers' own reading of the file's metadata; the model is built
+with its parameters on the meta device (accelerate's init_empty_weights), and each tensor of the file is then read
+once: a decoder linear whose tensor has a supported block type (format.TYPES) becomes a GGUFLinear holding the
+blocks as the file stores them, without being dequantized; every other tensor is dequantized and processed exactly
+as transformers' GGUF loader does it (`gguf.quants.dequantize`, the architecture's tensor processor, the name map),
+in the model's dtype. So loading costs the dequantization of the other tensors only, and its peak memory is about
+the quantized model's.
 
 transformers maps GGUF tensor names to its own (`get_gguf_hf_weights_map`) and may permute a tensor's rows
 (LLaMA files store q and k with each head's rotary halves interleaved; `LlamaTensorProcessor` undoes that). Blocks
 run along the input dimension, so a row permutation moves whole rows of blocks: the same processor is run on the
 row indices, and the block rows are taken in the order it returns. A tensor the processor changes in any other
-way, an unsupported type, or a shape that is not the module's stays as transformers dequantized it, and
+way, an unsupported type, or a shape that is not the module's is dequantized as transformers would, and
 `model.gguf_report` says which and why.
 """
 
@@ -21,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from ..patching import UnsupportedModelError
 from ..registry import REGISTRY
@@ -86,8 +90,9 @@ def load_gguf(
     torch.device). quantize_activations: W4A8 (activations quantized to Q8_1 blocks) or W4A16. The model is not
     patched (call patch_model afterwards).
     """
+    from accelerate import init_empty_weights
     from gguf import GGUFReader
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     path = Path(path)
@@ -96,47 +101,70 @@ def load_gguf(
     if isinstance(device_map, dict):
         raise NotImplementedError("load_gguf places the model on one device; pass a device, not a device map")
     device = torch.device(device_map) if device_map is not None else torch.device("cpu")
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    entry = REGISTRY.get(model.config.model_type)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    entry = REGISTRY.get(config.model_type)
     if entry is None:
-        raise UnsupportedModelError(
-            f"GGUF model type {model.config.model_type!r} is not supported ({', '.join(REGISTRY)})"
-        )
+        raise UnsupportedModelError(f"GGUF model type {config.model_type!r} is not supported ({', '.join(REGISTRY)})")
+    with init_empty_weights(include_buffers=False):  # (parameters on the meta device, buffers such as RoPE's real)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     reader = GGUFReader(str(path))
     processor = tensor_processor(reader, model.config)
     mapping = get_gguf_hf_weights_map(model, processor)
     prefix = f"{entry.spec.base_model}.{entry.spec.layers}."
     report = GGUFReport(str(path.name), quantize_activations=quantize_activations)
     modules = dict(model.named_modules())
-    for tensor in reader.tensors:
+    kept: dict[str, tuple[torch.Tensor, str]] = {}  # module name -> (blocks in the model's row order, block type)
+    parsed = {"config": processor.config, "tensors": {}}  # (some processors store tensors here themselves)
+    state = parsed["tensors"]
+    for tensor in tqdm(reader.tensors, desc=f"reading {path.name}", leave=False):
         hf_name = mapping.get(tensor.name)
         module_name = hf_name[: -len(".weight")] if hf_name and hf_name.endswith(".weight") else None
         module = modules.get(module_name) if module_name else None
         kind = tensor.tensor_type.name
-        if module_name is None or not module_name.startswith(prefix) or not isinstance(module, nn.Linear):
-            if kind not in ("F32", "F16", "BF16"):
-                report.dequantized[module_name or hf_name or tensor.name] = f"{kind}: not a decoder linear"
-            continue
-        reason = _keep_reason(tensor, module)
-        order = None
-        if reason is None:
-            try:
-                order = row_order(processor, tensor.name, module.out_features, mapping)
-            except ValueError as e:
-                reason = str(e)
-        if reason is not None:
+        if module_name is not None and module_name.startswith(prefix) and isinstance(module, nn.Linear):
+            reason, order = _keep_reason(tensor, module), None
+            if reason is None:
+                try:
+                    order = row_order(processor, tensor.name, module.out_features, mapping)
+                except ValueError as e:
+                    reason = str(e)
+            if reason is None:
+                data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+                kept[module_name] = (data if order is None else data[torch.from_numpy(order)].contiguous(), kind)
+                continue
             report.dequantized[module_name] = f"{kind}: {reason}"
-            continue
-        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
-        if order is not None:
-            data = data[torch.from_numpy(order)].contiguous()
-        bias = None if module.bias is None else module.bias.detach()
-        layer = GGUFLinear.from_blocks(data, kind, bias, quantize_activations)
+        elif kind not in ("F32", "F16", "BF16"):
+            report.dequantized[module_name or hf_name or tensor.name] = f"{kind}: not a decoder linear"
+        _dequantize_into(state, tensor, processor, mapping, parsed, dtype)
+    for module_name, (data, kind) in kept.items():
+        bias = state.pop(f"{module_name}.bias", None)
         parent, _, child = module_name.rpartition(".")
-        setattr(model.get_submodule(parent), child, layer)
+        setattr(model.get_submodule(parent), child, GGUFLinear.from_blocks(data, kind, bias, quantize_activations))
         report.quantized[module_name] = kind
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    empty = [name for name, t in model.named_parameters() if t.is_meta]
+    if empty:
+        raise ValueError(f"{path.name} holds no tensor for {len(empty)} parameters of the model: {empty[:4]}")
     model.gguf_report = report
     return model.to(device).eval()
+
+
+def _dequantize_into(state: dict, tensor, processor, mapping: dict, parsed: dict, dtype: torch.dtype) -> None:
+    """One GGUF tensor as transformers' GGUF loader reads it (load_gguf_checkpoint): dequantized to fp32, processed
+    by the architecture's tensor processor, under its HF name, cast to `dtype`; into `state` (nothing where the
+    processor or the name map drops it)."""
+    from gguf.quants import dequantize
+
+    result = processor.process(
+        weights=dequantize(tensor.data, tensor.tensor_type),
+        name=tensor.name,
+        tensor_key_mapping=mapping,
+        parsed_parameters=parsed,
+    )
+    if result.weights is None or result.name not in mapping:
+        return
+    state[mapping[result.name]] = torch.from_numpy(np.copy(result.weights)).to(dtype)
 
 
 def _keep_reason(tensor, module: nn.Linear) -> str | None:
