@@ -1,8 +1,8 @@
 """Models with random weights at real sizes (and tiny ones for CPU tests), built without any model hub.
 
 The real-size configs copy the shapes of the published checkpoints (Pythia-2.8B/6.9B, Llama-3.1-8B,
-DeepSeek-R1-Distill-Qwen-1.5B, Qwen2-7B). Speed depends only on shapes, so they are what the decode benchmarks
-run; correctness on trained weights is checked on SmolLM2-135M.
+DeepSeek-R1-Distill-Qwen-1.5B, Qwen2-7B; Llama-3.1-70B's layers at a fifth of its depth). Speed depends only on
+shapes, so they are what the decode benchmarks run; correctness on trained weights is checked on SmolLM2-135M.
 """
 
 from __future__ import annotations
@@ -94,6 +94,11 @@ CONFIGS = {
     "pythia-6.9b": lambda: _pythia(4096, 32, 32, 16384, 50432),
     "llama-3.1-8b": lambda: _llama(
         4096, 32, 32, 8, 14336, 128256, LLAMA31_ROPE, max_position_embeddings=131072, tie_word_embeddings=False
+    ),
+    # Llama-3.1-70B's layer (hidden 8192, 64 q / 8 kv heads, MLP 28672) and vocabulary, 16 of its 80 layers (15.8 B
+    # parameters, 31.6 GB in fp16): its tensor-parallel step on one machine, the depth scaled down to build and save
+    "llama-3.1-70b-16l": lambda: _llama(
+        8192, 16, 64, 8, 28672, 128256, LLAMA31_ROPE, max_position_embeddings=131072, tie_word_embeddings=False
     ),
     "llama-3.2-1b": lambda: _llama(
         2048,

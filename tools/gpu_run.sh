@@ -10,6 +10,10 @@
 #                            HF's static cache + compile, fp16, batch 1, one JSON file a model (default: the four)
 #   tools/gpu_run.sh anchor  the Llama-3.2-1B shape in bf16, prompt 32, 128 new tokens (context 32-160), HF's static
 #                            cache + compile against patched: the setting of published Llama-3.2-1B decode figures
+#   tools/gpu_run.sh tp [N]  tensor parallelism over N GPUs of this machine (default 2): the Llama-3.1-8B shape and
+#                            Llama-3.1-70B's layers at 16 of its 80 (llama-3.1-70b-16l), HF's static cache + compile
+#                            against patched under torchrun, then patched on one GPU; JSON with each rank 0's kernel
+#                            table (the all-reduces' critical time)
 #   tools/gpu_run.sh gguf    the GGUF goals: decode TPOT and 2048-token prefill (TTFT) of the Llama-3.1-8B shape in
 #                            fp16, GPTQ int4 g128, GGUF Q4_0 and the Q4_K_M mix (W4A8), one process each (and the
 #                            eight in gguf_llama-3.1-8b_decode-prefill.json); the GGUF ops alone (evals.ops: the
@@ -62,6 +66,16 @@ case "${1:-}" in
     python3 -m evals.tpot --random-config llama-3.2-1b --dtype bf16 --prompt-len 32 --new-tokens 128 --repeats 5 \
       --modes hf-static-compiled,patched --json "$OUT/tpot_llama-3.2-1b_bf16.json" 2>&1 | grep -v "it/s" || true
     ;;
+  tp)
+    ranks=${2:-2}
+    for model in llama-3.1-8b llama-3.1-70b-16l; do
+      torchrun --nproc-per-node "$ranks" -m evals.tpot --random-config "$model" --tp "$ranks" \
+        --modes hf-static-compiled,patched --repeats 3 --json "$OUT/tpot_tp${ranks}_${model}.json" 2>&1 \
+        | grep -v "it/s" || true
+      python3 -m evals.tpot --random-config "$model" --modes patched --repeats 3 \
+        --json "$OUT/tpot_tp1_${model}.json" 2>&1 | grep -v "it/s" || true
+    done
+    ;;
   gguf)
     for weights in fp16 int4 q4_0 q4_k_m; do
       case "$weights" in
@@ -96,7 +110,7 @@ EOF
     fi
     ;;
   *)
-    echo "usage: tools/gpu_run.sh tests|tpot|presets|anchor|gguf" >&2
+    echo "usage: tools/gpu_run.sh tests|tpot|presets|anchor|tp|gguf" >&2
     exit 2
     ;;
 esac
