@@ -69,11 +69,9 @@ def smollm2_gguf() -> Path | None:
 
 @functools.cache
 def _smollm2_parts():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from patcher.gptq.pack import load_source  # (transformers' own GGUF load, in fp32, with the tokenizer)
 
-    path = smollm2_gguf()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model, tokenizer = load_source(str(smollm2_gguf()))
     return model.config, model.generation_config, model.state_dict(), tokenizer
 
 

@@ -29,13 +29,9 @@ pytestmark = [
 ]
 
 
-def load(dtype, device="cpu"):
-    return smollm2_transformers(dtype, device)
-
-
 @pytest.fixture(scope="module")
 def smollm2_fp32():
-    return load(torch.float32)
+    return smollm2_transformers(torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +71,7 @@ def test_fp32_greedy_generation(smollm2_fp32):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_logits_on_wikitext(text_ids, dtype):
-    model32, _ = load(torch.float32, "cuda")
+    model32, _ = smollm2_transformers(torch.float32, "cuda")
     ids = text_ids.cuda()
     with torch.no_grad():
         for p in model32.parameters():
