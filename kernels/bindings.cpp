@@ -22,6 +22,7 @@
 #include "gemv/params.h"
 #include "glue.h"
 #include "norm/params.h"
+#include "parallel/params.h"
 #include "rope/params.h"
 
 namespace {
@@ -369,6 +370,37 @@ Tensor decode_attention_qkv_acc(const Tensor& acc, const OptTensor& bias_rows, c
   return out;
 }
 
+// ---- tensor parallelism -----------------------------------------------------------------------------------
+
+// `buffers` and `pads`: the device addresses of the arrays of every rank's buffer and signal pad that torch's
+// symmetric memory hands out for `buffer` (patcher/parallel/rank_sum.py); `group` is used by the reference only.
+Tensor rank_sum(const Tensor& x, const Tensor& buffer, int64_t buffers, int64_t pads, int64_t rank, int64_t world,
+                const std::string& group) {
+  (void)group;
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_like(buffer, x, "buffer");
+  TORCH_CHECK(x.is_contiguous() && buffer.is_contiguous(), "patcher: rank_sum needs a contiguous x and buffer");
+  TORCH_CHECK(buffer.numel() >= x.numel(), "patcher: rank_sum's buffer holds ", std::to_string(buffer.numel()),
+              " elements, x has ", std::to_string(x.numel()));
+  TORCH_CHECK(world >= 1 && world <= patcher::kRankSumMaxWorld && rank >= 0 && rank < world,
+              "patcher: rank_sum takes 1 to ", std::to_string(patcher::kRankSumMaxWorld), " ranks, got rank ",
+              std::to_string(rank), " of ", std::to_string(world));
+  TORCH_CHECK(buffers != 0 && pads != 0, "patcher: rank_sum needs the buffers' and signal pads' addresses");
+  patcher::RankSumParams p{};
+  p.dtype = dtype_of(x);
+  p.numel = x.numel();
+  p.x = x.data_ptr();
+  Tensor out = at::empty(x.sizes(), x.options());
+  p.out = out.data_ptr();
+  p.buffers = reinterpret_cast<void* const*>(buffers);
+  p.pads = reinterpret_cast<uint32_t* const*>(pads);
+  p.rank = static_cast<int>(rank);
+  p.world = static_cast<int>(world);
+  check_launch(patcher::launch_rank_sum(p, c10::cuda::getCurrentCUDAStream()), "rank_sum");
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
@@ -401,4 +433,5 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("gguf_gemv_cat", &gguf_gemv_cat);
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("round_q8_1", &round_q8_1);
+  m.impl("rank_sum", &rank_sum);
 }

@@ -95,6 +95,7 @@ class StepState:
         if step.lm_group is not None:
             width = step.lm_weight.shape[0]
             self.gathered_logits = torch.empty(batch * step.vocab // width, width, dtype=step.dtype, device=dev)
+        self.rank_sum = step.rank_sum(batch)  # tensor parallel on GPUs: the row-wise projections' sums
         self.cublas = cuda and batch >= options.cublas_min_batch
         # Norms inside the GEMVs' prologues (on the CPU always: the reference path is the same either way).
         self.fused_norms = not self.cublas and (not cuda or step.hidden <= options.fused_norm_max_hidden)
@@ -123,6 +124,7 @@ class StepState:
             return sum(chunk._step_nbytes() for chunk in self.chunks)
         buffers = (self.workspace, self.int4_workspace, self.branch_int4_workspace)
         buffers += () if self.gathered_logits is None else (self.gathered_logits,)
+        buffers += () if self.rank_sum is None else (self.rank_sum.buffer,)
         buffers += tuple(t for d in self.deferred.values() for t in (d.acc, d.bias_rows) if t is not None)
         return sum(t.numel() * t.element_size() for t in buffers)
 

@@ -22,22 +22,23 @@ The final norm takes the last layer's stream the same way, and the lm_head is a 
 
 Tensor parallel (transformers' tp_plan, patcher/parallel/): every plan holds this rank's shards and local head
 counts, so the cache and the attention hold this rank's heads; the hidden size is whole on every rank. Each
-row-wise output projection sums the ranks' partial products by all_reduce before its bias (rowwise_linear, the
-eager forward's function); an embedding sharded by vocabulary is looked up on this rank's block and summed, and
-an lm_head sharded by vocabulary gathers its blocks of logits, so every rank has the same [B, V] logits and picks
-the same token (parallel/vocab.py).
+row-wise output projection sums the ranks' partial products before its bias (rowwise_linear, the eager forward's
+function; on GPUs the rank_sum kernel over buffers every rank maps, parallel/rank_sum.py); an embedding sharded
+by vocabulary is looked up on this rank's block and summed, and an lm_head sharded by vocabulary gathers its
+blocks of logits, so every rank has the same [B, V] logits and picks the same token (parallel/vocab.py).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..ops import int4
-from ..parallel import embedding_lookup, gather_logits, rowwise_linear, shard, vocab_group
+from ..parallel import RankSum, embedding_lookup, gather_logits, rank_sum_reason, rowwise_linear, shard, vocab_group
 from ..registry import REGISTRY
 from .int4_plan import Int4Plan
 
@@ -148,6 +149,12 @@ class DecodeStep:
         self.head_dim = spec.head_dim(config)
         self.hidden = self.lm_weight.shape[1]
         self.device, self.dtype = self.lm_weight.device, self.lm_weight.dtype
+        # the row-wise projections' sums: a RankSum of each StepState where every layer sums over one group that
+        # rank_sum serves (NCCL on GPUs), else dist.all_reduce
+        groups = {id(g): g for x in self.layers for g in (x.attention.group, x.mlp.group) if g is not None}
+        self.reduce_group = next(iter(groups.values())) if len(groups) == 1 else None
+        if self.reduce_group is not None and rank_sum_reason(self.reduce_group, self.device, self.dtype) is not None:
+            self.reduce_group = None
         self.int4 = Int4Plan(self.layers, self.parallel, options, self.device, self.dtype, self.num_heads,
                              self.head_dim)  # fmt: skip
         # GPT-NeoX's MLP on a second stream, beside QKV -> attention -> dense (the graph captures the two as
@@ -160,6 +167,18 @@ class DecodeStep:
         self.branch_stream = torch.cuda.Stream(self.device) if branch else None
 
     # ---- shapes of the step's buffers -----------------------------------------------------------------------
+    def rank_sum(self, batch: int) -> RankSum | None:
+        """The row-wise sums of a step of `batch` rows over the ranks' shared buffers (a collective: every rank
+        asks at the same point), or None where they run on dist.all_reduce."""
+        if self.reduce_group is None:
+            return None
+        try:
+            return RankSum(self.reduce_group, batch * self.hidden, self.dtype, self.device, self.ops)
+        except RuntimeError as error:  # (symmetric memory needs peer access between the GPUs)
+            warnings.warn(f"patcher: the row-wise sums stay on dist.all_reduce: {error}", stacklevel=2)
+            self.reduce_group = None
+            return None
+
     def attention_splits(self, batch: int) -> int:
         """Key splits per (row, kv head) of the decode attention: enough blocks to cover the GPU twice."""
         if self.device.type != "cuda":
@@ -202,7 +221,8 @@ class DecodeStep:
         stream it runs on (default: the main stream's). `group`: a dense row-wise shard (tensor parallel), whose
         partial products are summed over the group's ranks before the bias."""
         if group is not None:
-            return rowwise_linear(h, weight, bias, group, lambda x, w: self._linear(x, w, None, act, st))
+            matmul = lambda x, w: self._linear(x, w, None, act, st)
+            return rowwise_linear(h, weight, bias, group, matmul, st.rank_sum)
         if int4_linear is not None:
             workspace = st.int4_workspace if workspace is None else workspace
             return self.ops.int4_gemv(h, *NO_PROLOGUE, *int4_linear.args(), act, st.int4_splits[id(int4_linear)],

@@ -1,7 +1,7 @@
 """The fused ops, behind two interchangeable backends chosen once, at patch time.
 
-Each op family module (norm, rope, activation, gemv, attention, sampling, int4_ops, gguf) defines its `patcher::` ops
-with `library.define`: schema, pure-torch reference and fake kernel together. From what they defined:
+Each op family module (norm, rope, activation, gemv, attention, sampling, int4_ops, gguf, parallel) defines its
+`patcher::` ops with `library.define`: schema, pure-torch reference and fake kernel together. From what they defined:
 - `KERNELS`: the `patcher::` torch ops. CUDA tensors run the CUDA kernels of `kernels/` (built on first use,
   build.py); CPU tensors run the pure-torch reference through the same dispatcher entry, which is how CPU tests
   exercise the schemas, the fake kernels and torch.compile tracing.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 # Importing a family module defines its ops (library.define); `reference` looks them up by name.
-from . import activation, attention, gemv, gguf, int4_ops, norm, reference, rope, sampling  # noqa: F401
+from . import activation, attention, gemv, gguf, int4_ops, norm, parallel, reference, rope, sampling  # noqa: F401
 from .attention import decode_attention_workspace
 from .build import ExtensionError
 from .library import REFERENCES

@@ -1,5 +1,6 @@
 """Tensor-parallel models as transformers shards them (`from_pretrained(path, tp_plan="auto")` under torchrun)."""
 
+from .rank_sum import RankSum, rank_sum_reason
 from .shards import (
     has_sharded,
     local_heads,
@@ -14,10 +15,12 @@ from .shards import (
 from .vocab import embedding_lookup, gather_logits, vocab_group, vocab_reason
 
 __all__ = [
+    "RankSum",
     "embedding_lookup",
     "gather_logits",
     "has_sharded",
     "local_heads",
+    "rank_sum_reason",
     "reduce_group",
     "rowwise_linear",
     "shard",

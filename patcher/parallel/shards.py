@@ -167,11 +167,15 @@ def reduce_group(linear: nn.Module):
 
 
 def rowwise_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group, matmul=None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group, matmul=None, reduce=None
 ) -> torch.Tensor:
     """A row-wise projection on local shards: x @ W_local^T summed over the group's ranks, then the (replicated)
     bias, in the order transformers' row-wise forward computes it, so the sum rounds the same on every rank.
-    `matmul(x, weight)`: the local product (default F.linear; the decode step passes its GEMV)."""
+    `matmul(x, weight)`: the local product (default F.linear; the decode step passes its GEMV); `reduce(out)`: the
+    sum over the ranks (default dist.all_reduce; the decode step on GPUs passes its RankSum)."""
     out = torch.nn.functional.linear(x, weight) if matmul is None else matmul(x, weight)
-    dist.all_reduce(out, group=group)
+    if reduce is None:
+        dist.all_reduce(out, group=group)
+    else:
+        out = reduce(out)
     return out if bias is None else out + bias

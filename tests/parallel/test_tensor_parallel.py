@@ -45,9 +45,10 @@ def results(request, tmp_path_factory):
     worker = str(REPO / "tests" / "parallel" / "tp_worker.py")
     run = torchrun([worker, device, str(root / "out"), *jobs], timeout=600, cuda=device == "cuda")
     assert run.returncode == 0, f"tp_worker failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
+    names = [*JOBS, "rank_sum"] if device == "cuda" else list(JOBS)
     return {
         name: [torch.load(root / "out" / name / f"rank{r}.pt", weights_only=False) for r in range(RANKS)]
-        for name in JOBS
+        for name in names
     }
 
 
@@ -104,6 +105,7 @@ def test_decode_runner_serves_tensor_parallel(results, name, request):
         assert r["sampling_path"]["path"] == "hf" and "sampling on a tensor-parallel" in r["sampling_path"]["reason"]
         step = r["step"]
         assert step["lm_head_gathered"] and not step["branch_stream"], step  # (every plan shards the lm_head)
+        assert step["rank_sum"] == (device == "cuda"), step  # the row-wise sums: rank_sum on GPUs, else all_reduce
         assert step["embedding_sharded"] == step["embedding_table_sharded"], step
         if name in AUTO:  # half the heads on each rank
             whole = random_models.build(JOBS[name][0]).config
@@ -136,3 +138,14 @@ def test_partly_sharded_layers_patched(results):
         assert "tensor parallel" not in details["model.layers.0.self_attn"]
         assert r["rowwise_calls"] == 3  # one down_proj per layer
         assert r["launches"]["all_reduce"] == 1, r["launches"]
+
+
+def test_rank_sum_equals_all_reduce(results, request):
+    """The rank_sum kernel sums two ranks' partials as NCCL's all_reduce does, bit for bit (two addends round the
+    same in any order and accumulator), eagerly and replayed in a CUDA graph with new partials."""
+    if request.node.callspec.params.get("results") != "cuda":
+        pytest.skip("rank_sum runs on GPUs (the CPU keeps dist.all_reduce)")
+    for rank, checks in enumerate(results["rank_sum"]):
+        assert len(checks) == 18, checks
+        for case, (equal, err) in checks.items():
+            assert equal, f"rank {rank}, {case}: max |difference| {err:.3g}"

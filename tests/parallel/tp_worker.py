@@ -27,7 +27,7 @@ import patcher.decode.generate as generate_module
 import patcher.layers.weights as weights_module
 from evals.distributed import load_sharded
 from patcher.decode import DecodeOptions, DecodeRunner, generate_path
-from patcher.parallel import sharded
+from patcher.parallel import RankSum, sharded
 
 _LAYERS = "model.layers.*"
 PLANS = {
@@ -118,6 +118,7 @@ def check(model_dir: str, plan_name: str, device: torch.device) -> dict:
             "embedding_sharded": step.embed_group is not None,
             "embedding_table_sharded": sharded(model.get_input_embeddings().weight),
             "branch_stream": step.branch_stream is not None,
+            "rank_sum": step.reduce_group is not None,
         }
     result["patched_static_tokens"] = greedy(model, ids, cache_implementation="static")  # HF's loop, local kv heads
     result["static_path"] = generate_path(model)
@@ -132,6 +133,44 @@ def check(model_dir: str, plan_name: str, device: torch.device) -> dict:
     return result
 
 
+def rank_sum_checks(device: torch.device) -> dict:
+    """patcher::rank_sum against dist.all_reduce of the same partials (each rank its own), eagerly and replayed in a
+    CUDA graph with new partials each time: {(dtype, shape, how): (equal, max |difference|)}. Shapes: a decode row,
+    odd sizes (the kernel's unvectorized path), 8 rows of a wide model (several blocks)."""
+    group = dist.group.WORLD
+    ops = patcher.ops.backend_for(device)  # (builds the kernels on a machine's first use)
+    generator = torch.Generator(device).manual_seed(dist.get_rank())
+    results = {}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for shape in ((1, 4096), (3, 1001), (8, 8192)):
+            summer = RankSum(group, shape[0] * shape[1], dtype, device, ops)
+            x = torch.empty(shape, dtype=dtype, device=device)
+            for how in ("eager", "graph"):
+                outs, expected = [], []
+                graph = None
+                if how == "graph":
+                    x.normal_(generator=generator)
+                    summer(x)  # warm-up outside the capture
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        out = summer(x)
+                for _ in range(3):
+                    x.normal_(generator=generator)
+                    reference = x.clone()
+                    dist.all_reduce(reference, group=group)
+                    if graph is None:
+                        outs.append(summer(x).clone())
+                    else:
+                        graph.replay()
+                        outs.append(out.clone())
+                    expected.append(reference)
+                torch.cuda.synchronize()
+                got, want = torch.stack(outs), torch.stack(expected)
+                results[(str(dtype), shape, how)] = (torch.equal(got, want), (got - want).abs().max().item())
+    return results
+
+
 def main(device_type: str, out_dir: str, jobs: list[str]) -> None:
     if device_type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -143,6 +182,9 @@ def main(device_type: str, out_dir: str, jobs: list[str]) -> None:
     rank = dist.get_rank()
     if device_type == "cpu":  # the decode runner runs eagerly on the CPU's reference ops; every other check stays
         generate_module.placement_reason = lambda model: None
+    if device_type == "cuda":
+        (Path(out_dir) / "rank_sum").mkdir(parents=True, exist_ok=True)
+        torch.save(rank_sum_checks(device), Path(out_dir) / "rank_sum" / f"rank{rank}.pt")
     for job in jobs:
         name, _, rest = job.partition("=")
         model_dir, _, plan_name = rest.rpartition(":")
