@@ -372,29 +372,39 @@ Tensor decode_attention_qkv_acc(const Tensor& acc, const OptTensor& bias_rows, c
 
 // ---- tensor parallelism -----------------------------------------------------------------------------------
 
-// `buffers` and `pads`: the device addresses of the arrays of every rank's buffer and signal pad that torch's
-// symmetric memory hands out for `buffer` (patcher/parallel/rank_sum.py); `group` is used by the reference only.
-Tensor rank_sum(const Tensor& x, const Tensor& buffer, int64_t buffers, int64_t pads, int64_t rank, int64_t world,
-                const std::string& group) {
+// `inbox`: this rank's inbox (int64 words, 2 halves x world senders x capacity), allocated in torch's symmetric memory;
+// `inboxes`: the device address of the array of every rank's inbox that torch hands out for it; `epochs`: this rank's
+// per-block call counts (patcher/parallel/rank_sum.py keeps both). `group` is used by the reference only.
+Tensor rank_sum(const Tensor& x, const Tensor& inbox, const Tensor& epochs, int64_t inboxes, int64_t rank,
+                int64_t world, const std::string& group) {
   (void)group;
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
-  check_like(buffer, x, "buffer");
-  TORCH_CHECK(x.is_contiguous() && buffer.is_contiguous(), "patcher: rank_sum needs a contiguous x and buffer");
-  TORCH_CHECK(buffer.numel() >= x.numel(), "patcher: rank_sum's buffer holds ", std::to_string(buffer.numel()),
-              " elements, x has ", std::to_string(x.numel()));
+  TORCH_CHECK(x.is_contiguous(), "patcher: rank_sum needs a contiguous x");
   TORCH_CHECK(world >= 1 && world <= patcher::kRankSumMaxWorld && rank >= 0 && rank < world,
               "patcher: rank_sum takes 1 to ", std::to_string(patcher::kRankSumMaxWorld), " ranks, got rank ",
               std::to_string(rank), " of ", std::to_string(world));
-  TORCH_CHECK(buffers != 0 && pads != 0, "patcher: rank_sum needs the buffers' and signal pads' addresses");
+  TORCH_CHECK(inbox.device() == x.device() && inbox.scalar_type() == at::kLong && inbox.is_contiguous() &&
+                  inbox.numel() % (2 * world) == 0,
+              "patcher: rank_sum's inbox must be a contiguous int64 tensor of 2 x world rows on x's device");
+  TORCH_CHECK(epochs.device() == x.device() && epochs.scalar_type() == at::kInt && epochs.is_contiguous() &&
+                  epochs.numel() == patcher::kRankSumBlocks,
+              "patcher: rank_sum's epochs must be a contiguous int32 tensor of ",
+              std::to_string(patcher::kRankSumBlocks), " counts on x's device");
+  const int64_t capacity = inbox.numel() / (2 * world);
+  const int64_t words = (x.numel() * x.element_size() + 3) / 4;
+  TORCH_CHECK(words <= capacity, "patcher: rank_sum's inbox rows hold ", std::to_string(capacity), " words, x needs ",
+              std::to_string(words));
+  TORCH_CHECK(inboxes != 0, "patcher: rank_sum needs the address of the inboxes' array");
   patcher::RankSumParams p{};
   p.dtype = dtype_of(x);
   p.numel = x.numel();
   p.x = x.data_ptr();
   Tensor out = at::empty(x.sizes(), x.options());
   p.out = out.data_ptr();
-  p.buffers = reinterpret_cast<void* const*>(buffers);
-  p.pads = reinterpret_cast<uint32_t* const*>(pads);
+  p.inboxes = reinterpret_cast<uint64_t* const*>(inboxes);
+  p.capacity = capacity;
+  p.epochs = reinterpret_cast<uint32_t*>(epochs.data_ptr<int32_t>());
   p.rank = static_cast<int>(rank);
   p.world = static_cast<int>(world);
   check_launch(patcher::launch_rank_sum(p, c10::cuda::getCurrentCUDAStream()), "rank_sum");

@@ -1,4 +1,4 @@
-// Tensor parallelism: the sum of the ranks' partial outputs (rank_sum.cu) over buffers that every rank maps.
+// Tensor parallelism: the sum of the ranks' partial outputs (rank_sum.cu) through buffers that every rank maps.
 //
 // Plain structs for the torch glue (kernels/bindings.cpp) and the kernel: nothing here includes torch.
 #pragma once
@@ -12,21 +12,27 @@
 namespace patcher {
 
 // rank_sum: out[i] = sum over ranks r = 0 .. world - 1 of x_r[i], accumulated in fp32 in rank order and rounded once,
-// so every rank gets the same values. Each rank first writes its x into its own symmetric buffer, then waits until
-// every rank has written (a flag in each rank's signal pad), reads all ranks' buffers over NVLink and, once every
-// rank has read, returns (the next call may overwrite the buffers). `buffers` and `pads` are device arrays of `world`
-// pointers, as torch's symmetric memory hands them out (rendezvous: buffer_ptrs_dev, signal_pad_ptrs_dev); the
-// buffers are contiguous, of at least numel elements, 16-byte aligned.
+// so every rank gets the same values.
+//
+// Each rank pushes its x to every other rank as 8-byte words, 4 bytes of x and a 4-byte flag that says which call
+// wrote them, into the receiver's inbox (torch's symmetric memory: `inboxes` is the device array of every rank's inbox,
+// mapped here). An 8-byte store lands whole, so a receiver that reads the call's flag in a word holds its data too:
+// one one-way trip over NVLink, no barrier. The inbox has two halves, used by alternate calls: a rank can only be a
+// call ahead of any other (it needs their words to finish a call), so it never writes the half another still reads.
+// `epochs` ([kRankSumBlocks], this rank's own memory, zeros at first) counts each block's calls; every call runs the
+// same grid and gives a word of x to the same block, so each word's half and flag follow that block's count.
 constexpr int kRankSumMaxWorld = 8;
-constexpr int kRankSumMaxBlocks = 16;  // each block keeps a flag per peer in the signal pads: 16 x 8 x 4 bytes
+constexpr int kRankSumBlocks = 16;
+constexpr int kRankSumThreads = 256;
 
 struct RankSumParams {
   DType dtype;
   int64_t numel;
-  const void* x;      // [numel] contiguous: this rank's partial output
-  void* out;          // [numel] contiguous
-  void* const* buffers;  // [world] device pointers to each rank's buffer
-  uint32_t* const* pads;  // [world] device pointers to each rank's signal pad
+  const void* x;              // [numel] contiguous: this rank's partial output
+  void* out;                  // [numel] contiguous
+  uint64_t* const* inboxes;   // [world] device pointers: inbox [2 halves][world senders][capacity words]
+  int64_t capacity;           // words a sender's row of an inbox holds (>= numel * element size / 4, rounded up)
+  uint32_t* epochs;           // [kRankSumBlocks]
   int rank, world;
 };
 cudaError_t launch_rank_sum(const RankSumParams& p, cudaStream_t stream);

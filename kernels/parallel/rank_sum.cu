@@ -1,103 +1,102 @@
-// The ranks' partial outputs of a row-wise projection summed over peer-mapped buffers (one-shot all-reduce).
+// The ranks' partial outputs of a row-wise projection summed through peer-mapped inboxes (params.h says how).
 //
-// A decode step's all-reduce moves a few kilobytes: its cost is latency, not bandwidth. NCCL's ring (LL protocol)
-// took 6-11 us a call inside the captured step on two H200s; here each block copies its slice of x into this rank's
-// buffer, meets the same block of every other rank at a flag, reads the slice from every buffer, sums and writes it,
-// and meets them again before it exits, so that no rank's next call overwrites a buffer another rank still reads.
-//
-// The flags: slot [block][peer] of a rank's signal pad goes 0 -> 1 when that peer's block arrives (the peer waits
-// while it is still 1 from the last meeting) and back to 0 when this rank's block sees it. No counter grows, so a
-// captured graph replays the same kernels forever, and both meetings of a call use the same slots.
+// A decode step's all-reduce moves a few kilobytes: its cost is latency. Each word of x crosses NVLink once, with
+// its flag beside it, and the receiver spins on its own memory; nothing else is exchanged. Words are 4 bytes of x:
+// two fp16/bf16 values or one fp32 value, the last word of an odd-length 16-bit x padded with zero.
 #include "common/common.cuh"
 #include "parallel/params.h"
 
 namespace patcher {
 namespace {
 
-// Release this block's writes (made visible to the whole system by the fence) and tell every peer; then wait until
-// every peer has told this rank. One thread a peer; the caller syncs the block before and after.
-__device__ __forceinline__ void meet(const RankSumParams& p) {
-  const int peer = threadIdx.x;
-  if (peer < p.world) {
-    __threadfence_system();
-    uint32_t* theirs = p.pads[peer] + blockIdx.x * kRankSumMaxWorld + p.rank;
-    while (atomicCAS_system(theirs, 0u, 1u) != 0u) {
+__device__ __forceinline__ void store_word(uint64_t* at, uint32_t data, uint32_t flag) {
+  asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(at), "r"(data), "r"(flag) : "memory");
+}
+
+// Spins until the word at `at` carries `flag`, then returns its data.
+__device__ __forceinline__ uint32_t await_word(const uint64_t* at, uint32_t flag) {
+  uint32_t data, seen;
+  do {
+    asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(data), "=r"(seen) : "l"(at) : "memory");
+  } while (seen != flag);
+  return data;
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t load_word(const T* x, int64_t numel, int64_t w) {
+  constexpr int per_word = 4 / sizeof(T);
+  uint32_t word = 0;
+#pragma unroll
+  for (int k = 0; k < per_word; ++k) {
+    const int64_t i = w * per_word + k;
+    if (i < numel) {
+      T value = x[i];
+      uint32_t bits = 0;
+      memcpy(&bits, &value, sizeof(T));
+      word |= bits << (8 * sizeof(T) * k);
     }
-    uint32_t* mine = p.pads[p.rank] + blockIdx.x * kRankSumMaxWorld + peer;
-    while (atomicCAS_system(mine, 1u, 0u) != 1u) {
+  }
+  return word;
+}
+
+template <typename T>
+__device__ __forceinline__ void add_word(float (&sum)[4 / sizeof(T)], uint32_t word) {
+#pragma unroll
+  for (int k = 0; k < static_cast<int>(4 / sizeof(T)); ++k) {
+    const uint32_t bits = word >> (8 * sizeof(T) * k);
+    T value;
+    if constexpr (sizeof(T) == 4) {
+      memcpy(&value, &bits, 4);
+    } else {
+      const uint16_t half_bits = static_cast<uint16_t>(bits & 0xffffu);
+      memcpy(&value, &half_bits, 2);
     }
-    __threadfence_system();
+    sum[k] += to_float(value);
   }
 }
 
-// Raw words of one vector, for loads that bypass L1 (ld.global.cg): another GPU rewrites the buffers between calls.
-template <int BYTES>
-struct Raw;
-template <>
-struct Raw<2> {
-  using type = unsigned short;
-};
-template <>
-struct Raw<4> {
-  using type = unsigned int;
-};
-template <>
-struct Raw<16> {
-  using type = uint4;
-};
-
-template <typename T, int VEC>
-__device__ __forceinline__ void load_shared(float (&dst)[VEC], const T* src) {
-  using Word = typename Raw<sizeof(T) * VEC>::type;
-  const Word word = __ldcg(reinterpret_cast<const Word*>(src));
-  Vec<T, VEC> v;
-  memcpy(&v, &word, sizeof(word));
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) dst[k] = to_float(v.data[k]);
-}
-
-template <typename T, int VEC>
-__global__ void __launch_bounds__(256) rank_sum_kernel(const RankSumParams p) {
+template <typename T>
+__global__ void __launch_bounds__(kRankSumThreads) rank_sum_kernel(const RankSumParams p) {
   griddep_wait();  // x is written by the kernel before
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * VEC;
-  T* const mine = static_cast<T*>(p.buffers[p.rank]);
-  for (int64_t i = first; i < p.numel; i += stride)
-    *reinterpret_cast<Vec<T, VEC>*>(mine + i) = *reinterpret_cast<const Vec<T, VEC>*>(static_cast<const T*>(p.x) + i);
-  __syncthreads();
-  meet(p);
-  __syncthreads();
-  for (int64_t i = first; i < p.numel; i += stride) {
-    float sum[VEC] = {};
-    for (int r = 0; r < p.world; ++r) {
-      float part[VEC];
-      load_shared<T, VEC>(part, static_cast<const T*>(p.buffers[r]) + i);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) sum[k] += part[k];
-    }
-    store_vec<T, VEC>(static_cast<T*>(p.out) + i, sum);
+  constexpr int per_word = 4 / sizeof(T);
+  const T* x = static_cast<const T*>(p.x);
+  const int64_t words = (p.numel + per_word - 1) / per_word;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint32_t epoch = p.epochs[blockIdx.x];
+  const uint32_t flag = epoch + 1u;  // (never 0, the inboxes' first contents, before the count wraps at 2^32 calls)
+  const int64_t half = epoch & 1u;
+  // This rank's row in a receiver's inbox, and the senders' rows in its own.
+  const int64_t out_row = (half * p.world + p.rank) * p.capacity;
+  for (int64_t w = first; w < words; w += stride) {
+    const uint32_t word = load_word(x, p.numel, w);
+    for (int r = 0; r < p.world; ++r)
+      if (r != p.rank) store_word(p.inboxes[r] + out_row + w, word, flag);
   }
-  __syncthreads();
-  meet(p);
-}
-
-template <typename T, int VEC>
-cudaError_t launch_as(const RankSumParams& p, cudaStream_t stream) {
-  const int64_t vectors = (p.numel + VEC - 1) / VEC;
-  const int64_t blocks = (vectors + 255) / 256;
-  const unsigned grid = static_cast<unsigned>(blocks < kRankSumMaxBlocks ? blocks : kRankSumMaxBlocks);
-  return launch_pdl(rank_sum_kernel<T, VEC>, dim3(grid), dim3(256), 0, stream, p);
+  const uint64_t* inbox = p.inboxes[p.rank];
+  for (int64_t w = first; w < words; w += stride) {
+    float sum[per_word] = {};
+    for (int r = 0; r < p.world; ++r) {
+      const uint32_t word =
+          r == p.rank ? load_word(x, p.numel, w) : await_word(inbox + (half * p.world + r) * p.capacity + w, flag);
+      add_word<T>(sum, word);
+    }
+#pragma unroll
+    for (int k = 0; k < per_word; ++k) {
+      const int64_t i = w * per_word + k;
+      if (i < p.numel) static_cast<T*>(p.out)[i] = from_float<T>(sum[k]);
+    }
+  }
+  __syncthreads();  // every thread has read this call's epoch
+  if (threadIdx.x == 0) p.epochs[blockIdx.x] = flag;
 }
 
 }  // namespace
 
 cudaError_t launch_rank_sum(const RankSumParams& p, cudaStream_t stream) {
-  if (p.numel == 0) return cudaSuccess;
+  // Every call runs the whole grid, also with nothing to sum: each block's count must advance with every call.
   PATCHER_DISPATCH_DTYPE(p.dtype, T, {
-    constexpr int vec = 16 / sizeof(T);
-    // (the buffers are 16-byte aligned; x and out decide)
-    if (p.numel % vec == 0 && aligned16(p.x) && aligned16(p.out)) return launch_as<T, vec>(p, stream);
-    return launch_as<T, 1>(p, stream);
+    return launch_pdl(rank_sum_kernel<T>, dim3(kRankSumBlocks), dim3(kRankSumThreads), 0, stream, p);
   });
   return cudaSuccess;
 }

@@ -124,7 +124,7 @@ class StepState:
             return sum(chunk._step_nbytes() for chunk in self.chunks)
         buffers = (self.workspace, self.int4_workspace, self.branch_int4_workspace)
         buffers += () if self.gathered_logits is None else (self.gathered_logits,)
-        buffers += () if self.rank_sum is None else (self.rank_sum.buffer,)
+        buffers += () if self.rank_sum is None else (self.rank_sum.inbox, self.rank_sum.epochs)
         buffers += tuple(t for d in self.deferred.values() for t in (d.acc, d.bias_rows) if t is not None)
         return sum(t.numel() * t.element_size() for t in buffers)
 

@@ -1,6 +1,6 @@
 """Tensor parallelism (kernels/parallel/rank_sum.cu): the sum of every rank's partial output of a row-wise
-projection, as `torch.distributed.all_reduce` computes it, in one kernel over buffers that every rank maps (torch's
-symmetric memory, patcher/parallel/rank_sum.py holds them)."""
+projection, as `torch.distributed.all_reduce` computes it, in one kernel through inboxes that every rank maps (torch's
+symmetric memory; patcher/parallel/rank_sum.py holds them)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ from .library import define, like
 
 
 def rank_sum(
-    x: torch.Tensor, buffer: torch.Tensor, buffers: int, pads: int, rank: int, world: int, group: str
+    x: torch.Tensor, inbox: torch.Tensor, epochs: torch.Tensor, inboxes: int, rank: int, world: int, group: str
 ) -> torch.Tensor:
     """x summed over the ranks of the process group named `group` (each rank passes its own partial x). The kernel
-    reads the ranks' copies through `buffer` (this rank's symmetric buffer) and the device arrays at `buffers` and
-    `pads` (every rank's buffer and signal pad); the reference is the collective itself."""
+    pushes x into the other ranks' inboxes and reads theirs from `inbox` (symmetric memory; `inboxes`: the device
+    array of every rank's inbox; `epochs`: this rank's per-block call counts); the reference is the collective."""
     out = x.clone()
     dist.all_reduce(out, group=dist.distributed_c10d._resolve_process_group(group))
     return out
 
 
 define(
-    "rank_sum(Tensor x, Tensor buffer, int buffers, int pads, int rank, int world, str group) -> Tensor",
+    "rank_sum(Tensor x, Tensor inbox, Tensor(a!) epochs, int inboxes, int rank, int world, str group) -> Tensor",
     rank_sum,
     lambda x, *args: like(x),
 )

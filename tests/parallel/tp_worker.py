@@ -134,40 +134,49 @@ def check(model_dir: str, plan_name: str, device: torch.device) -> dict:
 
 
 def rank_sum_checks(device: torch.device) -> dict:
-    """patcher::rank_sum against dist.all_reduce of the same partials (each rank its own), eagerly and replayed in a
-    CUDA graph with new partials each time: {(dtype, shape, how): (equal, max |difference|)}. Shapes: a decode row,
-    odd sizes (the kernel's unvectorized path), 8 rows of a wide model (several blocks)."""
+    """patcher::rank_sum against dist.all_reduce of the same partials (each rank its own), through one RankSum a dtype
+    for every shape: eagerly, three calls a shape, and as one CUDA graph of a call a shape replayed five times with new
+    partials (the inbox halves alternate over calls of any size). {(dtype, shape, how): (equal, max |difference|)}.
+    Shapes: a decode row, odd sizes (a padded last word), 8 rows of a wide model (every block busy)."""
     group = dist.group.WORLD
     ops = patcher.ops.backend_for(device)  # (builds the kernels on a machine's first use)
     generator = torch.Generator(device).manual_seed(dist.get_rank())
+    shapes = ((1, 4096), (3, 1001), (8, 8192))
     results = {}
+
+    def record(dtype, shape, how, got, want):
+        got, want = torch.stack(got), torch.stack(want)
+        results[(str(dtype), shape, how)] = (torch.equal(got, want), (got.double() - want.double()).abs().max().item())
+
+    def reference(x):
+        expected = x.clone()
+        dist.all_reduce(expected, group=group)
+        return expected
+
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for shape in ((1, 4096), (3, 1001), (8, 8192)):
-            summer = RankSum(group, shape[0] * shape[1], dtype, device, ops)
-            x = torch.empty(shape, dtype=dtype, device=device)
-            for how in ("eager", "graph"):
-                outs, expected = [], []
-                graph = None
-                if how == "graph":
-                    x.normal_(generator=generator)
-                    summer(x)  # warm-up outside the capture
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        out = summer(x)
-                for _ in range(3):
-                    x.normal_(generator=generator)
-                    reference = x.clone()
-                    dist.all_reduce(reference, group=group)
-                    if graph is None:
-                        outs.append(summer(x).clone())
-                    else:
-                        graph.replay()
-                        outs.append(out.clone())
-                    expected.append(reference)
-                torch.cuda.synchronize()
-                got, want = torch.stack(outs), torch.stack(expected)
-                results[(str(dtype), shape, how)] = (torch.equal(got, want), (got - want).abs().max().item())
+        summer = RankSum(group, 8 * 8192, dtype, device, ops)
+        xs = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+        for shape, x in zip(shapes, xs):
+            got, want = [], []
+            for _ in range(3):
+                x.normal_(generator=generator)
+                want.append(reference(x))
+                got.append(summer(x).clone())
+            record(dtype, shape, "eager", got, want)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [summer(x) for x in xs]
+        got, want = {s: [] for s in shapes}, {s: [] for s in shapes}
+        for _ in range(5):
+            for shape, x in zip(shapes, xs):
+                x.normal_(generator=generator)
+                want[shape].append(reference(x))
+            graph.replay()
+            for shape, out in zip(shapes, outs):
+                got[shape].append(out.clone())
+        torch.cuda.synchronize()
+        for shape in shapes:
+            record(dtype, shape, "graph", got[shape], want[shape])
     return results
 
 
