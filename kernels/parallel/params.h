@@ -28,11 +28,11 @@ constexpr int kRankSumThreads = 256;
 struct RankSumParams {
   DType dtype;
   int64_t numel;
-  const void* x;              // [numel] contiguous: this rank's partial output
-  void* out;                  // [numel] contiguous
-  uint64_t* const* inboxes;   // [world] device pointers: inbox [2 halves][world senders][capacity words]
-  int64_t capacity;           // words a sender's row of an inbox holds (>= numel * element size / 4, rounded up)
-  uint32_t* epochs;           // [kRankSumBlocks]
+  const void* x;             // [numel] contiguous: this rank's partial output
+  void* out;                 // [numel] contiguous
+  uint64_t* const* inboxes;  // [world] device pointers: inbox [2 halves][world senders][capacity words]
+  int64_t capacity;          // words a sender's row of an inbox holds (>= numel * element size / 4, rounded up)
+  uint32_t* epochs;          // [kRankSumBlocks]
   int rank, world;
 };
 cudaError_t launch_rank_sum(const RankSumParams& p, cudaStream_t stream);
