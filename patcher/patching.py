@@ -17,6 +17,7 @@ can't be handled is left exactly as it was and named in the report with the reas
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 import warnings
@@ -100,6 +101,22 @@ class PatchState:
         self.weights = weights_signature(model)  # (after the rebuilds, which register new fused buffers)
         self.runner = None
         return True
+
+    @contextlib.contextmanager
+    def original_forwards(self):
+        """Every patched module's forward as patch_model found it, for the duration (generate's static-cache fallback:
+        transformers compiles exactly the unpatched model's code, with its guards, and the compiled graph is reused by
+        every such call); the fused forwards are back after it."""
+        forwards = [s for s in self.swaps if s.slot != "generate"]
+        fused = [s.module.__dict__.get(s.slot, _ABSENT) for s in forwards]
+        for swap in forwards:
+            swap.restore()
+        try:
+            yield
+        finally:
+            for swap, fn in zip(forwards, fused):
+                if fn is not _ABSENT:
+                    swap.module.__dict__[swap.slot] = fn
 
     def unplanned(self) -> dict[str, str]:
         """Patched modules that HF's forward serves now (their weights can't be planned), with the reason."""

@@ -479,11 +479,8 @@ def _generate(self, inputs, generation_config, **kwargs):
             return original(generation_config=generation_config, **kwargs)
         # The unpatched model's fastest loop, run as the unpatched model runs it: transformers compiles HF's own
         # forwards faster than the fused ones for most shapes (docs/architecture.md, "The decode step").
-        state.planner.hf_forwards = True
-        try:
+        with state.original_forwards():
             return original(generation_config=generation_config, **{**kwargs, "cache_implementation": "static"})
-        finally:
-            state.planner.hf_forwards = False
     if state.runner is None:
         state.runner = DecodeRunner(self)
     outputs = prepared["outputs"]

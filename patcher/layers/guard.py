@@ -152,9 +152,7 @@ class Guard:
         return self.rebuild(module)
 
     def fused(self, module: nn.Module, args, kwargs) -> bool:
-        """Whether this call may take the fused forward (the first two tests are all the no_grad path pays)."""
-        if self.planner.hf_forwards:
-            return False
+        """Whether this call may take the fused forward (the first test is all the no_grad path pays)."""
         if (torch.is_grad_enabled() or module.training) and self.needs_hf(module, args, kwargs):
             return False
         if (any(self.hook_dicts) or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks) and (

@@ -103,8 +103,6 @@ class Planner:
     styles: dict = field(default_factory=dict)  # parallel.tp_styles of the model: id(module) -> its TP style
     placements: dict = field(default_factory=dict)  # module name -> (device, dtype, backend name) of its plan
     unplanned: dict = field(default_factory=dict)  # module name -> why HF's forward serves it now
-    # HF's forward in every patched module while set (generate's static-cache fallback: patcher/decode/generate.py)
-    hf_forwards: bool = False
 
     @property
     def tensor_parallel(self) -> bool:

@@ -141,9 +141,10 @@ def test_static_cache_fallback_only_where_hf_supports_it(monkeypatch):
 
 
 def test_static_cache_fallback_gives_hf_tokens(monkeypatch):
-    """Taken, the fallback is HF's loop with cache_implementation="static" and HF's own forward in every patched
-    module (on the CPU, where transformers does not compile): the unpatched model's greedy tokens, with the path and its reason recorded and the warning saying what runs; the fused forwards serve the next
-    calls."""
+    """Taken, the fallback is HF's loop with cache_implementation="static" over the unpatched model's code: every
+    patched module's forward is HF's own for the call (on the CPU, where transformers does not compile): the
+    unpatched model's greedy tokens, with the path and its reason recorded and the warning saying what runs; the fused
+    forwards are back and serve the next calls."""
     from patcher.decode import generate as gen
 
     model = rm.build("tiny-llama")
@@ -154,14 +155,22 @@ def test_static_cache_fallback_gives_hf_tokens(monkeypatch):
     state = model._patcher_state
     seen, fused = [], []
     original = state.original_generate or type(model).generate.__get__(model)
-    monkeypatch.setattr(state, "original_generate", lambda **kwargs: seen.append(kwargs) or original(**kwargs))
+
+    def original_generate(**kwargs):
+        seen.append((kwargs, [m.forward.__func__ is type(m).forward for m in state.modules]))
+        return original(**kwargs)
+
+    monkeypatch.setattr(state, "original_generate", original_generate)
     monkeypatch.setattr(gen, "static_cache_fallback", lambda model, config, kwargs: True)
     guard_fused = Guard.fused
     monkeypatch.setattr(Guard, "fused", lambda *a: fused.append(guard_fused(*a)) or fused[-1])
     with pytest.warns(UserWarning, match="transformers' own forwards, its static cache, compiled"):
         got = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert seen and seen[0]["cache_implementation"] == "static"
-    assert fused and not any(fused)  # every patched module ran HF's forward
+    kwargs, hf_forwards = seen[0]
+    assert kwargs["cache_implementation"] == "static"
+    assert len(hf_forwards) == len(state.modules) > 0 and all(hf_forwards)  # no wrapper of ours in the call
+    assert not fused
+    assert not any(m.forward.__func__ is type(m).forward for m in state.modules)  # the fused forwards are back
     path = generate_path(model)
     assert path["path"] == "hf-static" and "CUDA device" in path["reason"]
     assert torch.equal(got, expected)
