@@ -11,6 +11,7 @@ a flag beside them, and sums what arrives in its own (kernels/parallel/params.h)
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -26,8 +27,14 @@ def rank_sum_reason(group, device: torch.device, dtype: torch.dtype) -> str | No
         return "not on a GPU"
     if dist.get_backend(group) != "nccl":
         return f"the process group's backend is {dist.get_backend(group)}, not nccl"
-    if dist.get_world_size(group) > MAX_RANKS:
-        return f"{dist.get_world_size(group)} ranks (rank_sum takes at most {MAX_RANKS})"
+    world = dist.get_world_size(group)
+    if world > MAX_RANKS:
+        return f"{world} ranks (rank_sum takes at most {MAX_RANKS})"
+    # torchrun's count of the ranks on this machine: a group larger than that spans machines, whose memory no GPU here
+    # can map (the rendezvous would fail or wait); NCCL carries the sums between them.
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and world > int(local):
+        return f"{world} ranks over several machines ({local} on this one)"
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {dtype}"
     try:

@@ -149,3 +149,21 @@ def test_rank_sum_equals_all_reduce(results, request):
         assert len(checks) == 18, checks
         for case, (equal, err) in checks.items():
             assert equal, f"rank {rank}, {case}: max |difference| {err:.3g}"
+
+
+def test_rank_sum_only_within_one_machine(monkeypatch):
+    """rank_sum maps every rank's memory, so it serves a group of ranks on one machine (torchrun's LOCAL_WORLD_SIZE);
+    a group over several machines keeps NCCL's all-reduce, and so does any group on the CPU or over gloo."""
+    from patcher.parallel import rank_sum
+
+    monkeypatch.setattr(rank_sum.dist, "get_backend", lambda group: group)
+    monkeypatch.setattr(rank_sum.dist, "get_world_size", lambda group: 4)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert rank_sum.rank_sum_reason("nccl", cuda, torch.float16) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert rank_sum.rank_sum_reason("nccl", cuda, torch.float16) == "4 ranks over several machines (2 on this one)"
+    assert "not nccl" in rank_sum.rank_sum_reason("gloo", cuda, torch.float16)
+    assert rank_sum.rank_sum_reason("nccl", torch.device("cpu"), torch.float16) == "not on a GPU"
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # (outside torchrun: every rank of the group is taken to be here)
+    assert rank_sum.rank_sum_reason("nccl", cuda, torch.float16) is None
