@@ -270,6 +270,42 @@ def test_accelerate_hooks_and_offloaded_layers():
         assert torch.equal(logits(model, ids), expected)
 
 
+def test_original_forwards_for_a_call():
+    """PatchState.original_forwards (generate's static-cache fallback) puts HF's forward back on every patched module
+    for its duration, under accelerate's hooks too (their _old_forward), so the model computes the unpatched logits
+    exactly; the fused forwards are back after it, also when the call inside raises."""
+    from accelerate import dispatch_model
+
+    model = rm.build("tiny-llama")
+    ids = ids_for(model)
+    expected = logits(model, ids)
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.layers.2": "cpu",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
+    with tempfile.TemporaryDirectory() as offload, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = dispatch_model(model, device_map=device_map, offload_dir=offload, main_device="cpu")
+        patch_model(model)
+        state = model._patcher_state
+        swaps = [s for s in state.swaps if s.slot != "generate"]
+        assert any(s.slot == "_old_forward" for s in swaps)  # modules under accelerate's hooks
+        fused = [s.module.__dict__[s.slot] for s in swaps]
+        with state.original_forwards():
+            assert all(s.module.__dict__.get(s.slot, s.original) is s.original for s in swaps)  # (or no slot at all)
+            assert torch.equal(logits(model, ids), expected)
+        assert all(s.module.__dict__[s.slot] is f for s, f in zip(swaps, fused))
+        with pytest.raises(RuntimeError, match="inside"), state.original_forwards():
+            raise RuntimeError("inside")
+        assert all(s.module.__dict__[s.slot] is f for s, f in zip(swaps, fused))
+        assert max_err(logits(model, ids), expected) <= FP32_LOGIT_ATOL
+
+
 def test_no_graph_breaks_from_patched_ops():
     """torch._dynamo.explain over the patched forward under no_grad (with gradients recorded the patched modules
     run HF's forwards): the patcher:: ops trace without graph breaks."""
