@@ -8,8 +8,9 @@ the model twice from MODEL_DIR (whole, and sharded by the plan), runs the checks
 asserts on to OUT_DIR/NAME/rank<r>.pt: logits of the whole model, of the sharded model unpatched, patched, and
 unpatched again; greedy tokens of `generate` (the decode runner on the patched model: the graph one on CUDA, the
 eager one on the CPU, where the placement check alone is waived) and of the eager runner itself; the report; how
-many row-wise projections ran through the fused forward's all-reduce. One launch runs every job: starting the
-processes costs more than a tiny model's checks.
+many row-wise projections ran through the fused forward's all-reduce. On GPUs it also checks the rank_sum kernel
+against NCCL's all_reduce (rank_sum_checks, saved to OUT_DIR/rank_sum/rank<r>.pt). One launch runs every job:
+starting the processes costs more than a tiny model's checks.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def rank_sum_checks(device: torch.device) -> dict:
     partials (the inbox halves alternate over calls of any size). {(dtype, shape, how): (equal, max |difference|)}.
     Shapes: a decode row, odd sizes (a padded last word), 8 rows of a wide model (every block busy)."""
     group = dist.group.WORLD
-    ops = patcher.ops.backend_for(device)  # (builds the kernels on a machine's first use)
+    ops = patcher.ops.backend_for(device)  # (the CUDA kernels, built where the extension cache lacks them)
     generator = torch.Generator(device).manual_seed(dist.get_rank())
     shapes = ((1, 4096), (3, 1001), (8, 8192))
     results = {}
