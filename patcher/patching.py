@@ -102,12 +102,17 @@ class PatchState:
         self.runner = None
         return True
 
+    @property
+    def forward_swaps(self) -> list[_Swap]:
+        """The swaps of the patched modules' forwards (every swap but the model's generate)."""
+        return [s for s in self.swaps if s.slot != "generate"]
+
     @contextlib.contextmanager
     def original_forwards(self):
         """Every patched module's forward as patch_model found it, for the duration (generate's static-cache fallback:
         transformers compiles exactly the unpatched model's code, with its guards, and the compiled graph is reused by
         every such call); the fused forwards are back after it."""
-        forwards = [s for s in self.swaps if s.slot != "generate"]
+        forwards = self.forward_swaps
         fused = [s.module.__dict__.get(s.slot, _ABSENT) for s in forwards]
         for swap in forwards:
             swap.restore()

@@ -241,6 +241,18 @@ def test_unsupported_activation_is_left_unpatched():
     assert max_err(logits(model, ids), expected) <= FP32_LOGIT_ATOL
 
 
+# tiny-llama under accelerate's hooks on the CPU, its second layer offloaded to disk
+OFFLOADED_LAYER_1 = {
+    "model.embed_tokens": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.layers.2": "cpu",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "cpu",
+}
+
+
 def test_accelerate_hooks_and_offloaded_layers():
     """device_map hooks stay in place; an offloaded layer is left as it was and its neighbours adapt."""
     from accelerate import dispatch_model
@@ -248,18 +260,9 @@ def test_accelerate_hooks_and_offloaded_layers():
     model = rm.build("tiny-llama")
     ids = ids_for(model)
     expected = logits(model, ids)
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.layers.0": "cpu",
-        "model.layers.1": "disk",
-        "model.layers.2": "cpu",
-        "model.norm": "cpu",
-        "model.rotary_emb": "cpu",
-        "lm_head": "cpu",
-    }
     with tempfile.TemporaryDirectory() as offload, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = dispatch_model(model, device_map=device_map, offload_dir=offload, main_device="cpu")
+        model = dispatch_model(model, device_map=OFFLOADED_LAYER_1, offload_dir=offload, main_device="cpu")
         hooked_forward = model.model.layers[0].forward
         report = patch_model(model)
         assert [r.name for r in report.unpatched] == ["model.layers.1"]
@@ -279,21 +282,12 @@ def test_original_forwards_for_a_call():
     model = rm.build("tiny-llama")
     ids = ids_for(model)
     expected = logits(model, ids)
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.layers.0": "cpu",
-        "model.layers.1": "disk",
-        "model.layers.2": "cpu",
-        "model.norm": "cpu",
-        "model.rotary_emb": "cpu",
-        "lm_head": "cpu",
-    }
     with tempfile.TemporaryDirectory() as offload, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = dispatch_model(model, device_map=device_map, offload_dir=offload, main_device="cpu")
+        model = dispatch_model(model, device_map=OFFLOADED_LAYER_1, offload_dir=offload, main_device="cpu")
         patch_model(model)
         state = model._patcher_state
-        swaps = [s for s in state.swaps if s.slot != "generate"]
+        swaps = state.forward_swaps
         assert any(s.slot == "_old_forward" for s in swaps)  # modules under accelerate's hooks
         fused = [s.module.__dict__[s.slot] for s in swaps]
         with state.original_forwards():
