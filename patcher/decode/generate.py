@@ -100,8 +100,9 @@ def static_cache_fallback(model, generation_config, kwargs) -> bool:
     """Whether a call that goes to HF's loop takes HF's static cache, which transformers compiles on CUDA: what the
     unpatched model does fastest with the same arguments (`cache_implementation="static"`). Only where that is HF's
     own supported path: one CUDA device, no tensor parallelism, one beam, no assistant or prompt lookup, and no cache
-    or cache choice of the caller's; not with the fast path turned off (set_fast_generate), which asks for HF's loop
-    as it is."""
+    of the caller's nor a cache choice other than "static" (a caller's cache_implementation="static" asks for that
+    loop, and runs it as the unpatched model does); not with the fast path turned off (set_fast_generate), which asks
+    for HF's loop as it is."""
     state = model._patcher_state
     devices = state.report.devices
     if not state.fast_generate or state.planner.tensor_parallel or len(devices) != 1:
@@ -116,7 +117,7 @@ def static_cache_fallback(model, generation_config, kwargs) -> bool:
     if any(kwargs.get(name) is not None for name in ("past_key_values", *HF_ONLY_ARGUMENTS)):
         return False
     return (
-        option("cache_implementation") is None
+        option("cache_implementation") in (None, "static")
         and option("use_cache") is not False
         and (option("num_beams") or 1) == 1
         and option("prompt_lookup_num_tokens") is None

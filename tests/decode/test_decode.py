@@ -105,8 +105,9 @@ def test_runner_sampling_is_reproducible():
 
 
 def test_static_cache_fallback_only_where_hf_supports_it(monkeypatch):
-    """A call that goes to HF's loop takes HF's static cache on one CUDA device, for one beam and with no cache or
-    cache choice of the caller's; never with the fast path turned off, on the CPU or over several devices."""
+    """A call that goes to HF's loop takes HF's static cache on one CUDA device, for one beam and with no cache of
+    the caller's and no cache choice but "static"; never with the fast path turned off, on the CPU or over several
+    devices."""
     from types import SimpleNamespace
 
     from patcher.decode import generate as gen
@@ -121,6 +122,7 @@ def test_static_cache_fallback_only_where_hf_supports_it(monkeypatch):
     monkeypatch.setattr(state, "report", SimpleNamespace(devices=["cuda:0"]))
     assert gen.static_cache_fallback(model, None, base)
     assert gen.static_cache_fallback(model, None, {**base, "output_attentions": True, "num_beams": 1})
+    assert gen.static_cache_fallback(model, None, {**base, "cache_implementation": "static"})  # the caller's choice
     for extra in (
         {"num_beams": 2},
         {"past_key_values": object()},
