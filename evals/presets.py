@@ -16,6 +16,9 @@ asks for, returning generate() keyword arguments:
   stop-strings    greedy, three stop_strings the text never holds, with the tokenizer
   hidden-states   greedy with output_hidden_states and return_dict_in_generate: a call the decode graph does not
                   serve (it keeps no hidden states), so a patched model runs HF's static cache + compile
+  static-cache    greedy with cache_implementation="static", as transformers' docs advise for speed: the caller's
+                  choice of HF's compiled loop, which a patched model runs as the unpatched one does (the static cache
+                  sized as hf-static-compiled's, so that each mode compiles once)
 
 EOS ids: the last ids of the model's vocabulary (config.vocab_size), which a random-weight model makes no more often
 than any other id. Every call's output is checked after the timing: one shorter than asked (every row stopped at an
@@ -121,6 +124,7 @@ PRESETS: dict[str, Callable[[Setup, int], dict]] = {
         "output_hidden_states": True,
         "return_dict_in_generate": True,
     },
+    "static-cache": lambda setup, n: {"do_sample": False, "cache_implementation": "static"},
 }
 NEEDS_TOKENIZER = {"streamer", "stop-strings"}
 

@@ -151,7 +151,10 @@ def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True,
         kwargs = {"do_sample": False} if preset is None else presets.arguments(preset, setup, n)
         if kwargs.get("do_sample"):
             torch.manual_seed(presets.SEED)
-        out = model.generate(prompt, max_new_tokens=n, **base, **kwargs)
+        call = {**base, **kwargs}
+        if call.get("cache_implementation") == "static":  # one size for every call: HF compiles once
+            call.setdefault("max_cache_len", model._tpot_cache_len)
+        out = model.generate(prompt, max_new_tokens=n, **call)
         outputs.append((n, out if isinstance(out, torch.Tensor) else out.sequences))  # (return_dict_in_generate)
         return out
 

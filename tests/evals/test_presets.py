@@ -150,6 +150,33 @@ def test_tpot_presets_on_a_tiny_model(tmp_path, capsys):
     assert "x greedy" in printed.splitlines()[0] and "stop-strings" in printed
 
 
+def test_static_cache_preset_sizes_the_cache_once(tmp_path, monkeypatch):
+    """static-cache asks every mode for HF's static cache at the run's one size (max_cache_len), so that HF compiles
+    once; a patched model on the CPU leaves it to HF's loop."""
+    from transformers import GenerationMixin
+
+    sizes = []
+    original = GenerationMixin.generate
+
+    def generate(self, *args, **kwargs):
+        sizes.append((kwargs.get("cache_implementation"), kwargs.get("max_cache_len")))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", generate)
+    out = tmp_path / "tpot.json"
+    args = ["--random-config", "tiny-llama", "--device", "cpu", "--new-tokens", "3", "--repeats", "1", "--prompt-len"]
+    args += ["8", "--modes", "hf-eager,patched", "--no-profile", "--generate-args", "greedy,static-cache"]
+    assert tpot.main([*args, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["mode"], r["preset"]) for r in rows] == [
+        (m, p) for m in ("hf-eager", "patched") for p in ("greedy", "static-cache")
+    ]
+    assert all("error" not in r and r["tpot_ms"] > 0 for r in rows)
+    assert rows[3]["decode_path"] == "hf"
+    static = {size for implementation, size in sizes if implementation == "static"}
+    assert static == {8 + 3 + 1}  # the prompt, the new tokens and one more: every call the same size
+
+
 def test_tpot_reports_a_preset_whose_output_stopped_early(tmp_path, monkeypatch, capsys):
     """A call that made fewer tokens than asked (every row at an EOS id) is an error row, not a timing."""
     monkeypatch.setitem(
