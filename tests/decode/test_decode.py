@@ -411,3 +411,33 @@ def test_smollm2_greedy_agrees_with_hf_eager():
     )
     assert all(margin <= NEAR_TIE for _, _, margin in notes), notes
     assert rate >= hf_rate - RATE_SLACK
+
+
+@pytest.mark.gpu
+def test_static_cache_fallback_compiles_the_unpatched_code():
+    """The fallback on a GPU, where transformers compiles its static-cache loop: a call the graph does not serve
+    (hidden states in the output) and a caller's cache_implementation="static" reuse the graph that dynamo compiled
+    for the unpatched model (HF's own forwards back, same guards), and give its tokens."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    model = rm.build("tiny-llama", dtype=torch.float32, device="cuda")
+    model.generation_config.eos_token_id = None
+    ids, mask = prompt(model, 1, 9, device="cuda")
+    dynamo.reset()
+    counters.clear()
+    args = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0, "max_cache_len": 32}
+    hidden = {"output_hidden_states": True, "return_dict_in_generate": True}
+    expected = model.generate(ids, attention_mask=mask, cache_implementation="static", **args, **hidden).sequences
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0  # transformers compiled its loop
+    patch_model(model)
+    with pytest.warns(UserWarning, match="transformers' own forwards"):
+        got = model.generate(ids, attention_mask=mask, **args, **hidden)
+    assert generate_path(model)["path"] == "hf-static"
+    again = model.generate(ids, attention_mask=mask, cache_implementation="static", **args)
+    assert generate_path(model)["path"] == "hf-static"
+    assert counters["stats"]["unique_graphs"] == graphs  # no new compilation: the unpatched model's code ran
+    assert torch.equal(got.sequences, expected) and torch.equal(again, expected)
+    fused = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert generate_path(model)["path"] == "graph" and torch.equal(fused, expected)
