@@ -429,6 +429,8 @@ def test_static_cache_fallback_compiles_the_unpatched_code():
     args = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0, "max_cache_len": 32}
     hidden = {"output_hidden_states": True, "return_dict_in_generate": True}
     expected = model.generate(ids, attention_mask=mask, cache_implementation="static", **args, **hidden).sequences
+    # the call without hidden states traces its own graph: compile it unpatched too
+    assert torch.equal(model.generate(ids, attention_mask=mask, cache_implementation="static", **args), expected)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0  # transformers compiled its loop
     patch_model(model)
