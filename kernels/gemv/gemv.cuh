@@ -177,15 +177,95 @@ enum RowMode : int {
   kRopeRows = 2,    // fused QKV: the pair of rope_pair_rows, rotated and stored into q and the KV cache
 };
 
+// The rows one warp computes in one tile of the grid: ROWS output rows from `first` (with SwiGLU also their up rows
+// n later), and its slice of K (a multiple of V long; the last slice takes the rest).
+template <typename T, int V, int ROWS, int MODE, int KSPLIT>
+struct WarpRows {
+  static constexpr int NW = MODE == kPairedRows ? 2 * ROWS : ROWS;  // weight rows the warp streams
+  int64_t first, k_begin, k_end;
+  int64_t row_of[ROWS];  // the output rows (past the end: the last row, not stored)
+  const T* rows[NW];
+  bool live;
+
+  __device__ __forceinline__ WarpRows(const GemvParams& p, int64_t tile, int warp) {
+    constexpr int GROUPS = kWarps / KSPLIT;  // row groups per tile
+    const int part = warp % KSPLIT;
+    first = (tile * GROUPS + warp / KSPLIT) * ROWS;
+    live = first < p.n;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) row_of[r] = first + r < p.n ? first + r : p.n - 1;
+    if constexpr (MODE == kRopeRows) {
+      if (live)
+        rope_pair_rows(first / 2, static_cast<int>(p.rope.head_dim), static_cast<int>(p.rope.rotary_dim), row_of);
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      rows[r] = static_cast<const T*>(p.w) + row_of[r] * p.w_stride;
+      if (MODE == kPairedRows) rows[ROWS + r] = static_cast<const T*>(p.w) + (row_of[r] + p.n) * p.w_stride;
+    }
+    const int64_t slice = (p.k / KSPLIT + V - 1) / V * V;
+    k_begin = part * slice < p.k ? part * slice : p.k;
+    k_end = part == KSPLIT - 1 ? p.k : (k_begin + slice < p.k ? k_begin + slice : p.k);
+  }
+};
+
+// Lane 0's epilogue for one warp's rows, with HF's rounding points (see the top of this file).
+template <typename T, int BMAX, int ROWS, int MODE, int NW>
+__device__ __forceinline__ void store_rows(const GemvParams& p, int64_t first, const int64_t (&row_of)[ROWS],
+                                           const float (&acc)[NW][BMAX]) {
+  const T* bias = static_cast<const T*>(p.bias);
+  T* out = static_cast<T*>(p.out);
+  if constexpr (MODE == kRopeRows) {  // round as F.linear rounds its output, then rotate and store the pair
+#pragma unroll
+    for (int b = 0; b < BMAX; ++b) {
+      if (b >= p.batch) break;
+      float y[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) y[r] = round_to<T>(acc[r][b] + (bias ? to_float(bias[row_of[r]]) : 0.f));
+      rope_store_pair<T>(p.rope, b, row_of, y, out);
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t o = first + r;
+      if (o >= p.n) break;
+#pragma unroll
+      for (int b = 0; b < BMAX; ++b) {
+        if (b >= p.batch) break;
+        float y;
+        if (MODE == kPairedRows) {
+          const float gate = round_to<T>(acc[r][b] + (bias ? to_float(bias[o]) : 0.f));
+          const float up = round_to<T>(acc[ROWS + r][b] + (bias ? to_float(bias[o + p.n]) : 0.f));
+          y = round_to<T>(silu(gate)) * up;
+        } else {
+          y = acc[r][b] + (bias ? to_float(bias[o]) : 0.f);
+          if (p.act != kActNone) y = gelu(round_to<T>(y), p.act == kActGeluTanh);
+        }
+        out[b * p.n + o] = from_float<T>(y);
+      }
+    }
+  }
+}
+
+// The blocks an SM must hold at once (launch bounds): three for SwiGLU without the prologue, so that its bf16 form
+// keeps to 168 registers (unbounded, the tile loop's bookkeeping takes it to 175: two blocks an SM); otherwise
+// as many registers as the kernel wants.
+template <int MODE, bool NORM>
+constexpr int kLaunchBlocks = MODE == kPairedRows && !NORM ? 3 : 1;
+
 // Each block has kWarps warps; KSPLIT of them share one group of ROWS output rows, each taking 1/KSPLIT of K
-// (more warps in flight for matrices with few rows), and their partial sums meet in shared memory.
-// NORM: the norm prologue runs first, and x is read from its shared-memory stage (dynamic shared memory).
+// (more warps in flight for matrices with few rows), and their partial sums meet in shared memory. A tile is
+// what one block computes at once: kWarps / KSPLIT row groups.
+// NORM: the norm prologue runs first, and x is read from its shared-memory stage (dynamic shared memory). The
+// grid is then at most the blocks the GPU holds at once (launch_kernel), and each block loops over tiles, so the
+// prologue runs once a resident block rather than once a tile; the first weights of the next tile are loaded
+// before the warp reductions and the epilogue of the current one.
 template <typename T, int V, int BMAX, int ROWS, int MODE, int UNROLL, int KSPLIT, bool NORM>
-__global__ void __launch_bounds__(kWarps * 32, NORM ? 5 : 1) gemv_kernel(const GemvParams p) {
+__global__ void __launch_bounds__(kWarps * 32, kLaunchBlocks<MODE, NORM>)
+    gemv_kernel(const GemvParams p, int64_t tiles) {
   static_assert(MODE != kRopeRows || ROWS == 2, "a RoPE warp computes one rotation pair");
-  constexpr bool PAIRED = MODE == kPairedRows;
-  constexpr int NW = PAIRED ? 2 * ROWS : ROWS;  // weight rows this warp streams
-  constexpr int GROUPS = kWarps / KSPLIT;       // row groups per block
+  using Rows = WarpRows<T, V, ROWS, MODE, KSPLIT>;
+  constexpr int NW = Rows::NW;
   __shared__ float s_partial[kWarps][NW][BMAX];
   extern __shared__ __align__(16) unsigned char gemv_stage[];
   // The next kernel may launch at once: it reads only constants before its wait. Not so for the QKV projection's
@@ -194,44 +274,21 @@ __global__ void __launch_bounds__(kWarps * 32, NORM ? 5 : 1) gemv_kernel(const G
   griddep_trigger_at_entry(feeds_attention);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int part = warp % KSPLIT;
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * GROUPS + warp / KSPLIT) * ROWS;
-  const bool live = first < p.n;
-  // Whole warps leave together (no block barrier without a K split or the prologue).
-  if (KSPLIT == 1 && !NORM && !live) return;
+  Rows t(p, blockIdx.x, warp);
+  // Whole warps leave together (no block barrier without a K split or the prologue). A warp past the end in its
+  // first tile is past it in every later one.
+  if (KSPLIT == 1 && !NORM && !t.live) return;
   const T* x = static_cast<const T*>(p.x);
   int64_t x_stride = p.x_stride;
-  int64_t row_of[ROWS];  // the output rows of this warp
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) row_of[r] = first + r < p.n ? first + r : p.n - 1;  // past the end: not stored
-  if constexpr (MODE == kRopeRows) {
-    if (live) rope_pair_rows(first / 2, static_cast<int>(p.rope.head_dim), static_cast<int>(p.rope.rotary_dim), row_of);
-  }
-  const T* rows[NW];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    rows[r] = static_cast<const T*>(p.w) + row_of[r] * p.w_stride;
-    if (PAIRED) rows[ROWS + r] = static_cast<const T*>(p.w) + (row_of[r] + p.n) * p.w_stride;
-  }
-  // This warp's slice of K, a multiple of V long (the last slice takes the rest).
-  const int64_t slice = (p.k / KSPLIT + V - 1) / V * V;
-  const int64_t k_begin = part * slice < p.k ? part * slice : p.k;
-  const int64_t k_end = part == KSPLIT - 1 ? p.k : (k_begin + slice < p.k ? k_begin + slice : p.k);
 
-  float acc[NW][BMAX];
-#pragma unroll
-  for (int r = 0; r < NW; ++r)
-#pragma unroll
-    for (int b = 0; b < BMAX; ++b) acc[r][b] = 0.f;
-
-  // The first iteration's weights are loaded before griddepcontrol.wait: weights are never written by an earlier
+  // The first tile's weights are loaded before griddepcontrol.wait: weights are never written by an earlier
   // kernel, so under programmatic dependent launch these loads overlap the previous kernel's tail, which is most
   // of a small matrix's bytes. (An L2 prefetch of more weights here made large matrices slower: each warp's prefetch
   // raced its own loads through L2; registers are read once.) Each iteration then uses its chunks and loads the next
   // iteration's.
   const int64_t step = 32 * V;  // elements one warp-wide load covers
-  int64_t k0 = k_begin + lane * V;
   Vec<T, V> w[UNROLL][NW];
-  if (live) fetch_weights<T, V, NW, UNROLL>(w, rows, k0, k_end);
+  if (t.live) fetch_weights<T, V, NW, UNROLL>(w, t.rows, t.k_begin + lane * V, t.k_end);
   T* xs = reinterpret_cast<T*>(gemv_stage);  // NORM: the [batch][k] stage of the normalized x
   // The prologue's inputs copied into shared memory first (16-byte vectors, and room for them).
   bool staged = false;
@@ -261,88 +318,74 @@ __global__ void __launch_bounds__(kWarps * 32, NORM ? 5 : 1) gemv_kernel(const G
              n.delta2_stride};
     }
     stage_normalized<T, V>(p, src, xs, blockIdx.x == 0);
-    if (KSPLIT == 1 && !live) return;
+    if (KSPLIT == 1 && !t.live) return;
     x = xs;
     x_stride = p.k;
   }
 
-  if (live) {
-    for (; k0 < k_end; k0 += step * UNROLL) {
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int64_t k = k0 + u * step;
-        if (k >= k_end) break;
-#pragma unroll
-        for (int b = 0; b < BMAX; ++b) {
-          if (b < p.batch) {
-            float xv[V];
-            load_x<T, V>(xv, x + b * x_stride + k);
-#pragma unroll
-            for (int r = 0; r < NW; ++r)
-#pragma unroll
-              for (int j = 0; j < V; ++j) acc[r][b] += to_float(w[u][r].data[j]) * xv[j];
-          }
-        }
-      }
-      fetch_weights<T, V, NW, UNROLL>(w, rows, k0 + step * UNROLL, k_end);
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < NW; ++r)
-#pragma unroll
-    for (int b = 0; b < BMAX; ++b) acc[r][b] = warp_sum(acc[r][b]);
-  if (KSPLIT > 1) {  // add up the K slices of this row group
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < NW; ++r)
-#pragma unroll
-        for (int b = 0; b < BMAX; ++b) s_partial[warp][r][b] = acc[r][b];
-    }
-    __syncthreads();
-    if (part != 0 || !live) return;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    float acc[NW][BMAX];
 #pragma unroll
     for (int r = 0; r < NW; ++r)
 #pragma unroll
-      for (int b = 0; b < BMAX; ++b) {
-        float total = 0.f;
+      for (int b = 0; b < BMAX; ++b) acc[r][b] = 0.f;
+    if (t.live) {
+      for (int64_t k0 = t.k_begin + lane * V; k0 < t.k_end; k0 += step * UNROLL) {
 #pragma unroll
-        for (int q = 0; q < KSPLIT; ++q) total += s_partial[warp + q][r][b];
-        acc[r][b] = total;
-      }
-  }
-  if (lane != 0) return;
-
-  const T* bias = static_cast<const T*>(p.bias);
-  T* out = static_cast<T*>(p.out);
-  if constexpr (MODE == kRopeRows) {  // round as F.linear rounds its output, then rotate and store the pair
+        for (int u = 0; u < UNROLL; ++u) {
+          const int64_t k = k0 + u * step;
+          if (k >= t.k_end) break;
 #pragma unroll
-    for (int b = 0; b < BMAX; ++b) {
-      if (b >= p.batch) break;
-      float y[2];
+          for (int b = 0; b < BMAX; ++b) {
+            if (b < p.batch) {
+              float xv[V];
+              load_x<T, V>(xv, x + b * x_stride + k);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) y[r] = round_to<T>(acc[r][b] + (bias ? to_float(bias[row_of[r]]) : 0.f));
-      rope_store_pair<T>(p.rope, b, row_of, y, out);
-    }
-  } else {
+              for (int r = 0; r < NW; ++r)
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int64_t o = first + r;
-      if (o >= p.n) break;
-#pragma unroll
-      for (int b = 0; b < BMAX; ++b) {
-        if (b >= p.batch) break;
-        float y;
-        if (PAIRED) {
-          const float gate = round_to<T>(acc[r][b] + (bias ? to_float(bias[o]) : 0.f));
-          const float up = round_to<T>(acc[ROWS + r][b] + (bias ? to_float(bias[o + p.n]) : 0.f));
-          y = round_to<T>(silu(gate)) * up;
-        } else {
-          y = acc[r][b] + (bias ? to_float(bias[o]) : 0.f);
-          if (p.act != kActNone) y = gelu(round_to<T>(y), p.act == kActGeluTanh);
+                for (int j = 0; j < V; ++j) acc[r][b] += to_float(w[u][r].data[j]) * xv[j];
+            }
+          }
         }
-        out[b * p.n + o] = from_float<T>(y);
+        fetch_weights<T, V, NW, UNROLL>(w, t.rows, k0 + step * UNROLL, t.k_end);
       }
     }
+    // The next tile's rows, and its first weights in flight during this tile's reductions and epilogue.
+    Rows next = t;
+    if constexpr (NORM) {
+      if (tile + gridDim.x < tiles) {
+        next = Rows(p, tile + gridDim.x, warp);
+        if (next.live) fetch_weights<T, V, NW, UNROLL>(w, next.rows, next.k_begin + lane * V, next.k_end);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < NW; ++r)
+#pragma unroll
+      for (int b = 0; b < BMAX; ++b) acc[r][b] = warp_sum(acc[r][b]);
+    if (KSPLIT > 1) {  // add up the K slices of this row group (live is the same for the whole block)
+      if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < NW; ++r)
+#pragma unroll
+          for (int b = 0; b < BMAX; ++b) s_partial[warp][r][b] = acc[r][b];
+      }
+      __syncthreads();
+      if (part == 0) {
+#pragma unroll
+        for (int r = 0; r < NW; ++r)
+#pragma unroll
+          for (int b = 0; b < BMAX; ++b) {
+            float total = 0.f;
+#pragma unroll
+            for (int q = 0; q < KSPLIT; ++q) total += s_partial[warp + q][r][b];
+            acc[r][b] = total;
+          }
+      }
+      if (NORM) __syncthreads();  // s_partial is read before the next tile writes it
+    }
+    if (lane == 0 && part == 0 && t.live) store_rows<T, BMAX, ROWS, MODE, NW>(p, t.first, t.row_of, acc);
+    if (!NORM || (KSPLIT == 1 && !next.live)) return;  // one tile a block, or none left for this warp
+    t = next;
   }
 }
 
@@ -356,13 +399,14 @@ int multiprocessors() {
   return count;
 }
 
-// Launches one instantiation; the prologue's stage is dynamic shared memory, past 48 KB only with the opt-in.
+// Launches one instantiation over `tiles` tiles; the prologue's stage is dynamic shared memory, past 48 KB only with
+// the opt-in. With the prologue the grid is at most the blocks the GPU holds at once (each block loops over tiles).
 template <typename T, int V, int BMAX, int MODE, int UNROLL, int KSPLIT>
-cudaError_t launch_kernel(const GemvParams& p, dim3 grid, cudaStream_t stream) {
+cudaError_t launch_kernel(const GemvParams& p, int64_t tiles, cudaStream_t stream) {
   constexpr int ROWS = 2;
   if (!p.norm.weight)
-    return launch_pdl(gemv_kernel<T, V, BMAX, ROWS, MODE, UNROLL, KSPLIT, false>, grid, dim3(kWarps * 32), 0, stream,
-                      p);
+    return launch_pdl(gemv_kernel<T, V, BMAX, ROWS, MODE, UNROLL, KSPLIT, false>, dim3(static_cast<unsigned>(tiles)),
+                      dim3(kWarps * 32), 0, stream, p, tiles);
   const auto kernel = gemv_kernel<T, V, BMAX, ROWS, MODE, UNROLL, KSPLIT, true>;
   const size_t smem = gemv_prologue_smem(p, p.stage_inputs);  // launch_gemv checked that it fits
   if (smem + 1024 > 48 * 1024) {  // with the kernel's static shared memory, past the default limit
@@ -370,7 +414,12 @@ cudaError_t launch_kernel(const GemvParams& p, dim3 grid, cudaStream_t stream) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
-  return launch_pdl(kernel, grid, dim3(kWarps * 32), smem, stream, p);
+  int per_sm = 0;
+  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem);
+  if (err != cudaSuccess) return err;
+  const int64_t resident = static_cast<int64_t>(per_sm > 0 ? per_sm : 1) * multiprocessors();
+  const unsigned blocks = static_cast<unsigned>(tiles < resident ? tiles : resident);
+  return launch_pdl(kernel, dim3(blocks), dim3(kWarps * 32), smem, stream, p, tiles);
 }
 
 template <typename T, int V, int BMAX, int MODE, int UNROLL>
@@ -380,10 +429,9 @@ cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
   // Few rows: split K over the 4 warps of a block, so that enough warps stream weights to fill every SM
   // (without it a 1536-row matrix runs 768 warps, under 6 per SM, and the wave tail dominates).
   if (groups < 16 * multiprocessors() && p.k >= 1024) {
-    return launch_kernel<T, V, BMAX, MODE, UNROLL, kWarps>(p, dim3(static_cast<unsigned>(groups)), stream);
+    return launch_kernel<T, V, BMAX, MODE, UNROLL, kWarps>(p, groups, stream);
   }
-  const unsigned blocks = static_cast<unsigned>((groups + kWarps - 1) / kWarps);
-  return launch_kernel<T, V, BMAX, MODE, UNROLL, 1>(p, dim3(blocks), stream);
+  return launch_kernel<T, V, BMAX, MODE, UNROLL, 1>(p, (groups + kWarps - 1) / kWarps, stream);
 }
 
 template <typename T, int V, int BMAX>
