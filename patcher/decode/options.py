@@ -38,9 +38,13 @@ class DecodeOptions:
     # From this batch size on, dense linears run on cuBLAS (tensor cores) instead of the GEMV kernels, whose FMAs
     # stop hiding behind the weight stream at 4-8 rows.
     cublas_min_batch: int = 4
-    # Up to this hidden size dense GEMVs take the add + norm as their prologue (every block recomputes the row's
-    # norm, which pays only where the hidden size is small and launches dominate).
+    # Up to this hidden size dense GEMVs take the add + RMSNorm (LLaMA, Qwen2) as their prologue: every resident
+    # block recomputes the row's norm after its wait, which pays only where the hidden size is small and launches
+    # dominate (docs/decode-fp16.md, "How the step is built").
     fused_norm_max_hidden: int = 1024
+    # The same for GPT-NeoX's LayerNorms, where one prologue replaces the three-way sum and both LayerNorms of the
+    # parallel residual: it pays up to Pythia-2.8B's 2560 (the widest measured).
+    fused_layer_norm_max_hidden: int = 2560
     # GPT-NeoX's parallel residual: the MLP on a second stream beside the attention path (dense, or merge_int4 off).
     parallel_branch: bool = True
 
@@ -48,7 +52,12 @@ class DecodeOptions:
         for name in ("use_graphs", "fuse_next_token", "merge_int4", "defer_int4", "defer_qkv", "parallel_branch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"DecodeOptions.{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("int4_separate_norm_batch", "cublas_min_batch", "fused_norm_max_hidden"):
+        for name in (
+            "int4_separate_norm_batch",
+            "cublas_min_batch",
+            "fused_norm_max_hidden",
+            "fused_layer_norm_max_hidden",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DecodeOptions.{name} must be a whole number >= 1, got {value!r}")

@@ -98,7 +98,8 @@ class StepState:
         self.rank_sum = step.rank_sum(batch)  # tensor parallel on GPUs: the row-wise projections' sums
         self.cublas = cuda and batch >= options.cublas_min_batch
         # Norms inside the GEMVs' prologues (on the CPU always: the reference path is the same either way).
-        self.fused_norms = not self.cublas and (not cuda or step.hidden <= options.fused_norm_max_hidden)
+        widest = options.fused_norm_max_hidden if step.rms else options.fused_layer_norm_max_hidden
+        self.fused_norms = not self.cublas and (not cuda or step.hidden <= widest)
         self.int4_separate_norm = batch >= options.int4_separate_norm_batch
         self.splits = step.attention_splits(batch)
         self.workspace = decode_attention_workspace(

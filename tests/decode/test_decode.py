@@ -34,6 +34,12 @@ def prompt(model, batch, tokens, seed=3, device="cpu", pad_rows=()):
     return ids, mask
 
 
+def norm_options(fused: bool) -> DecodeOptions:
+    """The norms inside the GEMVs' prologues at every hidden size, or as separate kernels at every one."""
+    widest = 1 << 20 if fused else 1
+    return DecodeOptions(fused_norm_max_hidden=widest, fused_layer_norm_max_hidden=widest)
+
+
 def hf_generate(model, ids, mask, **kwargs):
     set_fast_generate(model, False) if hasattr(model, "_patcher_state") else None
     with warnings.catch_warnings():
@@ -240,13 +246,14 @@ def test_graph_replay_equals_eager_step(name, batch):
 @pytest.mark.parametrize("fused_norms", [True, False])
 def test_cuda_runner_fp32_greedy_matches_hf(name, fused_norms):
     """fp32 on the GPU, both ways of running the norms at 1-3 rows: inside the GEMVs' prologues, or as separate
-    add + norm kernels (the choice DecodeOptions.fused_norm_max_hidden makes by hidden size); tokens equal HF's."""
+    add + norm kernels (the choice DecodeOptions.fused_norm_max_hidden and fused_layer_norm_max_hidden make by
+    hidden size); tokens equal HF's."""
     model = rm.build(name, dtype=torch.float32, device="cuda")
     model.generation_config.eos_token_id = None
     ids, mask = prompt(model, 2, 9, device="cuda", pad_rows=((1, 3),))
     expected = hf_generate(model, ids, mask, max_new_tokens=24, do_sample=False)
     patch_model(model)
-    runner = DecodeRunner(model, DecodeOptions(fused_norm_max_hidden=1 << 20 if fused_norms else 1))
+    runner = DecodeRunner(model, norm_options(fused_norms))
     got = runner.generate(ids, mask, 24, Sampling(), eos=[], pad_token_id=0)
     assert runner.states[2].fused_norms == fused_norms
     assert torch.equal(got, expected)
@@ -262,7 +269,7 @@ def test_mlp_branch_stream_changes_no_result(fused_norms):
     model.generation_config.eos_token_id = None
     patch_model(model)
     ids, mask = prompt(model, 3, 11, device="cuda", pad_rows=((0, 3),))
-    options = DecodeOptions(fused_norm_max_hidden=1 << 20 if fused_norms else 1)
+    options = norm_options(fused_norms)
     tokens = one_and_two_stream_tokens(model, ids, mask, options)
     assert torch.equal(tokens[True], tokens[False])
 
