@@ -10,8 +10,9 @@ residual stream carried as (residual, delta, delta2) exactly as the eager layers
 
 What changes against the eager forward is only where an op boundary falls:
 - every linear that reads a norm's output can take that add + norm as its prologue (norm_gemv,
-  norm_gemv_rope_cache, int4 ops): dense GEMVs do so up to DecodeOptions.fused_norm_max_hidden, int4 ops below
-  int4_separate_norm_batch; elsewhere the norm runs as its own kernel in front, with the same values;
+  norm_gemv_rope_cache, int4 ops): dense GEMVs do so up to DecodeOptions.fused_norm_max_hidden (RMSNorm) or
+  fused_layer_norm_max_hidden (LayerNorm), int4 ops below int4_separate_norm_batch; elsewhere the norm runs as its
+  own kernel in front, with the same values;
 - the QKV projection writes RoPE'd K/V into the static cache in its epilogue;
 - from DecodeOptions.cublas_min_batch rows dense linears run on cuBLAS, then the activation or RoPE kernel;
 - a GGUF projection (layers/weights.py GGUFProjection) runs its GGUFLinear modules' own ops (gguf_gemv), with the
