@@ -15,7 +15,9 @@
 // Norm prologue (NormPrologue): x is the residual stream; after the wait every block computes the residual sum
 // and the norm of each row (from L2: a few KB) into shared memory, and the matrix product reads that. Block 0
 // also writes the sum and the second LayerNorm (GPT-NeoX). So the decode step's add + norm kernels disappear:
-// the redundant work is a few KB of L2 reads per block, overlapped with the weight loads already in flight.
+// the redundant work is a few KB of L2 reads per block, overlapped with the weight loads already in flight. The
+// grid is then at most the blocks the GPU holds at once, each looping over tiles of rows, so the prologue runs
+// once a resident block rather than once a tile.
 //
 // Accumulation is fp32; a warp reduction finishes each dot product, and lane 0 applies the epilogue with HF's
 // rounding points:
