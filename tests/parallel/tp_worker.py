@@ -136,8 +136,8 @@ def check(model_dir: str, plan_name: str, device: torch.device) -> dict:
 
 def rank_sum_checks(device: torch.device) -> dict:
     """patcher::rank_sum against dist.all_reduce of the same partials (each rank its own), through one RankSum a dtype
-    for every shape: eagerly, three calls a shape, and as one CUDA graph of a call a shape replayed five times with new
-    partials (the inbox halves alternate over calls of any size). {(dtype, shape, how): (equal, max |difference|)}.
+    for every shape: eagerly, three sums a shape, and as one CUDA graph of one sum a shape replayed five times with new
+    partials (the inbox halves alternate between consecutive sums of any size). {(dtype, shape, how): (equal, max |difference|)}.
     Shapes: a decode row, odd sizes (a padded last word), 8 rows of a wide model (every block busy)."""
     group = dist.group.WORLD
     ops = patcher.ops.backend_for(device)  # (the CUDA kernels, built where the extension cache lacks them)
