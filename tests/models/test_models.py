@@ -7,6 +7,7 @@ same greedy tokens; unpatching must give bit-identical outputs; state_dict and s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import warnings
@@ -253,8 +254,10 @@ OFFLOADED_LAYER_1 = {
 }
 
 
-def test_accelerate_hooks_and_offloaded_layers():
-    """device_map hooks stay in place; an offloaded layer is left as it was and its neighbours adapt."""
+@contextlib.contextmanager
+def offloaded_tiny_llama():
+    """(model, ids, its logits before dispatch): tiny-llama dispatched by accelerate with OFFLOADED_LAYER_1, for the
+    duration of the block (its offload folder goes after it)."""
     from accelerate import dispatch_model
 
     model = rm.build("tiny-llama")
@@ -262,7 +265,12 @@ def test_accelerate_hooks_and_offloaded_layers():
     expected = logits(model, ids)
     with tempfile.TemporaryDirectory() as offload, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = dispatch_model(model, device_map=OFFLOADED_LAYER_1, offload_dir=offload, main_device="cpu")
+        yield dispatch_model(model, device_map=OFFLOADED_LAYER_1, offload_dir=offload, main_device="cpu"), ids, expected
+
+
+def test_accelerate_hooks_and_offloaded_layers():
+    """device_map hooks stay in place; an offloaded layer is left as it was and its neighbours adapt."""
+    with offloaded_tiny_llama() as (model, ids, expected):
         hooked_forward = model.model.layers[0].forward
         report = patch_model(model)
         assert [r.name for r in report.unpatched] == ["model.layers.1"]
@@ -277,14 +285,7 @@ def test_original_forwards_for_a_call():
     """PatchState.original_forwards (generate's static-cache fallback) puts HF's forward back on every patched module
     for its duration, under accelerate's hooks too (their _old_forward), so the model computes the unpatched logits
     exactly; the fused forwards are back after it, also when the call inside raises."""
-    from accelerate import dispatch_model
-
-    model = rm.build("tiny-llama")
-    ids = ids_for(model)
-    expected = logits(model, ids)
-    with tempfile.TemporaryDirectory() as offload, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = dispatch_model(model, device_map=OFFLOADED_LAYER_1, offload_dir=offload, main_device="cpu")
+    with offloaded_tiny_llama() as (model, ids, expected):
         patch_model(model)
         state = model._patcher_state
         swaps = state.forward_swaps
