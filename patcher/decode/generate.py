@@ -156,21 +156,40 @@ def model_reason(model) -> str | None:
         return f"rope_type {rope_type!r} changes with the sequence length"
     if any(getattr(config, "layer_types", None) or []) and "sliding_attention" in config.layer_types:
         return "sliding-window attention layers"
-    if {p.device for p in model.parameters()} != {torch.device(report.devices[0])}:
+    if not {p.device for p in model.parameters()} <= {torch.device(d) for d in report.devices}:
         return "parameters outside the patched layers are on another device"
     return None
 
 
 def placement_reason(model) -> str | None:
-    """Why the decode runner can't run where the model is (it runs on one CUDA device, each rank's under tensor
-    parallelism, with the kernels backend), or None. The CPU's tests pass by this check alone: there the runner
-    runs eagerly on the reference ops."""
+    """Why the decode runner can't run where the model is (it runs on CUDA devices with the kernels backend: one,
+    each rank's under tensor parallelism, or several that accelerate's device_map split the layers over), or None.
+    The CPU's tests pass by this check alone: there the runner runs eagerly on the reference ops."""
     report = model._patcher_state.report
-    if report.backend != "kernels" or len(report.devices) != 1 or not report.devices[0].startswith("cuda"):
+    if report.backend != "kernels" or not report.devices or not all(d.startswith("cuda") for d in report.devices):
         return (
-            f"the decode path runs on one CUDA device with the kernels backend (have {report.backend} on "
-            f"{', '.join(report.devices)})"
+            f"the decode path runs on CUDA devices with the kernels backend (have {report.backend} on "
+            f"{', '.join(report.devices) or '-'})"
         )
+    return split_reason(model) if len(report.devices) > 1 else None
+
+
+def split_reason(model) -> str | None:
+    """Why the decode step can't run a model split over devices as one segment of layers per device (runner.py:
+    each its own graph, the residual stream copied from one device to the next), or None: it runs dense projections,
+    without tensor parallelism, with the final norm beside the lm_head."""
+    state = model._patcher_state
+    if state.planner.tensor_parallel:
+        return "tensor parallel with a rank's layers over several devices"
+    for name, module in model.named_modules():
+        plan = getattr(module, "_patcher", None)
+        if any(getattr(plan, f, None) is not None for f in ("qkv_int4", "qkv_gguf", "out_int4", "out_gguf", "in_int4",
+                                                              "in_gguf")):  # fmt: skip
+            return f"GPTQ int4 or GGUF projections over several devices ({name})"
+    norm = getattr(getattr(model, state.spec.base_model, model), state.spec.final_norm)
+    head = model.get_output_embeddings()
+    if next(norm.parameters()).device != head.weight.device:
+        return "the final norm and the lm_head on different devices"
     return None
 
 

@@ -43,22 +43,29 @@ class StepState:
     so a step of B rows costs about ceil(B / rows) steps of `rows` rows."""
 
     def __init__(self, step: DecodeStep, options: DecodeOptions, batch: int, capacity: int, rows: int | None = None,
-                 whole: StepState | None = None, first: int = 0):  # fmt: skip
-        dev = step.device
+                 whole: StepState | None = None, first: int = 0, segment: tuple | None = None):  # fmt: skip
+        # segment: (device, first layer, end) of a model split over devices (DecodeStep.segments), whose layers'
+        # caches this state holds (index 0: the first); default the whole step on its device
+        self.segment = (step.device, 0, step.num_layers) if segment is None else segment
+        dev = self.device = self.segment[0]
         self.batch, self.capacity = batch, capacity
+        self.parts: list[StepState] = []  # a split model: the states of the segments before this (the last) one
+        self.stream_in = self.stream_out = None  # a split model: the residual stream handed between segments
         if whole is None:
-            kv_shape = (step.num_layers, batch, step.num_kv_heads, capacity, step.head_dim)
+            kv_shape = (self.segment[2] - self.segment[1], batch, step.num_kv_heads, capacity, step.head_dim)
             self.k = torch.zeros(kv_shape, dtype=step.dtype, device=dev)
             self.v = torch.zeros(kv_shape, dtype=step.dtype, device=dev)
             self.tokens = torch.zeros(batch, capacity + 1, dtype=torch.long, device=dev)  # prompt + generated
             self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # index of the current token (= its cache row)
             self.pad = torch.zeros(batch, dtype=torch.long, device=dev)  # leading pad tokens per row
             self.x = torch.zeros(batch, step.hidden, dtype=step.dtype, device=dev)  # the current tokens' embeddings
-            self.cos, self.sin = step.rope_tables(capacity)
+            self.current = torch.zeros(batch, dtype=torch.long, device=dev)  # a split model: the current tokens
+            self.cos, self.sin = step.rope_tables(capacity, dev)
         else:  # a chunk: rows [first, first + batch) of `whole` (each layer's cache rows stay contiguous)
             rows_of = slice(first, first + batch)
             self.k, self.v = whole.k[:, rows_of], whole.v[:, rows_of]
             self.tokens, self.pad, self.x = whole.tokens[rows_of], whole.pad[rows_of], whole.x[rows_of]
+            self.current = whole.current[rows_of]
             self.slot, self.cos, self.sin = whole.slot, whole.cos, whole.sin
         self.chunks: list[StepState] = []
         if rows is not None and batch > rows:
@@ -89,7 +96,8 @@ class StepState:
     def _step_buffers(self, step: DecodeStep, options: DecodeOptions, batch: int) -> None:
         """What the model's part of a step of `batch` rows reads besides the cache: workspaces and per-batch
         choices."""
-        dev, cuda = step.device, step.device.type == "cuda"
+        dev = self.device
+        cuda = dev.type == "cuda"
         # tensor parallel, an lm_head sharded by vocabulary: every rank's block of logits [ranks x B, V / ranks]
         self.gathered_logits = None
         if step.lm_group is not None:
@@ -118,7 +126,8 @@ class StepState:
     @property
     def nbytes(self) -> int:
         buffers = (self.k, self.v, self.tokens, self.x)
-        return sum(t.numel() * t.element_size() for t in buffers) + self._step_nbytes()
+        own = sum(t.numel() * t.element_size() for t in buffers) + self._step_nbytes()
+        return own + sum(part.nbytes for part in self.parts)
 
     def _step_nbytes(self) -> int:
         if self.chunks:
@@ -279,8 +288,24 @@ class DecodeRunner:
             _, dropped = self.states.popitem(last=False)
             held -= self.cache_bytes(dropped.batch, dropped.capacity)
         rows = self.step_rows()[0]
-        state = self.states[batch] = StepState(self.decode_step, self.options, batch, capacity, rows)
+        step, segments = self.decode_step, self.decode_step.segments
+        state = StepState(step, self.options, batch, capacity, rows, segment=segments[-1])
+        state.parts = [StepState(step, self.options, batch, capacity, rows, segment=seg) for seg in segments[:-1]]
+        width = 3 if step.parallel else 2  # the residual stream between segments: (residual, delta[, delta2])
+        for k, part in enumerate(state.parts):  # each segment's stream out, and the next one's in
+            part.stream_out = torch.zeros(width, batch, step.hidden, dtype=step.dtype, device=part.device)
+            receiver = state.parts[k + 1] if k + 1 < len(state.parts) else state
+            receiver.stream_in = torch.zeros(width, batch, step.hidden, dtype=step.dtype, device=receiver.device)
+        self.states[batch] = state
         return state
+
+    def layer_caches(self, st: StepState, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's K and V caches [B, Hkv, capacity, D], in the state of the segment that holds it."""
+        for part in (*st.parts, st):
+            _, first, end = part.segment
+            if first <= i < end:
+                return part.k[i - first], part.v[i - first]
+        raise IndexError(f"layer {i} of {self.decode_step.num_layers}")
 
     def cache(self, batch: int, length: int):
         """The K/V of the first `length` positions of the last generate of this batch size, as the DynamicCache HF's
@@ -289,7 +314,8 @@ class DecodeRunner:
 
         st, cache = self.states[batch], DynamicCache(config=self.decode_step.config)
         for i in range(self.decode_step.num_layers):
-            cache.update(st.k[i, :, :, :length].clone(), st.v[i, :, :, :length].clone(), i)
+            k, v = self.layer_caches(st, i)
+            cache.update(k[:, :, :length].clone(), v[:, :, :length].clone(), i)
         return cache
 
     def memory_bytes(self) -> int:
@@ -302,6 +328,9 @@ class DecodeRunner:
         self.largest_cache = 0
 
     def logits(self, st: StepState, x: torch.Tensor | None = None) -> torch.Tensor:
+        if st.parts:  # a split model: this state's layers from the stream the segment before handed on, then the head
+            step, (_, first, end) = self.decode_step, st.segment
+            return step.head(step.layers_forward(self._stream(st.stream_in), st, first, end), st)
         if not st.chunks:
             return self.decode_step.logits(st, x)
         return torch.cat([self.decode_step.logits(c, None if x is None else c.x) for c in st.chunks])
@@ -327,6 +356,7 @@ class DecodeRunner:
         step's scores and logits in st.kept)."""
         x = st.x if self.decode_step.embed_weight is not None else None
         self.next_token(self.processors(st, sampling)(self.logits(st, x), st, st.kept if keep else None), st)
+        self.mark_current(st)
 
     def model_step(self, st: StepState) -> None:
         """The model's part of a step alone, its logits into st.step_logits: where the caller's own logits
@@ -338,11 +368,56 @@ class DecodeRunner:
         """The token after the first `length` tokens from `logits`, through our processors and the caller's."""
         processors = self.processors(st, sampling)
         self.next_token(processors(logits, st, st.kept if keep else None, extra, st.tokens[:, :length]), st)
+        self.mark_current(st)
+
+    # ---- a model split over devices ----------------------------------------------------------------------------
+    def _stream(self, stacked: torch.Tensor) -> tuple:
+        """The residual stream (residual, delta, delta2) from its stacked form (delta2 None without a parallel
+        residual)."""
+        return (stacked[0], stacked[1], stacked[2] if stacked.shape[0] > 2 else None)
+
+    def part_step(self, st: StepState, k: int) -> None:
+        """Segment k (before the last) of a split model's step: its layers on the stream handed in (the first:
+        on the current tokens' embeddings), the stream out into its stream_out; its slot then advances, as
+        next_token advances the last segment's."""
+        part, step = st.parts[k], self.decode_step
+        _, first, end = part.segment
+        if k == 0:
+            stream = (step.embed_tokens(part.current), None, None)
+        else:
+            stream = self._stream(part.stream_in)
+        stream = step.layers_forward(stream, part, first, end)
+        for j in range(part.stream_out.shape[0]):
+            if stream[j] is None:  # a delta not yet made (no layer before): zero, since x + 0 = x
+                part.stream_out[j].zero_()
+            else:
+                part.stream_out[j].copy_(stream[j])
+        part.slot.add_(1)
+
+    def run_parts(self, st: StepState) -> None:
+        """The segments before the last of a split model's step, each handed its input from the device before (the
+        current tokens to the first), then the last segment's input; their graphs where captured."""
+        for k, part in enumerate(st.parts):
+            if k == 0:
+                part.current.copy_(st.current)
+            else:
+                part.stream_in.copy_(st.parts[k - 1].stream_out)
+            if part.graph is not None:
+                part.graph.replay()
+            else:
+                self.part_step(st, k)
+        st.stream_in.copy_(st.parts[-1].stream_out)
+
+    def mark_current(self, st: StepState) -> None:
+        """A split model: the current tokens (st.tokens[:, slot]) into st.current, for the first segment."""
+        if st.parts:
+            st.current.copy_(st.tokens.index_select(1, st.slot).squeeze(1))
 
     # ---- CUDA graph -----------------------------------------------------------------------------------------
     def _capture(self, st: StepState, mode: tuple) -> None:
         """Captures one step on the state's buffers, for mode (sampling, keep, split): with split only the model's
-        part (model_step). Runs before prefill: the warm-up's writes are overwritten."""
+        part (model_step). A split model: each segment before the last as its own graph on its device (part_step).
+        Runs before prefill: the warm-up's writes are overwritten."""
         sampling, keep, split = mode
 
         def step():
@@ -351,20 +426,27 @@ class DecodeRunner:
             else:
                 self.run_step(st, sampling, keep)
 
-        rng = torch.cuda.get_rng_state(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), torch.no_grad():
-            # warm-up: allocator, lazy module state, and (tensor parallel) the communicator, which must be set up
-            # by an eager collective before a graph captures one; every rank captures the same collectives in the
-            # same order
-            step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.no_grad():
-            step()
-        torch.cuda.set_rng_state(rng, self.device)
-        st.graph, st.graph_sampling = graph, mode
+        for k, part in enumerate(st.parts):
+            part.graph = self._graph(part.device, lambda k=k: self.part_step(st, k))
+        st.graph, st.graph_sampling = self._graph(st.device, step), mode
+
+    @staticmethod
+    def _graph(device: torch.device, step) -> torch.cuda.CUDAGraph:
+        """`step` captured on `device` after one warm-up run: allocator, lazy module state, and (tensor parallel)
+        the communicator, which must be set up by an eager collective before a graph captures one; every rank
+        captures the same collectives in the same order."""
+        with torch.cuda.device(device):
+            rng = torch.cuda.get_rng_state(device)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side), torch.no_grad():
+                step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph), torch.no_grad():
+                step()
+            torch.cuda.set_rng_state(rng, device)
+        return graph
 
     # ---- generate -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -441,6 +523,8 @@ class DecodeRunner:
         st.min_new_tokens.fill_(lengths[1])
         st.finished.zero_()
         st.pad.copy_((attention_mask == 0).sum(-1))
+        for part in st.parts:
+            part.pad.copy_(st.pad)
         st.tokens[:, :T].copy_(input_ids)
         feed = None
         if streamer is not None or criteria or own_criteria:
@@ -457,12 +541,15 @@ class DecodeRunner:
             logits_to_keep=1,
         )
         for i, layer in enumerate(out.past_key_values.layers):
-            st.k[i, :, :, :T].copy_(layer.keys)
-            st.v[i, :, :, :T].copy_(layer.values)
+            k, v = self.layer_caches(st, i)
+            k[:, :, :T].copy_(layer.keys)
+            v[:, :, :T].copy_(layer.values)
         last_logits = out.logits[:, -1]
         del out
         st.slot.fill_(T - 1)  # next_token writes the first new token at T and advances the slot to it
         self.choose(st, sampling, last_logits, keep, extra, T)
+        for part in st.parts:  # the segments before the last read the first new token's position next
+            part.slot.fill_(T)
         if keep:
             kept[0].append(st.kept[0].clone())
             kept[1].append(st.kept[1].clone())
@@ -474,6 +561,8 @@ class DecodeRunner:
             if feed is not None and feed.done:  # the feed saw every row finish, a step behind
                 steps = i
                 break
+            if st.parts:
+                self.run_parts(st)
             if st.graph is not None:
                 st.graph.replay()
             elif split:

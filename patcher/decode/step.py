@@ -44,6 +44,19 @@ from ..registry import REGISTRY
 from .int4_plan import Int4Plan
 
 NO_PROLOGUE = (None,) * 6 + (0.0, False)  # the prologue arguments of an op that takes no add + norm
+
+
+def segments(devices: list[torch.device]) -> list[tuple[torch.device, int, int]]:
+    """(device, first layer, end) of each run of consecutive layers on one device."""
+    runs: list[tuple[torch.device, int, int]] = []
+    for i, device in enumerate(devices):
+        if runs and runs[-1][0] == device:
+            runs[-1] = (device, runs[-1][1], i + 1)
+        else:
+            runs.append((device, i, i + 1))
+    return runs
+
+
 MAX_SPLITS = 16  # decode_attention merges at most this many partial softmaxes per (row, kv head)
 
 
@@ -134,6 +147,15 @@ class DecodeStep:
         self.rms = spec.norm == "rms"
         layers = getattr(base, spec.layers)
         self.layers = [layer_step(layer, spec, self.parallel, options.merge_int4) for layer in layers]
+        # A model split over GPUs (accelerate's device_map): runs of consecutive layers on one device, each a part of
+        # the step the runner captures as its own graph; the embedding goes with the first, the head with the last.
+        self.segments = segments([next(layer.parameters()).device for layer in layers])
+        if self.segments[0][0] != self.embed.weight.device:  # the embedding on a device of its own
+            self.segments.insert(0, (self.embed.weight.device, 0, 0))
+        if self.segments[-1][0] != self.lm_weight.device:  # so the final norm and the lm_head
+            self.segments.append((self.lm_weight.device, len(layers), len(layers)))
+        if len(self.segments) > 1:  # next_token's embedding copy would read the first segment's table from the last
+            self.embed_weight = None
         self.gguf = any(
             p is not None
             for layer in self.layers
@@ -187,13 +209,17 @@ class DecodeStep:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return max(1, min(MAX_SPLITS, math.ceil(2 * sms / (batch * self.num_kv_heads))))
 
-    def rope_tables(self, capacity: int):
-        """cos/sin [capacity, rotary_dim] for positions 0..capacity-1, from the model's own rotary embedding."""
-        positions = torch.arange(capacity, device=self.device)[None]
-        probe = torch.empty(1, device=self.device, dtype=self.dtype)
+    def rope_tables(self, capacity: int, device: torch.device | None = None):
+        """cos/sin [capacity, rotary_dim] for positions 0..capacity-1, from the model's own rotary embedding, on
+        `device` (default: the step's)."""
+        buffers = list(self.rotary.buffers())
+        home = buffers[0].device if buffers else self.device
+        positions = torch.arange(capacity, device=home)[None]
+        probe = torch.empty(1, device=home, dtype=self.dtype)
         with torch.no_grad():
             cos, sin = self.rotary(probe, position_ids=positions)
-        return cos[0].contiguous(), sin[0].contiguous()
+        device = self.device if device is None else device
+        return cos[0].contiguous().to(device), sin[0].contiguous().to(device)
 
     # ---- the ops of a layer -----------------------------------------------------------------------------------
     def _prologue(self, delta, delta2, norm, norm2=None) -> tuple:
@@ -407,20 +433,27 @@ class DecodeStep:
         return residual, self.ops.int4_gemv_cat(attn, mlp_out, *pair.args(), splits, st.int4_workspace, early), None
 
     # ---- the whole step ---------------------------------------------------------------------------------------
-    def layers_forward(self, x, st) -> tuple:
-        """Every layer of the step: (residual, delta, delta2) for the final add + norm."""
-        stream = (x, None, None)
+    def layers_forward(self, stream, st, start: int = 0, end: int | None = None) -> tuple:
+        """Layers [start, end) of the step (default: all) on the residual stream (residual, delta, delta2); returns
+        it for the next layers or the final add + norm. st holds those layers' caches, the first at index 0."""
         layer_fn = self.parallel_layer if self.parallel else self.sequential_layer
-        for i, layer in enumerate(self.layers):
-            stream = layer_fn(layer, i, *stream, st)
+        for i in range(start, self.num_layers if end is None else end):
+            stream = layer_fn(self.layers[i], i - start, *stream, st)
         return stream
+
+    def current_embeddings(self, st) -> torch.Tensor:
+        """The embeddings [B, H] of the current tokens (st.tokens[:, slot])."""
+        return self.embed_tokens(st.tokens.index_select(1, st.slot).squeeze(1))
 
     def logits(self, st, x: torch.Tensor | None = None) -> torch.Tensor:
         """The next-token logits [B, V] of the current tokens (st.tokens[:, slot]); their K/V land in the cache.
         x: their embeddings [B, H] where next_token already looked them up (st.x), else they are looked up here."""
-        if x is None:
-            x = self.embed_tokens(st.tokens.index_select(1, st.slot).squeeze(1))
-        residual, delta, delta2 = self.layers_forward(x, st)
+        x = self.current_embeddings(st) if x is None else x
+        return self.head(self.layers_forward((x, None, None), st), st)
+
+    def head(self, stream, st) -> torch.Tensor:
+        """The logits [B, V] from the last layer's residual stream: the final add + norm, then the lm_head."""
+        residual, delta, delta2 = stream
         pro = self._prologue(delta, delta2, self.final_norm)
         if delta is not None and delta.dtype == torch.int64:  # the last int4 projection left its sums unmet
             h = self.ops.int4_norm_prologue(residual, *pro)[0]

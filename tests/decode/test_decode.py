@@ -63,6 +63,106 @@ def test_runner_greedy_matches_hf_fp32(name, batch, pad_rows):
     assert torch.equal(got, expected)
 
 
+SPLITS = {  # a model's layers over devices, as DecodeStep.segments lists them, for a tiny model of 2+ layers
+    "layers": lambda n, d: [(d, 0, 1), (d, 1, n)],
+    "embedding apart": lambda n, d: [(d, 0, 0), (d, 0, n)],
+    "head apart": lambda n, d: [(d, 0, n), (d, n, n)],
+    "every layer apart": lambda n, d: [(d, 0, 0), *((d, i, i + 1) for i in range(n)), (d, n, n)],
+}
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_runner_over_segments_matches_hf(name, split, monkeypatch):
+    """A model split over devices runs its step as segments, each on its own state (caches of its layers, slot,
+    tables), the residual stream handed from one to the next: here the segments all on the CPU, so that the
+    hand-over runs eagerly on the reference ops; the tokens are HF's."""
+    from patcher.decode import step as step_module
+
+    model = rm.build(name)
+    model.generation_config.eos_token_id = None
+    ids, mask = prompt(model, 2, 9, pad_rows=((1, 3),))
+    expected = hf_generate(model, ids, mask, max_new_tokens=12, do_sample=False)
+    patch_model(model)
+    n = model.config.num_hidden_layers
+    monkeypatch.setattr(step_module, "segments", lambda devices: SPLITS[split](n, devices[0]))
+    runner = DecodeRunner(model)
+    got = runner.generate(ids, mask, 12, Sampling(), eos=[], pad_token_id=0)
+    st = runner.states[2]
+    assert len(st.parts) == len(SPLITS[split](n, "cpu")) - 1 and runner.decode_step.embed_weight is None
+    assert torch.equal(got, expected)
+    cache = runner.cache(2, ids.shape[1] + 11)  # every layer's K/V, from the segment that holds it
+    assert len(cache.layers) == n and all(layer.keys.shape[2] == ids.shape[1] + 11 for layer in cache.layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["layers", "every layer apart"])
+def test_cuda_runner_over_segments_matches_hf(split, monkeypatch):
+    """The same on one GPU: each segment captured as its own graph and replayed in turn, the stream copied between
+    them by the host; the tokens are HF's."""
+    from patcher.decode import step as step_module
+
+    model = rm.build("tiny-llama", dtype=torch.float32, device="cuda")
+    model.generation_config.eos_token_id = None
+    ids, mask = prompt(model, 2, 9, device="cuda", pad_rows=((1, 3),))
+    expected = hf_generate(model, ids, mask, max_new_tokens=24, do_sample=False)
+    patch_model(model)
+    n = model.config.num_hidden_layers
+    monkeypatch.setattr(step_module, "segments", lambda devices: SPLITS[split](n, devices[0]))
+    runner = DecodeRunner(model)
+    got = runner.generate(ids, mask, 24, Sampling(), eos=[], pad_token_id=0)
+    st = runner.states[2]
+    assert st.graph is not None and all(part.graph is not None for part in st.parts)
+    assert torch.equal(got, expected)
+
+
+TWO_GPUS = {  # tiny-llama's three layers over two GPUs, the head on the second
+    "model.embed_tokens": 0,
+    "model.rotary_emb": 0,
+    "model.layers.0": 0,
+    "model.layers.1": 1,
+    "model.layers.2": 1,
+    "model.norm": 1,
+    "lm_head": 1,
+}
+
+
+@pytest.mark.gpu
+def test_device_map_over_two_gpus_decodes_through_graphs():
+    """A model accelerate split over two GPUs: generate takes the graph path, one graph a GPU, with HF's tokens."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from accelerate import dispatch_model
+
+    model = dispatch_model(rm.build("tiny-llama", dtype=torch.float32), device_map=TWO_GPUS)
+    model.generation_config.eos_token_id = None
+    ids, mask = prompt(model, 2, 9, device="cuda:0", pad_rows=((1, 3),))
+    expected = hf_generate(model, ids, mask, max_new_tokens=16, do_sample=False)
+    patch_model(model)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert generate_path(model)["path"] == "graph", generate_path(model)
+    assert torch.equal(got.cpu(), expected.cpu())
+
+
+def test_split_models_take_the_graph_path_where_the_step_serves_them(monkeypatch):
+    """Several CUDA devices: the decode step runs a dense model's layers as one segment per device; a device that is
+    not a GPU, or quantized projections over several devices, keep HF's loop with the reason."""
+    from types import SimpleNamespace
+
+    from patcher.decode import generate as gen
+
+    model = rm.build("tiny-llama")
+    patch_model(model)
+    state = model._patcher_state
+    monkeypatch.setattr(state, "report", SimpleNamespace(backend="kernels", devices=["cuda:0", "cuda:1"]))
+    assert gen.placement_reason(model) is None
+    monkeypatch.setattr(state, "report", SimpleNamespace(backend="kernels", devices=["cuda:0", "cpu"]))
+    assert "runs on CUDA devices" in gen.placement_reason(model)
+    monkeypatch.setattr(state, "report", SimpleNamespace(backend="kernels", devices=["cuda:0", "cuda:1"]))
+    monkeypatch.setattr(model.model.layers[1].self_attn._patcher, "out_int4", object())
+    assert "GPTQ int4 or GGUF projections over several devices" in gen.placement_reason(model)
+
+
 def test_runner_stops_like_hf_at_eos():
     model = rm.build("tiny-llama")
     ids, mask = prompt(model, 2, 6)
