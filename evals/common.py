@@ -55,6 +55,13 @@ def add_model_args(parser: argparse.ArgumentParser, default_random: str | None =
         action="store_true",
         help="with --keep-quantized or --gguf-random: activations stay 16-bit (default: quantized to Q8_1, W4A8)",
     )
+    parser.add_argument(
+        "--split-gpus",
+        type=int,
+        metavar="N",
+        help="place the model over N GPUs with accelerate (dispatch_model): the decoder layers in N even runs, the "
+        "embedding with the first, the final norm and the head with the last",
+    )
     parser.set_defaults(default_random=default_random)
 
 
@@ -81,8 +88,37 @@ def random_name(args, device: torch.device) -> str:
     return name
 
 
+def split_over_gpus(model, n: int):
+    """model placed by accelerate's dispatch_model over cuda:0..n-1: the decoder layers in n even runs, the final
+    norm and the output head on the last GPU, everything else on the first."""
+    from accelerate import dispatch_model
+
+    if n > torch.cuda.device_count():
+        sys.exit(f"error: --split-gpus {n}: {torch.cuda.device_count()} CUDA devices visible")
+    prefix = model.base_model_prefix
+    head = next(name for name, module in model.named_children() if module is model.get_output_embeddings())
+    device_map = {head: n - 1}
+    for name, module in getattr(model, prefix).named_children():
+        if isinstance(module, torch.nn.ModuleList):
+            for i in range(len(module)):
+                device_map[f"{prefix}.{name}.{i}"] = i * n // len(module)
+        else:
+            device_map[f"{prefix}.{name}"] = n - 1 if "norm" in name else 0
+    return dispatch_model(model, device_map=device_map)
+
+
 def load_model(args, device: torch.device, dtype: torch.dtype):
-    """Returns (model, tokenizer or None, name)."""
+    """Returns (model, tokenizer or None, name), placed over GPUs where --split-gpus asks."""
+    model, tokenizer, name = _load_model(args, device, dtype)
+    if getattr(args, "split_gpus", None):
+        if device.type != "cuda" or args.gptq or getattr(args, "keep_quantized", False):
+            sys.exit("error: --split-gpus places a dense model that was loaded on a CUDA device")
+        model = split_over_gpus(model, args.split_gpus)
+        name += f" over {args.split_gpus} GPUs"
+    return model, tokenizer, name
+
+
+def _load_model(args, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.gptq:
