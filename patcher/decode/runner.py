@@ -338,7 +338,7 @@ class DecodeRunner:
     def processors(self, st: StepState, sampling: Sampling) -> Processors:
         """The state's logits processors for `sampling`, built (outside any capture) when it changes."""
         if st.processors is None or st.processors.sampling != sampling:
-            st.processors = Processors(sampling, self.decode_step.vocab, self.device, self.decode_step.ops)
+            st.processors = Processors(sampling, self.decode_step.vocab, st.device, self.decode_step.ops)
         return st.processors
 
     def next_token(self, scores, st: StepState) -> None:
@@ -495,11 +495,11 @@ class DecodeRunner:
         self.processors(st, sampling)  # its constant masks, before any capture
         if keep and st.kept is None:
             vocab = self.decode_step.vocab
-            st.kept = tuple(torch.empty(B, vocab, dtype=torch.float32, device=self.device) for _ in range(2))
+            st.kept = tuple(torch.empty(B, vocab, dtype=torch.float32, device=st.device) for _ in range(2))
         split = extra is not None
         if split and st.step_logits is None:
             st.step_logits = torch.empty(B, self.decode_step.vocab, dtype=self.decode_step.dtype,
-                                         device=self.device)  # fmt: skip
+                                         device=st.device)  # fmt: skip
         mode = (sampling, keep, split)
         if self.use_graphs and (st.graph is None or st.graph_sampling != mode):
             st.graph = None
@@ -544,7 +544,7 @@ class DecodeRunner:
             k, v = self.layer_caches(st, i)
             k[:, :, :T].copy_(layer.keys)
             v[:, :, :T].copy_(layer.values)
-        last_logits = out.logits[:, -1]
+        last_logits = out.logits[:, -1].to(st.device)  # split: accelerate hands the logits back on the first device
         del out
         st.slot.fill_(T - 1)  # next_token writes the first new token at T and advances the slot to it
         self.choose(st, sampling, last_logits, keep, extra, T)
@@ -590,6 +590,7 @@ class DecodeRunner:
                 is_eos = (generated[..., None] == st.eos).any(-1)
                 first_eos = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), generated.shape[1] - 1)
                 tokens = tokens[:, : T + int(first_eos.max()) + 1]
+        tokens = tokens.to(input_ids.device)  # split: from the last device to the prompt's, as HF returns them
         if not keep:
             return tokens
         n = tokens.shape[1] - T
