@@ -443,7 +443,8 @@ class DecodeRunner:
                 step()
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph), torch.no_grad():
+            # a capture stream of this device: torch.cuda.graph's default one is made once, on the first device used
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)), torch.no_grad():
                 step()
             torch.cuda.set_rng_state(rng, device)
         return graph
