@@ -37,7 +37,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..layers.guard import user_hooks
 from ..parallel import vocab_reason
 from .processors import Sampling
-from .runner import MAX_BATCH, MAX_EOS_IDS, DecodeRunner
+from .runner import MAX_BATCH, DecodeRunner
+from .state import MAX_EOS_IDS
 
 HEAD_DIMS = (64, 80, 128)
 # Generation options the decode runner implements; any other option that differs from transformers' defaults
