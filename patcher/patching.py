@@ -83,7 +83,7 @@ class PatchState:
     runner: Any = None  # the DecodeRunner (static KV caches, CUDA graphs), created on first use
     last_generate: dict = field(default_factory=dict)
     warned: set = field(default_factory=set)
-    stop_string_criteria: dict = field(default_factory=dict)  # generate.stop_string_criteria's, oldest first
+    stop_string_criteria: dict = field(default_factory=dict)  # reasons.stop_string_criteria's, oldest first
 
     def check_weights(self, model: nn.Module) -> bool:
         """Once per generate call, and when a DecodeRunner is built: True (and the decode runner, its caches and

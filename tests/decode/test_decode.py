@@ -18,7 +18,7 @@ from streams import one_and_two_stream_tokens
 from patcher import patch_model, set_fast_generate, unpatch_model
 from patcher import random_models as rm
 from patcher.decode import DecodeOptions, DecodeRunner, Sampling, generate_path
-from patcher.decode.generate import call_reason
+from patcher.decode.reasons import call_reason
 from patcher.layers.guard import Guard
 
 EAGER = DecodeOptions(use_graphs=False)
@@ -149,18 +149,18 @@ def test_split_models_take_the_graph_path_where_the_step_serves_them(monkeypatch
     not a GPU, or quantized projections over several devices, keep HF's loop with the reason."""
     from types import SimpleNamespace
 
-    from patcher.decode import generate as gen
+    from patcher.decode import reasons
 
     model = rm.build("tiny-llama")
     patch_model(model)
     state = model._patcher_state
     monkeypatch.setattr(state, "report", SimpleNamespace(backend="kernels", devices=["cuda:0", "cuda:1"]))
-    assert gen.placement_reason(model) is None
+    assert reasons.placement_reason(model) is None
     monkeypatch.setattr(state, "report", SimpleNamespace(backend="kernels", devices=["cuda:0", "cpu"]))
-    assert "runs on CUDA devices" in gen.placement_reason(model)
+    assert "runs on CUDA devices" in reasons.placement_reason(model)
     monkeypatch.setattr(state, "report", SimpleNamespace(backend="kernels", devices=["cuda:0", "cuda:1"]))
     monkeypatch.setattr(model.model.layers[1].self_attn._patcher, "out_int4", object())
-    assert "GPTQ int4 or GGUF projections over several devices" in gen.placement_reason(model)
+    assert "GPTQ int4 or GGUF projections over several devices" in reasons.placement_reason(model)
 
 
 def test_runner_stops_like_hf_at_eos():

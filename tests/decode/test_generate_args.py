@@ -17,7 +17,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 import patcher.decode.generate as gen
 from patcher import patch_model
 from patcher import random_models as rm
-from patcher.decode import DecodeOptions, DecodeRunner
+from patcher.decode import DecodeOptions, DecodeRunner, Sampling, reasons
 
 EAGER = DecodeOptions(use_graphs=False)
 
@@ -64,7 +64,7 @@ def free_run(model, ids, mask, new_tokens):
 def runner_generate(model, ids, mask, args: dict, streamer=None):
     """The eager runner's output for generate's arguments `args` on the patched `model`."""
     kwargs = {k: v for k, v in args.items() if k != "stopping_criteria"}
-    reason, prepared = gen.call_reason(model, GenerationConfig(**kwargs), {
+    reason, prepared = reasons.call_reason(model, GenerationConfig(**kwargs), {
         "input_ids": ids, "attention_mask": mask, "streamer": streamer,
         "stopping_criteria": args.get("stopping_criteria")})  # fmt: skip
     assert reason is None, reason
@@ -166,12 +166,12 @@ def test_callers_criteria_of_types_hf_makes():
     ids = torch.randint(3, VOCAB, (1, 5))
     config = GenerationConfig(max_new_tokens=4, max_time=5.0)
     mine = MaxTimeCriteria(max_time=0.0)
-    reason, prepared = gen.call_reason(model, config, {"input_ids": ids, "stopping_criteria": [mine]})
+    reason, prepared = reasons.call_reason(model, config, {"input_ids": ids, "stopping_criteria": [mine]})
     assert reason is None and prepared["criteria"] == [] and prepared["own_criteria"] == [mine], reason
     for criterion in (MaxLengthCriteria(max_length=7), EosTokenCriteria(eos_token_id=3)):
-        reason, _ = gen.call_reason(model, config, {"input_ids": ids, "stopping_criteria": [criterion]})
+        reason, _ = reasons.call_reason(model, config, {"input_ids": ids, "stopping_criteria": [criterion]})
         assert reason is not None and type(criterion).__name__ in reason, reason
-    reason, _ = gen.call_reason(model, config, {"input_ids": ids, "stopping_criteria": mine})  # not in a list
+    reason, _ = reasons.call_reason(model, config, {"input_ids": ids, "stopping_criteria": mine})  # not in a list
     assert reason is not None and "not a list" in reason, reason
 
 
@@ -221,7 +221,7 @@ def test_int4_models_decode_past_eight_rows_in_chunks(monkeypatch):
     assert torch.equal(got, expected)
     runner = DecodeRunner(model, EAGER)
     assert runner.step_rows()[0] == 8
-    runner.generate(ids, mask, 2, gen.Sampling(), eos=[], pad_token_id=0)
+    runner.generate(ids, mask, 2, Sampling(), eos=[], pad_token_id=0)
     st = runner.states[11]
     assert [c.batch for c in st.chunks] == [8, 3]
     assert st.chunks[1].k.data_ptr() == st.k[:, 8].data_ptr()  # views of one cache

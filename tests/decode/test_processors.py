@@ -21,8 +21,9 @@ from transformers.generation.logits_process import TopKLogitsWarper
 from patcher import patch_model
 from patcher import random_models as rm
 from patcher.decode import DecodeOptions, DecodeRunner
-from patcher.decode.generate import call_reason, generate_path
+from patcher.decode.generate import generate_path
 from patcher.decode.processors import SURVIVORS_PER_K, Processors, Sampling
+from patcher.decode.reasons import call_reason
 
 EAGER = DecodeOptions(use_graphs=False)
 VOCAB = 512  # the tiny models' vocabulary
@@ -402,7 +403,7 @@ def test_max_time_stops_the_runner():
 def test_stop_string_criteria_are_built_once_per_tokenizer_and_strings():
     """The StopStringCriteria a call needs is built on its first use and kept (the last STOP_STRING_CRITERIA_KEPT),
     for the same tokenizer and strings only."""
-    from patcher.decode.generate import STOP_STRING_CRITERIA_KEPT
+    from patcher.decode.reasons import STOP_STRING_CRITERIA_KEPT
 
     model = rm.build("tiny-llama")
     patch_model(model)

@@ -13,7 +13,8 @@ from transformers import GenerationConfig
 from patcher import patch_model
 from patcher import random_models as rm
 from patcher.decode import DecodeOptions, DecodeRunner, Sampling, decode_memory, release_decode_memory
-from patcher.decode.generate import CACHE_FIELD, call_reason
+from patcher.decode.generate import CACHE_FIELD
+from patcher.decode.reasons import call_reason
 from patcher.decode.runner import MIN_CAPACITY
 
 VOCAB = 512

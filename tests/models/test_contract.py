@@ -24,7 +24,7 @@ from torch import nn
 from patcher import patch_model, unpatch_model
 from patcher import random_models as rm
 from patcher.decode import DecodeOptions, DecodeRunner, Sampling, generate_path
-from patcher.decode.generate import model_reason
+from patcher.decode.reasons import model_reason
 
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-pythia"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

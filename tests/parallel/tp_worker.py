@@ -24,7 +24,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import patcher
-import patcher.decode.generate as generate_module
+import patcher.decode.reasons as reasons_module
 import patcher.layers.weights as weights_module
 from evals.distributed import load_sharded
 from patcher.decode import DecodeOptions, DecodeRunner, generate_path
@@ -71,9 +71,9 @@ def greedy(model, ids: torch.Tensor, **kwargs) -> list[int]:
 
 def runner_tokens(model, ids: torch.Tensor) -> list[int] | None:
     """The eager decode runner's greedy tokens for greedy()'s arguments (None where it can't serve the model)."""
-    if generate_module.model_reason(model) is not None:
+    if reasons_module.model_reason(model) is not None:
         return None
-    reason, prepared = generate_module.call_reason(model, None, {
+    reason, prepared = reasons_module.call_reason(model, None, {
         "input_ids": ids, "max_new_tokens": NEW_TOKENS, "do_sample": False, "min_new_tokens": NEW_TOKENS})  # fmt: skip
     assert reason is None, reason
     with torch.no_grad():
@@ -191,7 +191,7 @@ def main(device_type: str, out_dir: str, jobs: list[str]) -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
     if device_type == "cpu":  # the decode runner runs eagerly on the CPU's reference ops; every other check stays
-        generate_module.placement_reason = lambda model: None
+        reasons_module.placement_reason = lambda model: None
     if device_type == "cuda":
         (Path(out_dir) / "rank_sum").mkdir(parents=True, exist_ok=True)
         torch.save(rank_sum_checks(device), Path(out_dir) / "rank_sum" / f"rank{rank}.pt")
