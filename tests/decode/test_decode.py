@@ -71,23 +71,30 @@ SPLITS = {  # a model's layers over devices, as DecodeStep.segments lists them, 
 }
 
 
+def run_over_segments(name, split, monkeypatch, device, new_tokens):
+    """(runner, its greedy tokens, HF's, the prompt) for a tiny fp32 model on `device` whose step is forced into the
+    segments SPLITS[split] on that device; two rows, one left-padded."""
+    from patcher.decode import step as step_module
+
+    model = rm.build(name, dtype=torch.float32, device=device)
+    model.generation_config.eos_token_id = None
+    ids, mask = prompt(model, 2, 9, device=device, pad_rows=((1, 3),))
+    expected = hf_generate(model, ids, mask, max_new_tokens=new_tokens, do_sample=False)
+    patch_model(model)
+    n = model.config.num_hidden_layers
+    monkeypatch.setattr(step_module, "segments", lambda devices: SPLITS[split](n, devices[0]))
+    runner = DecodeRunner(model)
+    return runner, runner.generate(ids, mask, new_tokens, Sampling(), eos=[], pad_token_id=0), expected, ids
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia"])
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_runner_over_segments_matches_hf(name, split, monkeypatch):
     """A model split over devices runs its step as segments, each on its own state (caches of its layers, slot,
     tables), the residual stream handed from one to the next: here the segments all on the CPU, so that the
     hand-over runs eagerly on the reference ops; the tokens are HF's."""
-    from patcher.decode import step as step_module
-
-    model = rm.build(name)
-    model.generation_config.eos_token_id = None
-    ids, mask = prompt(model, 2, 9, pad_rows=((1, 3),))
-    expected = hf_generate(model, ids, mask, max_new_tokens=12, do_sample=False)
-    patch_model(model)
-    n = model.config.num_hidden_layers
-    monkeypatch.setattr(step_module, "segments", lambda devices: SPLITS[split](n, devices[0]))
-    runner = DecodeRunner(model)
-    got = runner.generate(ids, mask, 12, Sampling(), eos=[], pad_token_id=0)
+    runner, got, expected, ids = run_over_segments(name, split, monkeypatch, "cpu", 12)
+    n = runner.decode_step.num_layers
     st = runner.states[2]
     assert len(st.parts) == len(SPLITS[split](n, "cpu")) - 1 and runner.decode_step.embed_weight is None
     assert torch.equal(got, expected)
@@ -100,17 +107,7 @@ def test_runner_over_segments_matches_hf(name, split, monkeypatch):
 def test_cuda_runner_over_segments_matches_hf(split, monkeypatch):
     """The same on one GPU: each segment captured as its own graph and replayed in turn, the stream copied between
     them by the host; the tokens are HF's."""
-    from patcher.decode import step as step_module
-
-    model = rm.build("tiny-llama", dtype=torch.float32, device="cuda")
-    model.generation_config.eos_token_id = None
-    ids, mask = prompt(model, 2, 9, device="cuda", pad_rows=((1, 3),))
-    expected = hf_generate(model, ids, mask, max_new_tokens=24, do_sample=False)
-    patch_model(model)
-    n = model.config.num_hidden_layers
-    monkeypatch.setattr(step_module, "segments", lambda devices: SPLITS[split](n, devices[0]))
-    runner = DecodeRunner(model)
-    got = runner.generate(ids, mask, 24, Sampling(), eos=[], pad_token_id=0)
+    runner, got, expected, _ = run_over_segments("tiny-llama", split, monkeypatch, "cuda", 24)
     st = runner.states[2]
     assert st.graph is not None and all(part.graph is not None for part in st.parts)
     assert torch.equal(got, expected)
