@@ -211,7 +211,7 @@ class DecodeRunner:
     def mark_current(self, st: StepState) -> None:
         """A split model: the current tokens (st.tokens[:, slot]) into st.current, for the first segment."""
         if st.parts:
-            st.current.copy_(st.tokens.index_select(1, st.slot).squeeze(1))
+            st.current.copy_(st.current_tokens())
 
     # ---- CUDA graph -----------------------------------------------------------------------------------------
     def _capture(self, st: StepState, mode: tuple) -> None:

@@ -103,6 +103,10 @@ class StepState:
         self.branch_int4_workspace = torch.zeros(branch_size, dtype=torch.int32, device=dev)
         self.deferred = plan.deferred_outputs(batch)
 
+    def current_tokens(self) -> torch.Tensor:
+        """The current tokens [B]: tokens[:, slot], read on the device (capturable)."""
+        return self.tokens.index_select(1, self.slot).squeeze(1)
+
     @property
     def nbytes(self) -> int:
         buffers = (self.k, self.v, self.tokens, self.x)
@@ -155,7 +159,7 @@ class TokenFeed:
 
     def queue(self) -> None:
         """After a step (or the prefill's token) is queued: copy its tokens out, and take the step before."""
-        tokens = self.st.tokens.index_select(1, self.st.slot).squeeze(1)
+        tokens = self.st.current_tokens()
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=self.cuda)
         host.copy_(tokens, non_blocking=self.cuda)
         event = None

@@ -441,14 +441,10 @@ class DecodeStep:
             stream = layer_fn(self.layers[i], i - start, *stream, st)
         return stream
 
-    def current_embeddings(self, st) -> torch.Tensor:
-        """The embeddings [B, H] of the current tokens (st.tokens[:, slot])."""
-        return self.embed_tokens(st.tokens.index_select(1, st.slot).squeeze(1))
-
     def logits(self, st, x: torch.Tensor | None = None) -> torch.Tensor:
         """The next-token logits [B, V] of the current tokens (st.tokens[:, slot]); their K/V land in the cache.
         x: their embeddings [B, H] where next_token already looked them up (st.x), else they are looked up here."""
-        x = self.current_embeddings(st) if x is None else x
+        x = self.embed_tokens(st.current_tokens()) if x is None else x
         return self.head(self.layers_forward((x, None, None), st), st)
 
     def head(self, stream, st) -> torch.Tensor:
