@@ -172,6 +172,33 @@ def case_next_token(batch, arch, dtype, ops, _variant):
     return [fused], [unfused], (batch * V + 2 * batch * H) * dtype.itemsize
 
 
+def case_sample_survivors(batch, arch, dtype, ops, variant):
+    """The sampling step after the lm_head, with top-k on: sample_survivors (the 2 x top_k largest logits, the warpers
+    and the draw as one kernel) against the torch ops it replaces (the float32 cast, torch.topk over the vocabulary,
+    then the warpers and the draw). Variants: the `sampling` preset (temperature 0.7, top-k 20, top-p 0.8) and
+    transformers' default top-k with the Llama instruct configuration (0.6, 50, 0.9)."""
+    from patcher import random_models
+    from patcher.ops import sample_survivors_workspace
+    from patcher.ops.sampling import warp_survivors
+
+    warpers = {"k20": (0.7, 20, 0.8, 0.0), "k50": (0.6, 50, 0.9, 0.0)}[variant]
+    V, m = random_models.config(arch).vocab_size, 2 * warpers[1]
+    logits = rand(batch, V, dtype=dtype)
+    noise = torch.empty(batch, m, device="cuda").exponential_(1.0)
+    out = (torch.empty(batch, m, device="cuda"), torch.empty(batch, m, dtype=torch.long, device="cuda"),
+           torch.empty(batch, m, device="cuda"))  # fmt: skip
+    workspace = sample_survivors_workspace(batch, V, m, "cuda")
+
+    def fused():
+        ops.sample_survivors(logits, noise, *warpers, *out, workspace)
+
+    def unfused():
+        values, ids = torch.topk(logits.float(), m, dim=-1)
+        warp_survivors(values, ids, noise, *warpers, *out)
+
+    return [fused], [unfused], batch * V * dtype.itemsize
+
+
 def case_int4(batch, arch, dtype, ops, which):
     """A decode-step GPTQ int4 linear (g128). "norm_qkv": the fused [add +] norm -> int4 QKV -> RoPE -> cache op,
     against the same work as separate ops (add+norm kernel, int4 matrix-vector product, rope_qkv_cache).
@@ -314,6 +341,11 @@ DECODE_CASES = {  # op -> (builder, architectures, variants)
     ),
     "int4_neox": (case_int4_neox, ["pythia-2.8b"], ["qkv_mlp", "out_pair"]),
     "next_token": (case_next_token, ["pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"], [""]),
+    "sample_survivors": (
+        case_sample_survivors,
+        ["smollm2-135m", "pythia-2.8b", "llama-3.1-8b", "qwen2-1.5b"],
+        ["k20", "k50"],
+    ),
     "gguf": (
         case_gguf,
         ["llama-3.1-8b", "qwen2-1.5b"],

@@ -106,27 +106,36 @@ void check_rows(const Tensor& t, at::ScalarType type, const Tensor& like, bool c
               t.scalar_type(), " ", dims(t.sizes()));
 }
 
-void warp_survivors(const Tensor& values, const Tensor& ids, const Tensor& noise, double temperature, int64_t top_k,
-                    double top_p, double min_p, Tensor& warped, Tensor& sorted_ids, Tensor& draw) {
-  TORCH_CHECK(values.is_cuda(), "patcher: values must be a CUDA tensor, got ", values.device());
-  const c10::cuda::CUDAGuard guard(values.device());
-  TORCH_CHECK(values.dim() == 2 && values.size(1) >= 1 && values.size(1) <= patcher::kWarpSurvivorsMax,
-              "patcher: values must be [batch, m] with 1 <= m <= ", std::to_string(patcher::kWarpSurvivorsMax),
-              ", got ", dims(values.sizes()));
+void sample_survivors(const Tensor& scores, const Tensor& noise, double temperature, int64_t top_k, double top_p,
+                      double min_p, Tensor& warped, Tensor& sorted_ids, Tensor& draw, Tensor& workspace) {
+  TORCH_CHECK(scores.is_cuda(), "patcher: scores must be a CUDA tensor, got ", scores.device());
+  const c10::cuda::CUDAGuard guard(scores.device());
+  TORCH_CHECK(scores.dim() == 2 && scores.size(0) > 0 && scores.size(1) > 0 &&
+                  scores.size(1) <= patcher::kSampleSurvivorsMaxVocab && scores.stride(1) == 1,
+              "patcher: scores must be [batch, vocab] with contiguous rows and vocab <= ",
+              std::to_string(patcher::kSampleSurvivorsMaxVocab), ", got ", dims(scores.sizes()));
+  const int64_t B = scores.size(0), V = scores.size(1);
+  TORCH_CHECK(warped.dim() == 2 && warped.size(0) == B && warped.size(1) >= 1 &&
+                  warped.size(1) <= std::min<int64_t>(V, patcher::kSampleSurvivorsMax),
+              "patcher: warped must be [", std::to_string(B), ", m] with 1 <= m <= min(vocab, ",
+              std::to_string(patcher::kSampleSurvivorsMax), "), got ", dims(warped.sizes()));
   TORCH_CHECK(temperature > 0, "patcher: temperature must be positive, got ", std::to_string(temperature));
-  check_rows(values, at::kFloat, values, false, "values");
-  check_rows(ids, at::kLong, values, false, "ids");
-  check_rows(noise, at::kFloat, values, false, "noise");
-  check_rows(warped, at::kFloat, values, true, "warped");
-  check_rows(sorted_ids, at::kLong, values, true, "sorted_ids");
-  check_rows(draw, at::kFloat, values, true, "draw");
-  patcher::WarpSurvivorsParams p{};
-  p.batch = values.size(0);
-  p.m = values.size(1);
-  p.values = values.data_ptr<float>();
-  p.values_stride = values.stride(0);
-  p.ids = ids.data_ptr<int64_t>();
-  p.ids_stride = ids.stride(0);
+  check_rows(warped, at::kFloat, warped, true, "warped");
+  check_rows(sorted_ids, at::kLong, warped, true, "sorted_ids");
+  check_rows(draw, at::kFloat, warped, true, "draw");
+  check_rows(noise, at::kFloat, warped, false, "noise");
+  const int64_t m = warped.size(1), needed = patcher::sample_survivors_workspace_size(B, V, m);
+  TORCH_CHECK(workspace.is_cuda() && workspace.device() == scores.device() && workspace.scalar_type() == at::kInt &&
+                  workspace.is_contiguous() && workspace.numel() >= needed,
+              "patcher: workspace must be a zeroed contiguous int32 tensor on ", scores.device(), " of at least ",
+              std::to_string(needed), " elements (patcher.ops.sample_survivors_workspace)");
+  patcher::SampleSurvivorsParams p{};
+  p.dtype = dtype_of(scores);
+  p.batch = B;
+  p.vocab = V;
+  p.m = m;
+  p.scores = scores.data_ptr();
+  p.scores_stride = scores.stride(0);
   p.noise = noise.data_ptr<float>();
   p.noise_stride = noise.stride(0);
   p.scale = temperature != 1.0;
@@ -138,7 +147,8 @@ void warp_survivors(const Tensor& values, const Tensor& ids, const Tensor& noise
   p.warped = warped.data_ptr<float>();
   p.sorted_ids = sorted_ids.data_ptr<int64_t>();
   p.draw = draw.data_ptr<float>();
-  check_launch(patcher::launch_warp_survivors(p, c10::cuda::getCurrentCUDAStream()), "warp_survivors");
+  p.workspace = reinterpret_cast<uint32_t*>(workspace.data_ptr<int32_t>());
+  check_launch(patcher::launch_sample_survivors(p, c10::cuda::getCurrentCUDAStream()), "sample_survivors");
 }
 
 }  // namespace

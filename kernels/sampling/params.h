@@ -1,4 +1,4 @@
-// The decode loop's next token: parameters and launcher (next_token.cu).
+// The decode loop's sampling and next token: parameters and launchers (sample_survivors.cu, next_token.cu).
 //
 // Plain structs of pointers, sizes and strides for the torch glue (kernels/bindings.cpp) and the kernels: nothing
 // here includes torch. Strides are in elements. Every launcher returns the CUDA error of its launch (cudaSuccess when
@@ -41,17 +41,18 @@ inline int64_t next_token_workspace_size(int64_t batch) {
 }
 cudaError_t launch_next_token(const NextTokenParams& p, cudaStream_t stream);
 
-// transformers' sampling warpers and the draw on top-k's survivors (warp_survivors.cu), one block a row. values and
-// ids: torch.topk's m largest float32 scores of each row (values in descending order, ids distinct); noise: Exp(1)
-// draws. Writes, each row's survivors in increasing id order: sorted_ids, warped (temperature, top-k, top-p with a
-// stable ascending sort, min-p; -inf where one removed a token) and draw = softmax(warped) / noise.
-struct WarpSurvivorsParams {
-  int64_t batch, m;  // m: 1 .. kWarpSurvivorsMax
-  const float* values;
-  int64_t values_stride;
-  const int64_t* ids;
-  int64_t ids_stride;
-  const float* noise;
+// transformers' sampling warpers and the draw on the m largest scores of each row (sample_survivors.cu): blocks of
+// kSampleSurvivorsPartElems scores select their m largest into the workspace, and the last block of a row to finish
+// selects the row's m largest from theirs, then warps them. Writes, each row's survivors in increasing id order:
+// sorted_ids, warped (temperature, top-k, top-p with a stable ascending sort, min-p; -inf where one removed a token)
+// and draw = softmax(warped) / noise, whose argmax is a draw from the warped distribution. Which of several scores
+// equal to the m-th largest survive is the kernel's choice (as torch.topk's is its own), the same every launch.
+struct SampleSurvivorsParams {
+  DType dtype;  // of scores
+  int64_t batch, vocab, m;  // m: 1 .. min(vocab, kSampleSurvivorsMax); vocab <= kSampleSurvivorsMaxVocab
+  const void* scores;       // [batch, vocab], row stride scores_stride
+  int64_t scores_stride;
+  const float* noise;  // [batch, m] Exp(1) draws, row stride noise_stride
   int64_t noise_stride;
   bool scale;             // temperature != 1: scores * inv_temperature (torch's CUDA division by a scalar)
   float inv_temperature;  // 1.0f / float(temperature)
@@ -62,8 +63,18 @@ struct WarpSurvivorsParams {
   float* warped;          // [batch, m] contiguous
   int64_t* sorted_ids;    // [batch, m] contiguous
   float* draw;            // [batch, m] contiguous
+  uint32_t* workspace;    // sample_survivors_workspace_size(batch, vocab, m) uint32; its tickets zero on entry, and
+                          // left zero
 };
-constexpr int kWarpSurvivorsMax = 1024;
-cudaError_t launch_warp_survivors(const WarpSurvivorsParams& p, cudaStream_t stream);
+constexpr int kSampleSurvivorsMax = 1024, kSampleSurvivorsPartElems = 4096, kSampleSurvivorsMaxParts = 64;
+constexpr int64_t kSampleSurvivorsMaxVocab = int64_t{kSampleSurvivorsPartElems} * kSampleSurvivorsMaxParts;
+inline int sample_survivors_parts(int64_t vocab) {
+  const int64_t parts = (vocab + kSampleSurvivorsPartElems - 1) / kSampleSurvivorsPartElems;
+  return static_cast<int>(parts < 1 ? 1 : parts > kSampleSurvivorsMaxParts ? kSampleSurvivorsMaxParts : parts);
+}
+inline int64_t sample_survivors_workspace_size(int64_t batch, int64_t vocab, int64_t m) {
+  return batch + 2 * batch * sample_survivors_parts(vocab) * m;  // a ticket a row, then the parts' keys and ids
+}
+cudaError_t launch_sample_survivors(const SampleSurvivorsParams& p, cudaStream_t stream);
 
 }  // namespace patcher

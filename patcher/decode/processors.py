@@ -39,7 +39,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from ..ops import REFERENCE
-from ..ops.sampling import WARP_SURVIVORS_MAX, warp_scores
+from ..ops.sampling import SURVIVORS_MAX, SURVIVORS_MAX_VOCAB, sample_survivors_workspace, warp_scores
 
 
 def _penalty_skips_padding() -> bool:
@@ -93,12 +93,22 @@ class Sampling:
 
 class Processors:
     """`Sampling` as tensor ops over one StepState's tokens; the constant masks are built here, before any capture
-    (a graph cannot copy host lists to the device). `ops`: the backend that runs warp_survivors (the reference by
-    default)."""
+    (a graph cannot copy host lists to the device), and so is sample_survivors' workspace for `batch` rows. `ops`:
+    the backend that runs sample_survivors (the reference by default)."""
 
-    def __init__(self, sampling: Sampling, vocab: int, device: torch.device, ops=None):
+    def __init__(self, sampling: Sampling, vocab: int, device: torch.device, ops=None, batch: int = 1):
         self.sampling, self.vocab = sampling, vocab
         self.ops = REFERENCE if ops is None else ops
+        # Whether a processor acts before the warpers: then the scores are float32 first, as HF casts the logits.
+        self.masks = dataclasses.replace(sampling, do_sample=False, temperature=1.0, top_k=0, top_p=1.0,
+                                         min_p=None).processes  # fmt: skip
+        m = min(SURVIVORS_PER_K * sampling.top_k, vocab)
+        self.survivors_on_kernel = (
+            self.ops is not REFERENCE and sampling.do_sample and 0 < m <= SURVIVORS_MAX and vocab <= SURVIVORS_MAX_VOCAB
+        )
+        self.workspaces = {}
+        if self.survivors_on_kernel:
+            self.workspaces[batch] = sample_survivors_workspace(batch, vocab, m, device)
 
         def mask(ids) -> torch.Tensor:
             m = torch.zeros(vocab, dtype=torch.bool, device=device)
@@ -145,6 +155,9 @@ class Processors:
             if keep is not None:
                 keep[0].copy_(logits)
             return logits
+        if p.do_sample and p.top_k > 0 and not self.masks and extra is None and keep is None:
+            _, ids, drawn = self.survivors(logits)  # sample_survivors reads the logits in their own dtype
+            return drawn, ids
         scores = logits.float()
         length = st.slot + 1  # the sequence so far, as HF's input_ids.shape[-1]
         if p.repetition_penalty != 1.0:
@@ -234,10 +247,11 @@ class Processors:
         return torch.full_like(scores, -math.inf).scatter_(1, ids, warped)
 
     def survivors(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """With top-k on, the warpers and the draw on the only tokens that can survive top-k (warp_survivors): (warped
-        scores [B, m], their ids [B, m] in increasing order, probs / E of them), m = min(SURVIVORS_PER_K * top_k, V),
-        -inf where a warper removed one; None with top-k off. A full-vocabulary top-p would sort all V scores; here
-        one top-m selection and one kernel on m values do (the reference past WARP_SURVIVORS_MAX survivors).
+        """With top-k on, the warpers and the draw on the only tokens that can survive top-k (sample_survivors):
+        (warped scores [B, m], their ids [B, m] in increasing order, probs / E of them), m = min(SURVIVORS_PER_K *
+        top_k, V), -inf where a warper removed one; None with top-k off. A full-vocabulary top-p would sort all V
+        scores; here one kernel selects the m and warps them (the reference past SURVIVORS_MAX survivors or
+        SURVIVORS_MAX_VOCAB scores).
 
         The same as warping all V scores unless more than m tokens score at least the k-th largest score (ties at the
         k-th), and up to the order of equal scores in top-p's sort, which HF's unstable sort leaves to the sort's
@@ -247,13 +261,17 @@ class Processors:
         p = self.sampling
         if p.top_k <= 0:
             return None
-        m = min(SURVIVORS_PER_K * p.top_k, scores.shape[-1])
-        values, ids = torch.topk(scores, m, dim=-1)
-        noise = torch.empty_like(values).exponential_(1.0)
-        warped, by_id, drawn = torch.empty_like(values), torch.empty_like(ids), torch.empty_like(values)
-        ops = self.ops if m <= WARP_SURVIVORS_MAX else REFERENCE
-        ops.warp_survivors(values, ids, noise, float(p.temperature), int(p.top_k), float(p.top_p),
-                           float(p.min_p or 0.0), warped, by_id, drawn)  # fmt: skip
+        rows, m = scores.shape[0], min(SURVIVORS_PER_K * p.top_k, scores.shape[-1])
+        noise = torch.empty(rows, m, device=scores.device).exponential_(1.0)
+        warped, drawn = torch.empty_like(noise), torch.empty_like(noise)
+        by_id = torch.empty(rows, m, dtype=torch.long, device=scores.device)
+        ops, workspace = REFERENCE, None
+        if self.survivors_on_kernel and scores.shape[-1] == self.vocab:
+            if rows not in self.workspaces:  # outside a capture: the runner builds Processors for its batch
+                self.workspaces[rows] = sample_survivors_workspace(rows, self.vocab, m, scores.device)
+            ops, workspace = self.ops, self.workspaces[rows]
+        ops.sample_survivors(scores, noise, float(p.temperature), int(p.top_k), float(p.top_p), float(p.min_p or 0.0),
+                             warped, by_id, drawn, workspace)  # fmt: skip
         return warped, by_id, drawn
 
     @staticmethod

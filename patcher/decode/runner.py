@@ -138,7 +138,7 @@ class DecodeRunner:
     def processors(self, st: StepState, sampling: Sampling) -> Processors:
         """The state's logits processors for `sampling`, built (outside any capture) when it changes."""
         if st.processors is None or st.processors.sampling != sampling:
-            st.processors = Processors(sampling, self.decode_step.vocab, st.device, self.decode_step.ops)
+            st.processors = Processors(sampling, self.decode_step.vocab, st.device, self.decode_step.ops, st.batch)
         return st.processors
 
     def next_token(self, scores, st: StepState) -> None:

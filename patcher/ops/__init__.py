@@ -19,7 +19,7 @@ from . import activation, attention, gemv, gguf, int4_ops, norm, parallel, refer
 from .attention import decode_attention_workspace
 from .build import ExtensionError
 from .library import REFERENCES
-from .sampling import next_token_workspace
+from .sampling import next_token_workspace, sample_survivors_workspace
 
 OP_NAMES = tuple(REFERENCES)  # every patcher:: op, in definition order
 
@@ -70,4 +70,5 @@ __all__ = [
     "decode_attention_workspace",
     "next_token_workspace",
     "reference",
+    "sample_survivors_workspace",
 ]

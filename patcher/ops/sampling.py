@@ -1,5 +1,6 @@
-"""The decode loop's step after the lm_head (kernels/sampling/): the sampling warpers on top-k's survivors and their
-draw (warp_survivors.cu), and the next token of every row, written into the decode state in place (next_token.cu)."""
+"""The decode loop's step after the lm_head (kernels/sampling/): top-k's survivors of each row, the sampling warpers on
+them and their draw (sample_survivors.cu), and the next token of every row, written into the decode state in place
+(next_token.cu)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import torch
 from .library import define
 
 NEXT_TOKEN_MAX_PARTS = 64  # kNextTokenMaxParts (kernels/sampling/params.h): blocks per row of scores, at most
-WARP_SURVIVORS_MAX = 1024  # kWarpSurvivorsMax: the most survivors a row warp_survivors takes (one block a row)
+SURVIVORS_MAX = 1024  # kSampleSurvivorsMax: the most survivors a row sample_survivors takes
+SURVIVORS_PART = 4096  # kSampleSurvivorsPartElems: the scores of a row one block selects from
+SURVIVORS_MAX_PARTS = 64  # kSampleSurvivorsMaxParts
+SURVIVORS_MAX_VOCAB = SURVIVORS_PART * SURVIVORS_MAX_PARTS  # the longest row sample_survivors takes
 
 
 def next_token(scores, tokens, slot, finished, eos, pad_token, embed_weight, x, workspace, ids=None) -> None:
@@ -77,9 +81,24 @@ def warp_survivors(values, ids, noise, temperature, top_k, top_p, min_p, warped,
     draw.copy_(scores.softmax(dim=-1) / noise)
 
 
+def sample_survivors(scores, noise, temperature, top_k, top_p, min_p, warped, sorted_ids, draw, workspace) -> None:
+    """warp_survivors on the m = warped.shape[1] largest of scores [B, V] (any float dtype, compared as float32), in
+    place. `workspace` (sample_survivors_workspace) is the CUDA kernel's scratch. Which of several scores equal to
+    the m-th largest survive is left to the implementation (torch.topk's choice here)."""
+    values, ids = torch.topk(scores.float(), warped.shape[1], dim=-1)
+    warp_survivors(values, ids, noise, temperature, top_k, top_p, min_p, warped, sorted_ids, draw)
+
+
+def sample_survivors_workspace(batch: int, vocab: int, m: int, device) -> torch.Tensor:
+    """The scratch sample_survivors needs, zeroed: a ticket a row (each launch leaves them zero), then the keys and
+    indices of each block's m candidates."""
+    parts = min(max(-(-vocab // SURVIVORS_PART), 1), SURVIVORS_MAX_PARTS)
+    return torch.zeros(batch + 2 * batch * parts * m, dtype=torch.int32, device=device)
+
+
 define(
-    "warp_survivors(Tensor values, Tensor ids, Tensor noise, float temperature, int top_k, float top_p, float min_p,"
-    " Tensor(a!) warped, Tensor(b!) sorted_ids, Tensor(c!) draw) -> ()",
-    warp_survivors,
+    "sample_survivors(Tensor scores, Tensor noise, float temperature, int top_k, float top_p, float min_p,"
+    " Tensor(a!) warped, Tensor(b!) sorted_ids, Tensor(c!) draw, Tensor(d!) workspace) -> ()",
+    sample_survivors,
     lambda *args: None,
 )
