@@ -136,6 +136,25 @@ def test_top_k_survivors_keep_every_tie_of_the_kth_score():
     assert (expected > -math.inf).sum(-1).tolist() == [6, 5]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_top_k_sampling_reads_the_logits_as_the_float_path_does(dtype):
+    """With top-k on and no processor before the warpers, the step samples from the logits in their own dtype (no
+    float32 copy); the draw, its ids and the seed's use equal the float32 path's (the one that keeps the scores)."""
+    sampling = Sampling(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, eos=(VOCAB - 1,))
+    processors = Processors(sampling, VOCAB, torch.device("cpu"))
+    assert not processors.masks
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(5)).mul(3).to(dtype)
+    tokens = torch.zeros(4, 8, dtype=torch.long)
+    st = state(tokens, torch.zeros(4, dtype=torch.long), 6, 6, 2, 6, sampling)
+    torch.manual_seed(6)
+    drawn, ids = processors(logits, st)
+    torch.manual_seed(6)
+    kept = (torch.empty(4, VOCAB), torch.empty(4, VOCAB))
+    drawn_float, ids_float = processors(logits, st, kept)
+    assert torch.equal(ids, ids_float) and torch.equal(drawn, drawn_float)
+    assert torch.equal(kept[1], logits.float())
+
+
 @pytest.mark.parametrize("args", SAMPLING_ARGS, ids=lambda a: ",".join(a))
 def test_sampling_draws_from_the_warped_scores(args):
     """What the step hands next_token: its argmax is a draw from softmax(warped scores), the warped scores it keeps
