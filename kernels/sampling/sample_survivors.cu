@@ -1,9 +1,9 @@
 // transformers' sampling warpers and the draw on the m largest scores of each row (sampling/params.h), read from the
 // scores themselves:
 //
-//   select   block c of row b: the m largest of its part of the row (radix selection of the m-th largest on the
-//            scores' order-preserving 32-bit keys, 8 bits a pass), into the workspace; the last block of the row to
-//            finish (a ticket): the m largest of the parts' candidates, the same way, and the rest of the row:
+//   select   block c of row b: the m largest of its part of the row, as order-preserving 32-bit keys, into the
+//            workspace (select_registers: a threshold, then a rank selection of the few keys above it); the last
+//            block of the row to finish (a ticket): the m largest of the parts' candidates, the same way, and:
 //   sort the m survivors by id                         (the order the warped scores are kept and drawn in)
 //   s = v * (1 / temperature)                          (torch's CUDA division of a tensor by a scalar)
 //   top-k:  s < the k-th largest s         -> -inf     (the k-th largest survivor, scaled)
@@ -44,16 +44,34 @@ __device__ __forceinline__ float key_value(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
+// The inclusive prefix sum of v over the lanes of a warp, in lane order; every lane calls it.
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_sum(T v) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const T other = __shfl_up_sync(0xffffffffu, v, offset);
+    if (lane >= offset) v += other;
+  }
+  return v;
+}
+
+constexpr int kCandidatesMax = 512;  // keys at or above the threshold that the rank selection takes
+
 struct SelectScratch {
   int hist[256];
   int sums[kWarps];
   uint32_t digit;
   int before;
+  alignas(16) uint32_t maxima[kThreads];  // each thread's largest key (read 16 bytes at a time)
+  uint32_t threshold;
+  uint32_t candidate_key[kCandidatesMax];
+  int candidate_position[kCandidatesMax];
 };
 
 // The r-th largest (1 <= r <= the number of nonzero keys) of the keys the block's threads hold, and in `greater`
-// how many are larger. `for_keys(f)` calls f(key) on each of the calling thread's keys, as many times in every
-// thread of a warp (0 for none): the histogram's per-warp aggregation needs the whole warp.
+// how many are larger: a radix selection, 8 bits a pass. `for_keys(f)` calls f(key) on each of the calling
+// thread's keys (0 for none).
 template <typename ForKeys>
 __device__ uint32_t block_select(ForKeys for_keys, int r, SelectScratch& sh, int& greater) {
   const int lane = static_cast<int>(threadIdx.x & 31);
@@ -63,23 +81,14 @@ __device__ uint32_t block_select(ForKeys for_keys, int r, SelectScratch& sh, int
     for (int i = static_cast<int>(threadIdx.x); i < 256; i += kThreads) sh.hist[i] = 0;
     __syncthreads();
     for_keys([&](uint32_t key) {
-      const bool in = key != 0 && (key & mask) == prefix;
-      const uint32_t digit = in ? (key >> shift) & 255u : 256u;
-      // one shared-memory atomic per distinct digit of the warp: a part's scores mostly share their top digits
-      const uint32_t peers = __match_any_sync(0xffffffffu, digit);
-      if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[digit], __popc(peers));
+      if (key != 0 && (key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 255u], 1);
     });
     __syncthreads();
     if (threadIdx.x < 32) {  // lane l scans digits 255 - 8l down to 248 - 8l
       int sum = 0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) sum += sh.hist[255 - 8 * lane - j];
-      int inclusive = sum;
-#pragma unroll
-      for (int offset = 1; offset < 32; offset <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, inclusive, offset);
-        if (lane >= offset) inclusive += v;
-      }
+      const int inclusive = warp_inclusive_sum(sum);
       int before = inclusive - sum;
       if (before < r && r <= inclusive) {  // the lane whose digits hold the r-th largest
         int digit = 255 - 8 * lane;
@@ -100,12 +109,7 @@ __device__ uint32_t block_select(ForKeys for_keys, int r, SelectScratch& sh, int
 // The exclusive prefix sum of v over the block's threads in thread order; `total`: the sum over all.
 __device__ int block_exclusive_sum(int v, SelectScratch& sh, int& total) {
   const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
-  int inclusive = v;
-#pragma unroll
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const int w = __shfl_up_sync(0xffffffffu, inclusive, offset);
-    if (lane >= offset) inclusive += w;
-  }
+  const int inclusive = warp_inclusive_sum(v);
   if (lane == 31) sh.sums[warp] = inclusive;
   __syncthreads();
   int offset = 0;
@@ -176,10 +180,60 @@ __device__ void warp_softmax(const float* x, float* out, int m) {
   }
 }
 
-// The m largest of the keys the block's threads hold in registers (fewer than m nonzero: `take` of them), written by
-// put(slot, key, j): slots 0 .. take - 1, j the register the key came from.
+// The `take` largest of the keys the block's threads hold in registers (at least `take` of them nonzero), written
+// by put(slot, key, j * kThreads + t) for the key in register j of thread t: slots 0 .. take - 1. Which of several
+// keys equal to the take-th largest are written is fixed by the keys' places, the same every launch.
+//
+// A threshold no larger than the take-th largest key: the take-th largest of the threads' maxima (take threads hold
+// a key at least that large). Only keys at or above it can be written, and for scores of a vocabulary they are
+// few (about 1.1-1.3 x take for normal logits): each of them counts the others above it (its rank). Where more tie
+// at the top, the radix selection instead.
 template <typename Put>
 __device__ void select_registers(const uint32_t (&key)[kPerThread], int take, SelectScratch& sh, Put put) {
+  const int tid = static_cast<int>(threadIdx.x);
+  uint32_t largest = 0;
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) largest = max(largest, key[j]);
+  sh.maxima[tid] = largest;
+  if (tid == 0) sh.threshold = 1u;  // key 0 is no score
+  __syncthreads();
+  if (take <= kThreads) {
+    int above = 0, equal = 0;
+    for (int k = 0; k < kThreads; k += 4) {
+      const uint4 q = *reinterpret_cast<const uint4*>(&sh.maxima[k]);
+      above += (q.x > largest) + (q.y > largest) + (q.z > largest) + (q.w > largest);
+      equal += (q.x == largest) + (q.y == largest) + (q.z == largest) + (q.w == largest);
+    }
+    if (above < take && take <= above + equal && largest > 1u) sh.threshold = largest;  // every writer: one value
+  }
+  __syncthreads();
+  const uint32_t threshold = sh.threshold;
+  int count = 0;
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) count += key[j] >= threshold;
+  int total;
+  int at = block_exclusive_sum(count, sh, total);
+  if (total <= kCandidatesMax) {
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      if (key[j] >= threshold) {
+        sh.candidate_key[at] = key[j];
+        sh.candidate_position[at++] = j * kThreads + tid;
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < total; i += kThreads) {
+      const uint32_t k = sh.candidate_key[i];
+      int rank = 0;
+      for (int c = 0; c < total; ++c) {
+        const uint32_t other = sh.candidate_key[c];
+        rank += other > k || (other == k && c < i);
+      }
+      if (rank < take) put(rank, k, sh.candidate_position[i]);
+    }
+    __syncthreads();  // the candidates' space is reused by the next selection
+    return;
+  }
   int greater;
   const auto mine = [&](auto f) {
 #pragma unroll
@@ -188,7 +242,7 @@ __device__ void select_registers(const uint32_t (&key)[kPerThread], int take, Se
   const uint32_t kth = block_select(mine, take, sh, greater);
   const auto each = [&](auto f) {
 #pragma unroll
-    for (int j = 0; j < kPerThread; ++j) f(key[j], j);
+    for (int j = 0; j < kPerThread; ++j) f(key[j], j * kThreads + tid);
   };
   block_compact(each, kth, greater, take - greater, sh, put);
 }
@@ -255,13 +309,7 @@ __device__ void warp_row(const SampleSurvivorsParams& p, int64_t b, int m, WarpS
       const int run = (m + 31) / 32, first = min(m, lane * run), end = min(m, first + run);
       float sum = 0.0f;
       for (int j = first; j < end; ++j) sum += w.probs[j];
-      float before = sum;
-#pragma unroll
-      for (int offset = 1; offset < 32; offset <<= 1) {
-        const float v = __shfl_up_sync(0xffffffffu, before, offset);
-        if (lane >= offset) before += v;
-      }
-      float cumulative = before - sum;
+      float cumulative = warp_inclusive_sum(sum) - sum;
       for (int j = first; j < end; ++j) {
         cumulative += w.probs[j];
         if (j < m - 1 && cumulative <= p.top_p_limit) w.s[w.order[j]] = -INFINITY;  // the largest always kept
@@ -330,9 +378,9 @@ __global__ void __launch_bounds__(kThreads) sample_survivors_kernel(const Sample
   }
   const int take = min(m, count);
   if (take > 0) {
-    select_registers(key, take, sh, [&](int slot, uint32_t k, int j) {
+    select_registers(key, take, sh, [&](int slot, uint32_t k, int position) {
       keys[c * m + slot] = k;
-      indices[c * m + slot] = begin + j * kThreads + tid;
+      indices[c * m + slot] = begin + position;
     });
   }
   for (int slot = take + tid; slot < m; slot += kThreads) keys[c * m + slot] = 0u;
@@ -363,7 +411,7 @@ __global__ void __launch_bounds__(kThreads) sample_survivors_kernel(const Sample
       const int i = j * kThreads + tid;
       key[j] = i < n ? __ldcg(keys + i) : 0u;
     }
-    select_registers(key, m, sh, [&](int slot, uint32_t k, int j) { put(slot, k, j * kThreads + tid); });
+    select_registers(key, m, sh, put);
   } else {
     const auto candidates = [&](auto f) {
       for (int base = 0; base < n; base += kThreads) f(base + tid < n ? __ldcg(keys + base + tid) : 0u);
