@@ -139,7 +139,7 @@ void sample_survivors(const Tensor& scores, const Tensor& noise, double temperat
   p.noise = noise.data_ptr<float>();
   p.noise_stride = noise.stride(0);
   p.scale = temperature != 1.0;
-  p.inv_temperature = 1.0f / static_cast<float>(temperature);
+  p.inv_temperature = static_cast<float>(1.0 / temperature);  // torch's CUDA reciprocal of a Python scalar
   p.top_k = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(top_k, 0), INT32_MAX));
   p.top_p_on = top_p < 1.0;
   p.top_p_limit = static_cast<float>(1.0 - top_p);

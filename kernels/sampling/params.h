@@ -55,7 +55,7 @@ struct SampleSurvivorsParams {
   const float* noise;  // [batch, m] Exp(1) draws, row stride noise_stride
   int64_t noise_stride;
   bool scale;             // temperature != 1: scores * inv_temperature (torch's CUDA division by a scalar)
-  float inv_temperature;  // 1.0f / float(temperature)
+  float inv_temperature;  // float(1.0 / temperature): the reciprocal in double, rounded once, as torch's
   int32_t top_k;          // applied where 0 < top_k < m
   bool top_p_on;          // top_p < 1
   float top_p_limit;      // float(1 - top_p), the cumulative probability at or below which tokens go
