@@ -431,6 +431,7 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("decode_attention_qkv_acc", &decode_attention_qkv_acc);
   m.impl("next_token", &next_token);
   m.impl("sample_survivors", &sample_survivors);
+  m.impl("repetition_penalty", &repetition_penalty);
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int4_gemv_cat", &int4_gemv_cat);

@@ -151,4 +151,43 @@ void sample_survivors(const Tensor& scores, const Tensor& noise, double temperat
   check_launch(patcher::launch_sample_survivors(p, c10::cuda::getCurrentCUDAStream()), "sample_survivors");
 }
 
+void repetition_penalty(const Tensor& logits, Tensor& seen, const Tensor& tokens, const Tensor& slot, double penalty,
+                        bool reciprocal, Tensor& out) {
+  TORCH_CHECK(logits.is_cuda(), "patcher: logits must be a CUDA tensor, got ", logits.device());
+  const c10::cuda::CUDAGuard guard(logits.device());
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) > 0 && logits.size(1) > 0 && logits.stride(1) == 1,
+              "patcher: logits must be [batch, vocab] with contiguous rows, got ", dims(logits.sizes()));
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(B <= 65535, "patcher: repetition_penalty takes at most 65535 rows, got ", std::to_string(B));
+  TORCH_CHECK(penalty > 0, "patcher: repetition_penalty must be positive, got ", std::to_string(penalty));
+  check_state(seen, at::kBool, B * V, logits, "seen");
+  TORCH_CHECK(seen.dim() == 2 && seen.size(0) == B, "patcher: seen must be [", std::to_string(B), ", ",
+              std::to_string(V), "], got ", dims(seen.sizes()));
+  TORCH_CHECK(out.is_cuda() && out.device() == logits.device() && out.scalar_type() == at::kFloat &&
+                  out.sizes() == logits.sizes() && out.is_contiguous(),
+              "patcher: out must be a contiguous float32 ", dims(logits.sizes()), " tensor on ", logits.device(),
+              ", got ", out.scalar_type(), " ", dims(out.sizes()));
+  TORCH_CHECK(tokens.is_cuda() && tokens.device() == logits.device() && tokens.scalar_type() == at::kLong &&
+                  tokens.dim() == 2 && tokens.size(0) == B && tokens.stride(1) == 1,
+              "patcher: tokens must be an int64 [", std::to_string(B), ", columns] tensor on ", logits.device(),
+              " with contiguous rows, got ", tokens.scalar_type(), " ", dims(tokens.sizes()));
+  check_index(slot, 1, logits, "slot");
+  patcher::RepetitionPenaltyParams p{};
+  p.dtype = dtype_of(logits);
+  p.batch = B;
+  p.vocab = V;
+  p.logits = logits.data_ptr();
+  p.logits_stride = logits.stride(0);
+  p.seen = reinterpret_cast<uint8_t*>(seen.data_ptr<bool>());
+  p.tokens = tokens.data_ptr<int64_t>();
+  p.tokens_stride = tokens.stride(0);
+  p.columns = tokens.size(1);
+  p.slot = slot.data_ptr<int64_t>();
+  p.penalty = static_cast<float>(penalty);
+  p.inv_penalty = static_cast<float>(1.0 / penalty);  // as torch's, rounded once from double
+  p.reciprocal = reciprocal;
+  p.out = out.data_ptr<float>();
+  check_launch(patcher::launch_repetition_penalty(p, c10::cuda::getCurrentCUDAStream()), "repetition_penalty");
+}
+
 }  // namespace

@@ -1,4 +1,5 @@
-// The decode loop's sampling and next token: parameters and launchers (sample_survivors.cu, next_token.cu).
+// The decode loop's sampling and next token: parameters and launchers (sample_survivors.cu, next_token.cu,
+// repetition_penalty.cu).
 //
 // Plain structs of pointers, sizes and strides for the torch glue (kernels/bindings.cpp) and the kernels: nothing
 // here includes torch. Strides are in elements. Every launcher returns the CUDA error of its launch (cudaSuccess when
@@ -76,5 +77,29 @@ inline int64_t sample_survivors_workspace_size(int64_t batch, int64_t vocab, int
   return batch + 2 * batch * sample_survivors_parts(vocab) * m;  // a ticket a row, then the parts' keys and ids
 }
 cudaError_t launch_sample_survivors(const SampleSurvivorsParams& p, cudaStream_t stream);
+
+// transformers' RepetitionPenaltyLogitsProcessor on a decode step's logits (repetition_penalty.cu), with the row's
+// tokens so far kept in `seen` (set where the decode loop starts, then one token a step) instead of gathered again
+// every step:
+//   seen[b, tokens[b, slot]] = 1          (ids at or past vocab are skipped: an embedding table larger than the
+//                                          lm_head)
+//   out[b, v] = s = float(logits[b, v]),   or where seen[b, v]:  s < 0 ? s * penalty : s / penalty
+// HF's torch.where(score < 0, score * penalty, score / penalty) on float32 scores, its division as torch divides a
+// tensor by a Python scalar on the device: exactly, or (`reciprocal`) as the product with inv_penalty.
+struct RepetitionPenaltyParams {
+  DType dtype;  // of logits
+  int64_t batch, vocab;
+  const void* logits;  // [batch, vocab], row stride logits_stride
+  int64_t logits_stride;
+  uint8_t* seen;          // [batch, vocab] contiguous (torch.bool)
+  const int64_t* tokens;  // [batch, columns], row stride tokens_stride
+  int64_t tokens_stride, columns;
+  const int64_t* slot;  // [1] device: the current token's column
+  float penalty;        // float(penalty)
+  float inv_penalty;    // float(1.0 / penalty), as inv_temperature
+  bool reciprocal;      // s / penalty as s * inv_penalty
+  float* out;           // [batch, vocab] contiguous float32
+};
+cudaError_t launch_repetition_penalty(const RepetitionPenaltyParams& p, cudaStream_t stream);
 
 }  // namespace patcher

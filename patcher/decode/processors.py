@@ -7,7 +7,8 @@ same order, as tensor ops that need no host sync, so the step stays one graph re
 
     repetition_penalty          every token of the row so far, prompt included, its left padding excluded where
                                 transformers excludes it (PENALTY_SKIPS_PADDING): score < 0 ? score * penalty
-                                : score / penalty
+                                : score / penalty; the tokens so far are a [B, V] mask set before the first token
+                                (Processors.start) that the op gains the current token in, with the float32 cast
     no_repeat_ngram_size n      -inf for each token that would complete an n-gram already in the row (prompt and
                                 its left padding included, as HF reads the raw input_ids): every window of the
                                 token buffer whose first n - 1 tokens equal the row's last n - 1 bans its last token
@@ -39,7 +40,13 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from ..ops import REFERENCE
-from ..ops.sampling import SURVIVORS_MAX, SURVIVORS_MAX_VOCAB, sample_survivors_workspace, warp_scores
+from ..ops.sampling import (
+    SURVIVORS_MAX,
+    SURVIVORS_MAX_VOCAB,
+    sample_survivors_workspace,
+    scalar_division_by_reciprocal,
+    warp_scores,
+)
 
 
 def _penalty_skips_padding() -> bool:
@@ -116,6 +123,11 @@ class Processors:
                 m[torch.tensor(list(ids), device=device)] = True
             return m
 
+        # repetition_penalty: each row's tokens so far, set by start() and gaining the current token every step
+        self.seen, self.reciprocal = None, False
+        if sampling.repetition_penalty != 1.0:
+            self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+            self.reciprocal = scalar_division_by_reciprocal(torch.device(device))  # HF's score / penalty here
         self.eos_mask = mask(sampling.eos)
         self.suppress_mask = mask(sampling.suppress_tokens)
         self.begin_mask = mask(sampling.begin_suppress_tokens)
@@ -158,16 +170,13 @@ class Processors:
         if p.do_sample and p.top_k > 0 and not self.masks and extra is None and keep is None:
             _, ids, drawn = self.survivors(logits)  # sample_survivors reads the logits in their own dtype
             return drawn, ids
-        scores = logits.float()
         length = st.slot + 1  # the sequence so far, as HF's input_ids.shape[-1]
-        if p.repetition_penalty != 1.0:
-            positions = torch.arange(st.tokens.shape[1], device=scores.device)
-            seen = (positions <= st.slot).expand_as(st.tokens)
-            if PENALTY_SKIPS_PADDING:
-                seen = seen & (positions >= st.pad[:, None])
-            hit = self._hits(seen, st.tokens)
-            penalized = torch.where(scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty)
-            scores = torch.where(hit, penalized, scores)
+        if p.repetition_penalty != 1.0:  # the float32 cast and the penalty in one op
+            scores = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            self.ops.repetition_penalty(logits, self.seen, st.tokens, st.slot, float(p.repetition_penalty),
+                                        self.reciprocal, scores)  # fmt: skip
+        else:
+            scores = logits.float()
         if p.no_repeat_ngram_size:
             scores = self.no_repeat_ngram(scores, st)
         if p.bad_words_ids:
@@ -200,6 +209,17 @@ class Processors:
         if keep is not None:
             keep[0].fill_(-math.inf).scatter_(1, ids, warped)
         return drawn, ids
+
+    def start(self, st, length: int) -> None:
+        """Before a call's first token, with its first `length` tokens in st.tokens and st.pad set: repetition_penalty's
+        mask of each row's tokens so far (its left padding left out where transformers leaves it out)."""
+        if self.seen is None:
+            return
+        positions = torch.arange(st.tokens.shape[1], device=st.tokens.device)
+        match = (positions < length).expand_as(st.tokens)
+        if PENALTY_SKIPS_PADDING:
+            match = match & (positions >= st.pad[:, None])
+        self.seen.copy_(self._hits(match, st.tokens))
 
     def no_repeat_ngram(self, scores: torch.Tensor, st) -> torch.Tensor:
         """HF's NoRepeatNGramLogitsProcessor on the sequence so far, st.tokens[:, : slot + 1]: each complete n-gram

@@ -348,6 +348,7 @@ class DecodeRunner:
         last_logits = out.logits[:, -1].to(st.device)  # split: accelerate hands the logits back on the first device
         del out
         st.slot.fill_(T - 1)  # next_token writes the first new token at T and advances the slot to it
+        self.processors(st, sampling).start(st, T)
         self.choose(st, sampling, last_logits, keep, extra, T)
         for part in st.parts:  # the segments before the last read the first new token's position next
             part.slot.fill_(T)

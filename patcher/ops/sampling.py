@@ -1,9 +1,10 @@
-"""The decode loop's step after the lm_head (kernels/sampling/): top-k's survivors of each row, the sampling warpers on
-them and their draw (sample_survivors.cu), and the next token of every row, written into the decode state in place
-(next_token.cu)."""
+"""The decode loop's step after the lm_head (kernels/sampling/): repetition_penalty on the logits with the tokens so
+far kept in a mask (repetition_penalty.cu), top-k's survivors of each row, the sampling warpers on them and their draw
+(sample_survivors.cu), and the next token of every row, written into the decode state in place (next_token.cu)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -100,5 +101,41 @@ define(
     "sample_survivors(Tensor scores, Tensor noise, float temperature, int top_k, float top_p, float min_p,"
     " Tensor(a!) warped, Tensor(b!) sorted_ids, Tensor(c!) draw, Tensor(d!) workspace) -> ()",
     sample_survivors,
+    lambda *args: None,
+)
+
+
+def repetition_penalty(logits, seen, tokens, slot, penalty: float, reciprocal: bool, out) -> None:
+    """transformers' RepetitionPenaltyLogitsProcessor on a decode step's logits [B, V] (any float dtype), in place:
+    seen [B, V] bool (each row's tokens so far) gains the current tokens, tokens[:, slot] (ids past the vocabulary
+    are skipped), and out [B, V] float32 = the logits as float32, where seen: score < 0 ? score * penalty :
+    score / penalty (HF's order of operations and cast points). `reciprocal`: the division as torch divides a
+    tensor by a Python scalar on the device (scalar_division_by_reciprocal), as the product with float32(1 / penalty);
+    else exact."""
+    vocab = seen.shape[1]
+    current = tokens.index_select(1, slot)  # [B, 1]
+    at = current.clamp(0, vocab - 1)
+    seen.scatter_(1, at, seen.gather(1, at) | ((current >= 0) & (current < vocab)))
+    scores = logits.float()
+    if reciprocal:  # torch's CUDA form: 1 / penalty in double, rounded to float32 once (exact as a Python float)
+        divided = scores * torch.tensor(1.0 / penalty, dtype=torch.float32).item()
+    else:  # a tensor divisor on the device divides exactly there
+        divided = scores / torch.full_like(scores, penalty)
+    out.copy_(torch.where(seen, torch.where(scores < 0, scores * penalty, divided), scores))
+
+
+@functools.cache
+def scalar_division_by_reciprocal(device: torch.device) -> bool:
+    """Whether torch divides a float32 tensor on `device` by a Python scalar as the product with its reciprocal (torch's
+    CUDA kernels do, the reciprocal rounded to float32 from double) rather than exactly: 169 / 13 is 13,
+    169 * float32(1 / 13) is not.
+    One host sync per device, outside any capture."""
+    return (torch.full((1,), 169.0, device=device) / 13.0).item() != 13.0
+
+
+define(
+    "repetition_penalty(Tensor logits, Tensor(a!) seen, Tensor tokens, Tensor slot, float penalty, bool reciprocal,"
+    " Tensor(b!) out) -> ()",
+    repetition_penalty,
     lambda *args: None,
 )

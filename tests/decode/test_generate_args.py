@@ -50,6 +50,8 @@ def test_ngram_and_bad_words_scores_equal_hf(args):
         logits = torch.randn(batch, VOCAB, generator=g).mul(3).round(decimals=1)
         expected = hf(tokens[:, :length], logits.clone())
         st = state(tokens, (mask == 0).sum(-1), length, prompt, new_tokens, prompt, processors.sampling)
+        if length == prompt:
+            processors.start(st, prompt)
         got = processors(logits, st)
         assert torch.equal(got, expected), f"{args} at length {length}"
         banned += int(torch.isinf(expected[:, :7]).sum())

@@ -61,12 +61,14 @@ def hf_processors(model, args: dict, ids, mask, new_tokens: int):
     )
 
 
-def ours(model, args: dict, ids, mask, new_tokens: int):
-    """The runner's Processors for the same call, and the generate arguments call_reason prepared."""
+def ours(model, args: dict, ids, mask, new_tokens: int, batch: int | None = None):
+    """The runner's Processors for the same call (for `batch` rows, default the prompt's), and the generate arguments
+    call_reason prepared."""
     reason, prepared = call_reason(model, GenerationConfig(**args, max_new_tokens=new_tokens),
                                    {"input_ids": ids, "attention_mask": mask})  # fmt: skip
     assert reason is None, reason
-    return Processors(prepared["sampling"], VOCAB, ids.device), prepared
+    rows = ids.shape[0] if batch is None else batch
+    return Processors(prepared["sampling"], VOCAB, ids.device, batch=rows), prepared
 
 
 def state(tokens, pad, length: int, prompt_len: int, new_tokens: int, begin_index: int, sampling: Sampling):
@@ -96,6 +98,8 @@ def test_processors_give_hf_scores(args):
     for length in range(prompt, prompt + new_tokens):
         logits = torch.randn(batch, VOCAB, generator=g).mul(3).round(decimals=1)
         st = state(tokens, pad, length, prompt, new_tokens, prompt, processors.sampling)
+        if length == prompt:  # as generate does; each step then adds its current token to the penalty's mask
+            processors.start(st, prompt)
         expected = hf(tokens[:, :length], logits.clone())
         if processors.sampling.do_sample:
             before = _before_warpers(processors, logits, st)
@@ -116,8 +120,10 @@ def assert_warped_as_hf(got, expected, before, what: str) -> None:
 
 
 def _before_warpers(processors, logits, st):
-    """The processors' scores with the warpers and the draw left out."""
-    greedy = Processors(dataclasses.replace(processors.sampling, do_sample=False), VOCAB, logits.device)
+    """The processors' scores with the warpers and the draw left out (a fresh mask of the tokens so far)."""
+    sampling = dataclasses.replace(processors.sampling, do_sample=False)
+    greedy = Processors(sampling, VOCAB, logits.device, batch=logits.shape[0])
+    greedy.start(st, int(st.slot) + 1)
     return greedy(logits, st)
 
 
@@ -162,10 +168,11 @@ def test_sampling_draws_from_the_warped_scores(args):
     model = rm.build("tiny-llama")
     prompt, new_tokens, rows = 6, 4, 20_000
     ids = torch.randint(0, 40, (1, prompt), generator=torch.Generator().manual_seed(2))
-    processors, _ = ours(model, args, ids, torch.ones_like(ids), new_tokens)
+    processors, _ = ours(model, args, ids, torch.ones_like(ids), new_tokens, batch=rows)
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3)).mul(3).expand(rows, -1).contiguous()
     tokens = torch.cat([ids, torch.zeros(1, new_tokens + 1, dtype=torch.long)], 1).expand(rows, -1)
     st = state(tokens, torch.zeros(rows, dtype=torch.long), prompt, prompt, new_tokens, prompt, processors.sampling)
+    processors.start(st, prompt)
     kept = (torch.empty(rows, VOCAB), torch.empty(rows, VOCAB))
     torch.manual_seed(4)
     out = processors(logits, st, kept)
