@@ -128,8 +128,8 @@ def repetition_penalty(logits, seen, tokens, slot, penalty: float, reciprocal: b
 def scalar_division_by_reciprocal(device: torch.device) -> bool:
     """Whether torch divides a float32 tensor on `device` by a Python scalar as the product with its reciprocal (torch's
     CUDA kernels do, the reciprocal rounded to float32 from double) rather than exactly: 169 / 13 is 13,
-    169 * float32(1 / 13) is not.
-    One host sync per device, outside any capture."""
+    169 * float32(1 / 13) is not. One host sync per device, taken where the Processors are built, outside any
+    capture."""
     return (torch.full((1,), 169.0, device=device) / 13.0).item() != 13.0
 
 
