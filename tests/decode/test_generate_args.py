@@ -105,6 +105,29 @@ def test_runner_greedy_with_ngrams_and_bad_words_matches_hf(name):
             assert not torch.equal(tokens, free), args
 
 
+def test_repetition_penalty_mask_starts_afresh_each_call():
+    """One runner, two calls with repetition_penalty and the same batch, so that its Processors and their mask of the
+    tokens so far are reused: each call gives HF's greedy tokens, and after the second the mask holds exactly that
+    call's tokens before its last (the last is never a step's current token)."""
+    model = rm.build("tiny-llama")
+    model.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, VOCAB, (2, 7), generator=g) for _ in range(2)]
+    args = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0, "repetition_penalty": 1.5}
+    with torch.no_grad():
+        expected = [model.generate(ids, attention_mask=torch.ones_like(ids), **args) for ids in prompts]
+    patch_model(model)
+    runner = DecodeRunner(model, EAGER)
+    for ids, want in zip(prompts, expected, strict=True):
+        reason, prepared = reasons.call_reason(model, GenerationConfig(**args),
+                                               {"input_ids": ids, "attention_mask": torch.ones_like(ids)})  # fmt: skip
+        assert reason is None, reason
+        assert torch.equal(runner.generate(**prepared), want)
+    seen = runner.states[2].processors.seen
+    tokens = expected[1][:, :-1]
+    assert torch.equal(seen, torch.zeros_like(seen).scatter(1, tokens, True))
+
+
 class StopAfter(StoppingCriteria):
     """Stops each row at the first token in `tokens[row]`, as a bool tensor [B]; records what it was given."""
 
