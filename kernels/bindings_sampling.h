@@ -27,6 +27,22 @@ void check_state(const Tensor& t, at::ScalarType type, int64_t n, const Tensor& 
               t.scalar_type(), " ", dims(t.sizes()));
 }
 
+// The tokens tensor the decode loop writes into: int64 [B, columns] on `like`'s device with contiguous rows.
+void check_tokens(const Tensor& tokens, int64_t B, const Tensor& like) {
+  TORCH_CHECK(tokens.is_cuda() && tokens.device() == like.device() && tokens.scalar_type() == at::kLong &&
+                  tokens.dim() == 2 && tokens.size(0) == B && tokens.stride(1) == 1,
+              "patcher: tokens must be an int64 [", std::to_string(B), ", columns] tensor on ", like.device(),
+              " with contiguous rows, got ", tokens.scalar_type(), " ", dims(tokens.sizes()));
+}
+
+// A zeroed int32 workspace of at least `needed` elements on `like`'s device, as `maker` in patcher.ops returns it.
+void check_workspace(const Tensor& workspace, int64_t needed, const Tensor& like, const char* maker) {
+  TORCH_CHECK(workspace.is_cuda() && workspace.device() == like.device() && workspace.scalar_type() == at::kInt &&
+                  workspace.is_contiguous() && workspace.numel() >= needed,
+              "patcher: workspace must be a zeroed contiguous int32 tensor on ", like.device(), " of at least ",
+              std::to_string(needed), " elements (patcher.ops.", maker, ")");
+}
+
 void next_token(const Tensor& scores, Tensor& tokens, Tensor& slot, Tensor& finished, const Tensor& eos,
                 const Tensor& pad_token, const OptTensor& embed_weight, Tensor& x, Tensor& workspace,
                 const OptTensor& ids) {
@@ -38,20 +54,14 @@ void next_token(const Tensor& scores, Tensor& tokens, Tensor& slot, Tensor& fini
   TORCH_CHECK(B <= patcher::kNextTokenMaxBatch, "patcher: next_token takes at most ",
               std::to_string(patcher::kNextTokenMaxBatch), " rows, got ", std::to_string(B));
   TORCH_CHECK(V < (int64_t{1} << 30), "patcher: next_token takes a vocabulary below 2^30, got ", std::to_string(V));
-  TORCH_CHECK(tokens.is_cuda() && tokens.device() == scores.device() && tokens.scalar_type() == at::kLong &&
-                  tokens.dim() == 2 && tokens.size(0) == B && tokens.stride(1) == 1,
-              "patcher: tokens must be an int64 [", std::to_string(B), ", columns] tensor on ", scores.device(),
-              " with contiguous rows, got ", tokens.scalar_type(), " ", dims(tokens.sizes()));
+  check_tokens(tokens, B, scores);
   check_index(slot, 1, scores, "slot");
   check_state(finished, at::kBool, B, scores, "finished");
   TORCH_CHECK(eos.dim() == 1 && eos.numel() <= 64, "patcher: eos must be a 1-D tensor of at most 64 ids");
   check_index(eos, eos.numel(), scores, "eos");
   check_state(pad_token, at::kLong, 1, scores, "pad_token");
   const int64_t needed = patcher::next_token_workspace_size(B);
-  TORCH_CHECK(workspace.is_cuda() && workspace.device() == scores.device() && workspace.scalar_type() == at::kInt &&
-                  workspace.is_contiguous() && workspace.numel() >= needed,
-              "patcher: workspace must be a zeroed contiguous int32 tensor on ", scores.device(), " of at least ",
-              std::to_string(needed), " elements (patcher.ops.next_token_workspace)");
+  check_workspace(workspace, needed, scores, "next_token_workspace");
   patcher::NextTokenParams p{};
   p.dtype = dtype_of(scores);
   p.batch = B;
@@ -125,10 +135,7 @@ void sample_survivors(const Tensor& scores, const Tensor& noise, double temperat
   check_rows(draw, at::kFloat, warped, true, "draw");
   check_rows(noise, at::kFloat, warped, false, "noise");
   const int64_t m = warped.size(1), needed = patcher::sample_survivors_workspace_size(B, V, m);
-  TORCH_CHECK(workspace.is_cuda() && workspace.device() == scores.device() && workspace.scalar_type() == at::kInt &&
-                  workspace.is_contiguous() && workspace.numel() >= needed,
-              "patcher: workspace must be a zeroed contiguous int32 tensor on ", scores.device(), " of at least ",
-              std::to_string(needed), " elements (patcher.ops.sample_survivors_workspace)");
+  check_workspace(workspace, needed, scores, "sample_survivors_workspace");
   patcher::SampleSurvivorsParams p{};
   p.dtype = dtype_of(scores);
   p.batch = B;
@@ -167,10 +174,7 @@ void repetition_penalty(const Tensor& logits, Tensor& seen, const Tensor& tokens
                   out.sizes() == logits.sizes() && out.is_contiguous(),
               "patcher: out must be a contiguous float32 ", dims(logits.sizes()), " tensor on ", logits.device(),
               ", got ", out.scalar_type(), " ", dims(out.sizes()));
-  TORCH_CHECK(tokens.is_cuda() && tokens.device() == logits.device() && tokens.scalar_type() == at::kLong &&
-                  tokens.dim() == 2 && tokens.size(0) == B && tokens.stride(1) == 1,
-              "patcher: tokens must be an int64 [", std::to_string(B), ", columns] tensor on ", logits.device(),
-              " with contiguous rows, got ", tokens.scalar_type(), " ", dims(tokens.sizes()));
+  check_tokens(tokens, B, logits);
   check_index(slot, 1, logits, "slot");
   patcher::RepetitionPenaltyParams p{};
   p.dtype = dtype_of(logits);

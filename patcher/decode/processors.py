@@ -101,7 +101,7 @@ class Sampling:
 class Processors:
     """`Sampling` as tensor ops over one StepState's tokens; the constant masks are built here, before any capture
     (a graph cannot copy host lists to the device), and so is sample_survivors' workspace for `batch` rows. `ops`:
-    the backend that runs sample_survivors (the reference by default)."""
+    the backend that runs sample_survivors (the reference by default, and for scores of another shape)."""
 
     def __init__(self, sampling: Sampling, vocab: int, device: torch.device, ops=None, batch: int = 1):
         self.sampling, self.vocab = sampling, vocab
@@ -113,9 +113,8 @@ class Processors:
         self.survivors_on_kernel = (
             self.ops is not REFERENCE and sampling.do_sample and 0 < m <= SURVIVORS_MAX and vocab <= SURVIVORS_MAX_VOCAB
         )
-        self.workspaces = {}
-        if self.survivors_on_kernel:
-            self.workspaces[batch] = sample_survivors_workspace(batch, vocab, m, device)
+        self.batch = batch
+        self.workspace = sample_survivors_workspace(batch, vocab, m, device) if self.survivors_on_kernel else None
 
         def mask(ids) -> torch.Tensor:
             m = torch.zeros(vocab, dtype=torch.bool, device=device)
@@ -286,10 +285,8 @@ class Processors:
         warped, drawn = torch.empty_like(noise), torch.empty_like(noise)
         by_id = torch.empty(rows, m, dtype=torch.long, device=scores.device)
         ops, workspace = REFERENCE, None
-        if self.survivors_on_kernel and scores.shape[-1] == self.vocab:
-            if rows not in self.workspaces:  # outside a capture: the runner builds Processors for its batch
-                self.workspaces[rows] = sample_survivors_workspace(rows, self.vocab, m, scores.device)
-            ops, workspace = self.ops, self.workspaces[rows]
+        if self.survivors_on_kernel and scores.shape == (self.batch, self.vocab):  # the runner's step: its batch
+            ops, workspace = self.ops, self.workspace
         ops.sample_survivors(scores, noise, float(p.temperature), int(p.top_k), float(p.top_p), float(p.min_p or 0.0),
                              warped, by_id, drawn, workspace)  # fmt: skip
         return warped, by_id, drawn
