@@ -15,9 +15,11 @@
 // Norm prologue (NormPrologue): x is the residual stream; after the wait every block computes the residual sum
 // and the norm of each row (from L2: a few KB) into shared memory, and the matrix product reads that. Block 0
 // also writes the sum and the second LayerNorm (GPT-NeoX). So the decode step's add + norm kernels disappear:
-// the redundant work is a few KB of L2 reads per block, overlapped with the weight loads already in flight. The
-// grid is then at most the blocks the GPU holds at once, each looping over tiles of rows, so the prologue runs
-// once a resident block rather than once a tile.
+// the redundant work is a few KB of L2 reads per block, overlapped with the weight loads already in flight.
+//
+// Grid: at most the blocks the GPU holds at once, each looping over the same number of tiles of rows (spread_grid),
+// with the next tile's first weights in flight during the current one's reductions and store. So the prologue runs
+// once a resident block rather than once a tile, and no short last wave trails the others.
 //
 // Accumulation is fp32; a warp reduction finishes each dot product, and lane 0 applies the epilogue with HF's
 // rounding points:
@@ -257,11 +259,10 @@ constexpr int kLaunchBlocks = MODE == kPairedRows && !NORM ? 3 : 1;
 
 // Each block has kWarps warps; KSPLIT of them share one group of ROWS output rows, each taking 1/KSPLIT of K
 // (more warps in flight for matrices with few rows), and their partial sums meet in shared memory. A tile is
-// what one block computes at once: kWarps / KSPLIT row groups.
-// NORM: the norm prologue runs first, and x is read from its shared-memory stage (dynamic shared memory). The
-// grid is then at most the blocks the GPU holds at once (launch_kernel), and each block loops over tiles, so the
-// prologue runs once a resident block rather than once a tile; the first weights of the next tile are loaded
-// before the warp reductions and the epilogue of the current one.
+// what one block computes at once: kWarps / KSPLIT row groups. A block loops over tiles blockIdx.x, + gridDim.x, ...
+// (launch_kernel sizes the grid), loading the first weights of the next tile before the warp reductions and the
+// store of the current one.
+// NORM: the norm prologue runs first, and x is read from its shared-memory stage (dynamic shared memory).
 template <typename T, int V, int BMAX, int ROWS, int MODE, int UNROLL, int KSPLIT, bool NORM>
 __global__ void __launch_bounds__(kWarps * 32, kLaunchBlocks<MODE, NORM>)
     gemv_kernel(const GemvParams p, int64_t tiles) {
@@ -354,11 +355,10 @@ __global__ void __launch_bounds__(kWarps * 32, kLaunchBlocks<MODE, NORM>)
     }
     // The next tile's rows, and its first weights in flight during this tile's reductions and epilogue.
     Rows next = t;
-    if constexpr (NORM) {
-      if (tile + gridDim.x < tiles) {
-        next = Rows(p, tile + gridDim.x, warp);
-        if (next.live) fetch_weights<T, V, NW, UNROLL>(w, next.rows, next.k_begin + lane * V, next.k_end);
-      }
+    const bool more = tile + gridDim.x < tiles;
+    if (more) {
+      next = Rows(p, tile + gridDim.x, warp);
+      if (next.live) fetch_weights<T, V, NW, UNROLL>(w, next.rows, next.k_begin + lane * V, next.k_end);
     }
 #pragma unroll
     for (int r = 0; r < NW; ++r)
@@ -383,10 +383,10 @@ __global__ void __launch_bounds__(kWarps * 32, kLaunchBlocks<MODE, NORM>)
             acc[r][b] = total;
           }
       }
-      if (NORM) __syncthreads();  // s_partial is read before the next tile writes it
+      if (more) __syncthreads();  // s_partial is read before the next tile writes it
     }
     if (lane == 0 && part == 0 && t.live) store_rows<T, BMAX, ROWS, MODE, NW>(p, t.first, t.row_of, acc);
-    if (!NORM || (KSPLIT == 1 && !next.live)) return;  // one tile a block, or none left for this warp
+    if (!more || (KSPLIT == 1 && !next.live)) return;  // no tile left for this warp
     t = next;
   }
 }
@@ -401,14 +401,30 @@ int multiprocessors() {
   return count;
 }
 
+// The grid for `tiles` tiles of a kernel of which `per_sm` blocks fit on an SM: as many waves as the tiles need,
+// and the tiles spread evenly over the blocks of those waves, so that every block loops over the same number.
+unsigned spread_grid(int64_t tiles, int per_sm) {
+  const int64_t resident = static_cast<int64_t>(per_sm > 0 ? per_sm : 1) * multiprocessors();
+  const int64_t waves = (tiles + resident - 1) / resident;
+  return static_cast<unsigned>((tiles + waves - 1) / waves);
+}
+
 // Launches one instantiation over `tiles` tiles; the prologue's stage is dynamic shared memory, past 48 KB only with
-// the opt-in. With the prologue the grid is at most the blocks the GPU holds at once (each block loops over tiles).
+// the opt-in.
 template <typename T, int V, int BMAX, int MODE, int UNROLL, int KSPLIT>
 cudaError_t launch_kernel(const GemvParams& p, int64_t tiles, cudaStream_t stream) {
   constexpr int ROWS = 2;
-  if (!p.norm.weight)
-    return launch_pdl(gemv_kernel<T, V, BMAX, ROWS, MODE, UNROLL, KSPLIT, false>, dim3(static_cast<unsigned>(tiles)),
-                      dim3(kWarps * 32), 0, stream, p, tiles);
+  int per_sm = 0;
+  if (!p.norm.weight) {
+    const auto kernel = gemv_kernel<T, V, BMAX, ROWS, MODE, UNROLL, KSPLIT, false>;
+    // A short row's tile is little more than its reductions and store, which the SMs overlap across one-tile blocks
+    // better than a block's loop does (SmolLM2's lm_head, K = 576).
+    if (p.k < 1024)
+      return launch_pdl(kernel, dim3(static_cast<unsigned>(tiles)), dim3(kWarps * 32), 0, stream, p, tiles);
+    const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, 0);
+    if (err != cudaSuccess) return err;
+    return launch_pdl(kernel, dim3(spread_grid(tiles, per_sm)), dim3(kWarps * 32), 0, stream, p, tiles);
+  }
   const auto kernel = gemv_kernel<T, V, BMAX, ROWS, MODE, UNROLL, KSPLIT, true>;
   const size_t smem = gemv_prologue_smem(p, p.stage_inputs);  // launch_gemv checked that it fits
   if (smem + 1024 > 48 * 1024) {  // with the kernel's static shared memory, past the default limit
@@ -416,12 +432,9 @@ cudaError_t launch_kernel(const GemvParams& p, int64_t tiles, cudaStream_t strea
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
-  int per_sm = 0;
   const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem);
   if (err != cudaSuccess) return err;
-  const int64_t resident = static_cast<int64_t>(per_sm > 0 ? per_sm : 1) * multiprocessors();
-  const unsigned blocks = static_cast<unsigned>(tiles < resident ? tiles : resident);
-  return launch_pdl(kernel, dim3(blocks), dim3(kWarps * 32), smem, stream, p, tiles);
+  return launch_pdl(kernel, dim3(spread_grid(tiles, per_sm)), dim3(kWarps * 32), smem, stream, p, tiles);
 }
 
 template <typename T, int V, int BMAX, int MODE, int UNROLL>
