@@ -7,13 +7,15 @@
 //   y[d] = x[d] * cos[d] + rotate_half(x)[d] * sin[d],  rotate_half(x)[d] = -x[d + R/2] (d < R/2), x[d - R/2]
 // Each product and the sum are rounded to the dtype, as the separate torch ops round them.
 //
-// rope_qkv_cache is the decode-step variant: one token per row, K and V written straight into the static KV
-// cache at `slot`, the rotation at position slot - pad[row], cos/sin read from precomputed tables.
+// rope_qkv_cache is the decode-step variant: one token per row and one thread per element, K and V written straight
+// into the static KV cache at `slot`, the rotation at position slot - pad[row], cos/sin read from precomputed tables.
 #include "common/common.cuh"
 #include "rope/rope.cuh"
 
 namespace patcher {
 namespace {
+
+constexpr int kRopeCacheThreads = 128;
 
 // What both prefill kernels need of their block's token: batch row b and position t (one block per token), the
 // token's projection row and cos/sin rows, and the head geometry as ints.
@@ -87,23 +89,24 @@ __global__ void __launch_bounds__(256) rope_qkv_vec_kernel(const RopeQkvParams p
   }
 }
 
+// One thread an element: the grid is (batch rows, blocks of a row's (hq + 2 hkv) * D elements), so that every load
+// of the projection row is in flight at once (a block looping over a row waits for its loads once an iteration).
 template <typename T>
-__global__ void __launch_bounds__(256) rope_qkv_cache_kernel(const RopeCacheParams p) {
+__global__ void __launch_bounds__(kRopeCacheThreads) rope_qkv_cache_kernel(const RopeCacheParams p) {
   // The next kernel is the decode attention, which reads the slot and earlier keys before its wait: it starts
   // only after this kernel's wait (common.cuh, griddep_trigger_after_wait).
   griddep_wait();
   griddep_trigger_after_wait(true);
   const int64_t b = blockIdx.x;
+  const int D = static_cast<int>(p.head_dim), hq = static_cast<int>(p.num_q_heads);
+  const int hkv = static_cast<int>(p.num_kv_heads), R = static_cast<int>(p.rotary_dim);
+  const int e = static_cast<int>(blockIdx.y) * kRopeCacheThreads + static_cast<int>(threadIdx.x);
+  if (e >= (hq + 2 * hkv) * D) return;
   const int64_t slot = *p.slot;
   const RopeRow<T> row = rope_row<T>(p, slot, b);
   const T* src = static_cast<const T*>(p.qkv) + b * p.qkv_stride;
-  const int D = static_cast<int>(p.head_dim), hq = static_cast<int>(p.num_q_heads);
-  const int hkv = static_cast<int>(p.num_kv_heads), R = static_cast<int>(p.rotary_dim);
-  const int width = (hq + 2 * hkv) * D;
-  for (int e = threadIdx.x; e < width; e += blockDim.x) {
-    const Slot s = locate(e, D, hq, hkv, p.interleaved);
-    store_qkv<T>(p, static_cast<T*>(p.q), b, slot, s, from_float<T>(rotate(src, e, s, R, row.cos, row.sin)));
-  }
+  const Slot s = locate(e, D, hq, hkv, p.interleaved);
+  store_qkv<T>(p, static_cast<T*>(p.q), b, slot, s, from_float<T>(rotate(src, e, s, R, row.cos, row.sin)));
 }
 
 }  // namespace
@@ -127,9 +130,11 @@ cudaError_t launch_rope_qkv(const RopeQkvParams& p, cudaStream_t stream) {
 
 cudaError_t launch_rope_qkv_cache(const RopeCacheParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
-  PATCHER_DISPATCH_DTYPE(
-      p.dtype, T,
-      return launch_pdl(rope_qkv_cache_kernel<T>, dim3(static_cast<unsigned>(p.batch)), dim3(256), 0, stream, p));
+  const int64_t width = (p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
+  const int64_t blocks = (width + kRopeCacheThreads - 1) / kRopeCacheThreads;  // a row's
+  const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(blocks));
+  PATCHER_DISPATCH_DTYPE(p.dtype, T,
+                         return launch_pdl(rope_qkv_cache_kernel<T>, grid, dim3(kRopeCacheThreads), 0, stream, p));
   return cudaSuccess;
 }
 
