@@ -57,6 +57,7 @@ __device__ __forceinline__ void add_word(float (&sum)[4 / sizeof(T)], uint32_t w
 
 template <typename T>
 __global__ void __launch_bounds__(kRankSumThreads) rank_sum_kernel(const RankSumParams p) {
+  griddep_trigger_at_entry();  // the next kernels' weight loads overlap the wait for the peers' words
   griddep_wait();  // x is written by the kernel before
   constexpr int per_word = 4 / sizeof(T);
   const T* x = static_cast<const T*>(p.x);
