@@ -450,6 +450,7 @@ def test_next_token_in_a_graph(kernels):
     args = (scores, s["tokens"], s["slot"], s["finished"], s["eos"], s["pad_token"], s["embed"], s["x"], s["workspace"])
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the state was written on the current stream
     with torch.cuda.stream(stream):
         kernels.next_token(*args)  # warm-up
     torch.cuda.current_stream().wait_stream(stream)
