@@ -1,7 +1,7 @@
-// The GGUF kernels for __nv_bfloat16 activations (one file per dtype): the decode GEMV (gguf_gemv.cuh) and
+// The GGUF kernels for __nv_bfloat16 activations (one file per dtype): the decode GEMV (gguf_launch.cuh) and
 // the prefill path's dequantization and Q8_1 rounding (gguf_dequant.cuh).
 #include "gguf/gguf_dequant.cuh"
-#include "gguf/gguf_gemv.cuh"
+#include "gguf/gguf_launch.cuh"
 
 namespace patcher {
 

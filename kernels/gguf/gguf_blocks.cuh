@@ -116,8 +116,11 @@ __device__ __forceinline__ const uint8_t* store_chunk(const WeightChunk<KIND>& w
   return stage + (win.lo - base);
 }
 
-// 4 bytes at a 2-byte aligned address (a block's fields are 2-byte aligned), little-endian.
+// 4 bytes at a 2-byte aligned address (a block's fields are 2-byte aligned), little-endian; ALIGNED: the address is
+// 4-byte aligned, one load.
+template <bool ALIGNED = false>
 __device__ __forceinline__ int load_word(const uint8_t* p) {
+  if constexpr (ALIGNED) return *reinterpret_cast<const int*>(p);
   const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
   return static_cast<int>(static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16));
 }
@@ -155,9 +158,10 @@ __device__ __forceinline__ void parse_block(const uint8_t* blk, float& d, float&
 // Sub-block j (0..7) of the super-block at sb (2-byte aligned): its 32 integers as signed bytes, element i in byte
 // i % 4 of q[i / 4] (Q4_K: the nibble, Q5_K: nibble | high bit << 4, Q6_K: 6 bits - 32), and its scales. Q4_K, Q5_K:
 // scale[0] = scale[1] = d * sc[j], dm = dmin * mn[j]. Q6_K: scale[h] = d * scales[2j + h] for the 16-value half h
-// (elements 16h .. 16h + 15), dm = 0.
-template <int KIND>
+// (elements 16h .. 16h + 15), dm = 0. ALIGNED (Q4_K, Q5_K): sb is 4-byte aligned, and the words load whole.
+template <int KIND, bool ALIGNED = false>
 __device__ __forceinline__ void parse_sub_block(const uint8_t* sb, int j, float (&scale)[2], float& dm, int (&q)[8]) {
+  static_assert(!ALIGNED || KIND != kGgufQ6_K, "Q6_K's 210-byte super-blocks are 2-byte aligned");
   if constexpr (KIND == kGgufQ6_K) {
     // Half h = j / 4 (128 values) reads ql[64h ..] and qh[32h ..]; its group g = j % 4 the low (g < 2) or high
     // nibbles of ql[64h + 32(g % 2) + e] and bits 2g, 2g + 1 of qh[32h + e].
@@ -188,9 +192,9 @@ __device__ __forceinline__ void parse_sub_block(const uint8_t* sb, int j, float 
     const uint8_t* qs = sb + (KIND == kGgufQ4_K ? 16 : 48) + 32 * (j >> 1);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      unsigned v = (static_cast<unsigned>(load_word(qs + 4 * i)) >> (4 * (j & 1))) & 0x0F0F0F0Fu;
+      unsigned v = (static_cast<unsigned>(load_word<ALIGNED>(qs + 4 * i)) >> (4 * (j & 1))) & 0x0F0F0F0Fu;
       if constexpr (KIND == kGgufQ5_K) {
-        v |= ((static_cast<unsigned>(load_word(sb + 16 + 4 * i)) >> j) & 0x01010101u) << 4;
+        v |= ((static_cast<unsigned>(load_word<ALIGNED>(sb + 16 + 4 * i)) >> j) & 0x01010101u) << 4;
       }
       q[i] = static_cast<int>(v);
     }

@@ -1,9 +1,10 @@
 // The GGUF decode GEMV (1 to 8 rows of x, every block type of gguf/params.h), templates over the activation dtype
-// and the block type, and their launchers; included by one .cu file per dtype (gguf_half.cu, gguf_bf16.cu,
-// gguf_float.cu), the entry point in gguf.cu. What it computes, and the rounding points: gguf/params.h.
+// and the block type; the launchers are in gguf_launch.cuh, the entry point in gguf.cu, and a faster form for W4A8
+// over aligned blocks in gguf_gemv_aligned.cuh. What it computes, and the rounding points: gguf/params.h.
 //
 // Two kernels a product. The input kernel writes x once into the workspace in the form the GEMV's lanes read:
-// W4A8, quantized to Q8_1 (gguf_q8_1.cuh: q int8 | d | s = sum(q) * d, params.h has the layout); W4A16, in fp32.
+// W4A8, quantized to Q8_1 (gguf_q8_1.cuh: q int8 | d | s = sum(q) * d | sum(q), params.h has the layout); W4A16, in
+// fp32.
 // Four threads a 32-value block, 8 values each. The GEMV then reads only weights and the workspace, so no block of
 // it repeats another's work on x and none waits at a barrier for the others.
 //
@@ -75,6 +76,7 @@ __global__ void __launch_bounds__(kInputThreads) gguf_input_kernel(const GgufGem
       float* xd = reinterpret_cast<float*>(xq + p.batch * p.k);
       xd[blk] = d;
       xd[p.batch * nb + blk] = __fmul_rn(static_cast<float>(sum), d);
+      reinterpret_cast<int*>(xd + 2 * p.batch * nb)[blk] = sum;
     }
   } else {
     if (!t.live) return;
@@ -140,15 +142,14 @@ __device__ __forceinline__ void accumulate(const uint8_t* chunk, const GgufGemvP
   }
 }
 
-template <typename T, int KIND, bool A8, int BMAX>
-__global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const __grid_constant__ GgufGemvParams p) {
-  __shared__ __align__(16) uint8_t stages[kGgufWarps][kStageBytes<KIND>];
-  constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  griddep_trigger_at_entry();  // no decode attention reads this op's output directly
-  // The warp's row: the launch's segments' rows one after the other (every segment is of this KIND). Only the
-  // segment's index is kept; its fields are read from the parameters (__grid_constant__: the constant bank, indexed)
-  // where they are used, so that a segment costs no registers across the main loop.
+// The warp's output row: the launch's segments' rows one after the other (every segment is of the launch's KIND).
+// Only the segment's index is kept; its fields are read from the parameters (__grid_constant__: the constant bank,
+// indexed) where they are used, so that a segment costs no registers across the main loop.
+struct WarpRow {
+  int s;      // segment
+  int64_t n;  // row of the segment; n >= p.seg[s].n: a warp past the last row
+};
+__device__ __forceinline__ WarpRow warp_row(const GgufGemvParams& p, int warp) {
   int64_t n = static_cast<int64_t>(blockIdx.x) * kGgufWarps + warp;
   int s = 0;
 #pragma unroll
@@ -158,7 +159,43 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const __grid
       s = i;
     }
   }
-  const GgufSegment& g = p.seg[s];
+  return {s, n};
+}
+
+// The lanes' sums of row n of segment g into its column of the output, each batch row: the lanes' terms summed over
+// the warp, the offset terms apart (added at the end, as the reference adds its second matmul), then the bias.
+template <typename T, int KIND, bool A8, int BMAX>
+__device__ __forceinline__ void store_row(const GgufGemvParams& p, const GgufSegment& g, int64_t n, int lane,
+                                          float (&acc)[BMAX], float (&acc_m)[BMAX]) {
+  constexpr bool kOffsetSum = A8 && kHasOffset<KIND>;
+#pragma unroll
+  for (int b = 0; b < BMAX; ++b) {
+    acc[b] = warp_sum(acc[b]);
+    if constexpr (kOffsetSum) acc_m[b] = warp_sum(acc_m[b]);
+  }
+  if (lane != 0) return;
+  T* out = static_cast<T*>(p.out) + g.out_col + n;
+#pragma unroll
+  for (int b = 0; b < BMAX; ++b) {
+    if (b >= p.batch) break;
+    float y = kOffsetSum ? __fadd_rn(acc[b], acc_m[b]) : acc[b];
+    if (g.bias) {
+      const float bias = load_scalar(g.bias, g.bias_dtype, n);
+      y = __fadd_rn(y, A8 ? bias : round_to<T>(bias));  // W4A16: the reference's bias.to(x.dtype)
+    }
+    out[b * p.out_stride] = from_float<T>(y);
+  }
+}
+
+template <typename T, int KIND, bool A8, int BMAX>
+__global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const __grid_constant__ GgufGemvParams p) {
+  __shared__ __align__(16) uint8_t stages[kGgufWarps][kStageBytes<KIND>];
+  constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  griddep_trigger_at_entry();  // no decode attention reads this op's output directly
+  const WarpRow r = warp_row(p, warp);
+  const int64_t n = r.n;
+  const GgufSegment& g = p.seg[r.s];
   if (n >= g.n) return;                            // a warp past the last row (no barrier waits for it)
   const int64_t nb = p.k / 32;                     // 32-value blocks (and Q8_1 blocks of x) a row
   const int64_t units = p.k / kBlockValues<KIND>;  // blocks (super-blocks) a row
@@ -193,81 +230,7 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const __grid
       __syncwarp();  // the stage is rewritten by the next chunk
     }
   }
-  constexpr bool kOffsetSum = A8 && kHasOffset<KIND>;
-#pragma unroll
-  for (int b = 0; b < BMAX; ++b) {
-    acc[b] = warp_sum(acc[b]);
-    if constexpr (kOffsetSum) acc_m[b] = warp_sum(acc_m[b]);
-  }
-  if (lane != 0) return;
-  T* out = static_cast<T*>(p.out) + g.out_col + n;
-#pragma unroll
-  for (int b = 0; b < BMAX; ++b) {
-    if (b >= p.batch) break;
-    float y = kOffsetSum ? __fadd_rn(acc[b], acc_m[b]) : acc[b];
-    if (g.bias) {
-      const float bias = load_scalar(g.bias, g.bias_dtype, n);
-      y = __fadd_rn(y, A8 ? bias : round_to<T>(bias));  // W4A16: the reference's bias.to(x.dtype)
-    }
-    out[b * p.out_stride] = from_float<T>(y);
-  }
-}
-
-template <typename T, int KIND, bool A8, int BMAX>
-cudaError_t launch_gguf(const GgufGemvParams& p, cudaStream_t stream) {
-  int64_t rows = 0;
-  for (int i = 0; i < p.segments; ++i) rows += p.seg[i].n;
-  const dim3 grid(static_cast<unsigned>((rows + kGgufWarps - 1) / kGgufWarps));
-  return launch_pdl(gguf_gemv_kernel<T, KIND, A8, BMAX>, grid, dim3(kGgufWarps * 32), 0, stream, p);
-}
-
-template <typename T, int KIND, bool A8>
-cudaError_t launch_gguf_batch(const GgufGemvParams& p, cudaStream_t stream) {
-  if (p.batch <= 1) return launch_gguf<T, KIND, A8, 1>(p, stream);
-  if (p.batch <= 2) return launch_gguf<T, KIND, A8, 2>(p, stream);
-  if (p.batch <= 4) return launch_gguf<T, KIND, A8, 4>(p, stream);
-  return launch_gguf<T, KIND, A8, 8>(p, stream);
-}
-
-template <typename T, int KIND>
-cudaError_t launch_gguf_mode(const GgufGemvParams& p, cudaStream_t stream) {
-  return p.quantize_activations ? launch_gguf_batch<T, KIND, true>(p, stream)
-                                : launch_gguf_batch<T, KIND, false>(p, stream);
-}
-
-// The dtype's launcher over every kind, which gguf_<dtype>.cu instantiates.
-template <typename T, bool A8>
-cudaError_t launch_gguf_input(const GgufGemvParams& p, cudaStream_t stream) {
-  const int64_t threads = p.batch * (p.k / 8);
-  const dim3 grid(static_cast<unsigned>((threads + kInputThreads - 1) / kInputThreads));
-  if (rows_aligned16<T>(p.x, p.x_stride)) {
-    return launch_pdl(gguf_input_kernel<T, A8, true>, grid, dim3(kInputThreads), 0, stream, p);
-  }
-  return launch_pdl(gguf_input_kernel<T, A8, false>, grid, dim3(kInputThreads), 0, stream, p);
-}
-
-// The input kernel, then one GEMV launch per block type among the segments (in their order), each over the
-// segments of its type.
-template <typename T>
-cudaError_t launch_gguf_gemv_typed(const GgufGemvParams& p, cudaStream_t stream) {
-  const cudaError_t input =
-      p.quantize_activations ? launch_gguf_input<T, true>(p, stream) : launch_gguf_input<T, false>(p, stream);
-  if (input != cudaSuccess) return input;
-  bool launched[kGgufMaxSegments] = {};
-  for (int i = 0; i < p.segments; ++i) {
-    if (launched[i]) continue;
-    GgufGemvParams one = p;
-    one.segments = 0;
-    for (int j = i; j < p.segments; ++j) {
-      if (p.seg[j].kind != p.seg[i].kind) continue;
-      one.seg[one.segments++] = p.seg[j];
-      launched[j] = true;
-    }
-    const cudaError_t e =
-        with_kind(one.seg[0].kind, [&](auto kind) { return launch_gguf_mode<T, kind.value>(one, stream); });
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  store_row<T, KIND, A8, BMAX>(p, g, n, lane, acc, acc_m);
 }
 
 }  // namespace

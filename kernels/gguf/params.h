@@ -60,9 +60,10 @@ struct GgufGemvParams {
   void* work;  // gguf_gemv_work_bytes(batch, k, quantize_activations), 16-byte aligned: x as the GEMV reads it
 };
 // The workspace of one product: x written once in the form the GEMV's lanes read (kernels/gguf/gguf_gemv.cuh).
-// W4A8: q int8 [batch, k] | d fp32 [batch, k / 32] | s fp32 [batch, k / 32]; W4A16: x in fp32 [batch, k].
+// W4A8: q int8 [batch, k] | d fp32 [batch, k / 32] | s fp32 [batch, k / 32] | sum(q) int32 [batch, k / 32];
+// W4A16: x in fp32 [batch, k].
 inline int64_t gguf_gemv_work_bytes(int64_t batch, int64_t k, bool quantize_activations) {
-  return quantize_activations ? batch * k + 2 * 4 * batch * (k / 32) : 4 * batch * k;
+  return quantize_activations ? batch * k + 3 * 4 * batch * (k / 32) : 4 * batch * k;
 }
 // Bytes per block of a GgufKind, 0 for any other value.
 PATCHER_HOST_DEVICE inline int gguf_block_bytes(int32_t kind) {

@@ -42,9 +42,11 @@ from patcher.ops.gguf import GEMV_KINDS
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (N, K): odd output widths (one row, a last block of 8 rows partly filled) against K of one block, of 3 blocks (rows
-# of 54/60/102 bytes: misaligned for 16-byte loads), of 64 blocks and of Llama-3.1-8B's down_proj (448 blocks: 14
-# chunks of 32).
-SHAPES = [(1, 32), (1, 14336), (33, 96), (33, 2048), (33, 14336), (4097, 32), (4097, 96), (4097, 2048), (4097, 14336)]
+# of 54/60/102 bytes: misaligned for 16-byte loads), of 40 blocks (a chunk of 32 and a quarter one), of 64 blocks and
+# of Llama-3.1-8B's down_proj (448 blocks: 14 chunks of 32). K of 40, 64 and 448 blocks takes W4A8's aligned kernel
+# (as every K-quant shape here but Q6_K's).
+SHAPES = [(1, 32), (1, 14336), (33, 96), (33, 1280), (33, 2048), (33, 14336), (4097, 32), (4097, 96), (4097, 2048)]
+SHAPES += [(4097, 14336)]
 # The K-quants' K is whole super-blocks of 256: one super-block (a chunk of 1024 values a quarter full), 3 (Q6_K rows
 # of 630 bytes, misaligned for 16-byte loads), 5 (a full chunk and a quarter one), 8 (two full chunks) and 14336
 # (56 super-blocks: 14 chunks).
@@ -172,6 +174,26 @@ def test_gguf_gemv_strided_and_shaped_inputs(kernels, kind, quantize_activations
             assert_w4a8_close(got, x, blocks, kind, bias, what)
         else:
             check_op("gguf_gemv", (x, blocks, kind, bias, False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K"])
+def test_gguf_gemv_aligned_kernel_matches_the_general_one(kernels, kind):
+    """W4A8 (every type but Q6_K, K a multiple of 256) takes the aligned kernel where the blocks start 16-byte
+    aligned and the general one where they do not (the same blocks 2 bytes into a buffer): both give the same output
+    bit for bit (the same fp32 terms summed in the same order), within the W4A8 bound of the reference. K of 1280
+    (a chunk of 1024 values and a quarter one) and of 14336 (14 chunks), 1 and 5 rows of x."""
+    for k in (1280, 14336):
+        blocks, bias = weights(kind, 37, k, True)
+        aligned, bias = blocks.cuda(), bias.cuda()
+        buffer = torch.empty(aligned.numel() + 2, dtype=torch.uint8, device="cuda")
+        shifted = buffer[2:].view(aligned.shape).copy_(aligned)
+        assert aligned.data_ptr() % 16 == 0 and shifted.data_ptr() % 16 == 2
+        for rows in (1, 5):
+            x = torch.randn(rows, k, device="cuda").half()
+            got = kernels.gguf_gemv(x, aligned, kind, bias, True)
+            assert torch.equal(got, kernels.gguf_gemv(x, shifted, kind, bias, True)), f"{kind} k={k} rows={rows}"
+            assert_w4a8_close(got, x, aligned, kind, bias, f"{kind} k={k} rows={rows}")
 
 
 @pytest.mark.gpu

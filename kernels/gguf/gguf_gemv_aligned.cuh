@@ -1,0 +1,161 @@
+// The W4A8 decode GEMV where every chunk of a row starts 16-byte aligned: the blocks 16-byte aligned and, for the
+// 32-value types (Q4_0, Q4_1, Q8_0), K a multiple of 256 (8k blocks of 18, 20 or 34 bytes are whole 16-byte
+// vectors), as every real model's projections are; Q4_K and Q5_K (144 and 176-byte super-blocks) at any K. Q6_K's
+// 210-byte super-blocks never align. Work split, pipeline and arithmetic are gguf_gemv_kernel's (gguf_gemv.cuh): a
+// warp a row, chunks of 1024 values (one 32-value block or sub-block a lane), chunks of weights in registers ahead
+// of their use, the warp's shared stage, and the same fp32 terms summed in the same order, so the two kernels agree
+// bit for bit. What alignment saves is the instructions around the arithmetic, which bound the general kernel
+// (about 230 a Q4_0 chunk against 8 dp4a a lane): a chunk is whole 16-byte vectors at a fixed stride (no byte
+// window, no edge bytes); a lane reads its block from the stage as the 4-byte words that cover it, shifted into
+// place by a funnel shift (a 32-value block starts 0 or 2 bytes into a word; a K-quant's words are aligned), rather
+// than as 2-byte halves; and Q4_0's nibbles enter the dot product as stored (0..15), the 8 they are offset by
+// subtracted once as 8 * sum(q_a) from the workspace, in place of a per-byte subtraction on each word.
+#pragma once
+#include "gguf/gguf_gemv.cuh"
+
+namespace patcher {
+namespace {
+
+template <int KIND>
+constexpr bool kAlignedKind = KIND != kGgufQ6_K;  // Q6_K's 210-byte super-blocks leave chunks 2-byte aligned
+// 4-byte words of the stage that cover a lane's block: its 18, 20 or 34 bytes from an offset of 0 or 2 mod 4.
+template <int KIND>
+constexpr int kLaneWords = KIND == kGgufQ8_0 ? 9 : 5;
+// 16-byte vectors of a full chunk a lane loads (the chunk's vectors spread over the lanes).
+template <int KIND>
+constexpr int kAlignedVecs = (kChunkBytes<KIND> / 16 + 31) / 32;
+
+template <int KIND>
+struct AlignedChunk {
+  uint4 v[kAlignedVecs<KIND>];
+};
+
+// Lane `lane`'s block of the chunk in `stage` (16-byte aligned): d, Q4_1's m, and the 32 integers as 8 words of 4
+// bytes (Q4_0's nibbles as stored, 0..15; Q4_1's likewise; Q8_0's int8).
+template <int KIND>
+__device__ __forceinline__ void parse_aligned(const uint8_t* stage, int lane, float& d, float& m, int (&q)[8]) {
+  const int at = lane * kBlockBytes<KIND>;
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(stage + (at & ~3));
+  const unsigned shift = 8u * static_cast<unsigned>(at & 3);  // 0 or 16: every block size is even
+  uint32_t w[kLaneWords<KIND>];
+#pragma unroll
+  for (int i = 0; i < kLaneWords<KIND>; ++i) w[i] = src[i];
+  const uint32_t head = __funnelshift_rc(w[0], w[1], shift);  // the block's first 4 bytes
+  d = __half2float(__ushort_as_half(static_cast<unsigned short>(head & 0xFFFFu)));
+  m = KIND == kGgufQ4_1 ? __half2float(__ushort_as_half(static_cast<unsigned short>(head >> 16))) : 0.f;
+  // The integers start 2 bytes in (4 for Q4_1): word j is bytes 4j .. 4j + 3 of them, which a funnel shift by
+  // `shift` plus that start takes from w[j] and w[j + 1] (a shift of 32 gives w[j + 1] itself).
+  constexpr unsigned kStart = KIND == kGgufQ4_1 ? 32u : 16u;
+  if constexpr (KIND == kGgufQ8_0) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) q[j] = static_cast<int>(__funnelshift_rc(w[j], w[j + 1], shift + kStart));
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t v = __funnelshift_rc(w[j], w[j + 1], shift + kStart);
+      q[j] = static_cast<int>(v & 0x0F0F0F0Fu);             // elements 4j .. 4j + 3
+      q[4 + j] = static_cast<int>((v >> 4) & 0x0F0F0F0Fu);  // elements 16 + 4j .. 16 + 4j + 3
+    }
+  }
+}
+
+template <typename T, int KIND, int BMAX>
+__global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(const __grid_constant__ GgufGemvParams p) {
+  static_assert(kAlignedKind<KIND>, "chunks of whole 16-byte vectors");
+  __shared__ __align__(16) uint8_t stages[kGgufWarps][kChunkBytes<KIND>];
+  constexpr int kDepth = kGgufDepth<KIND>;
+  constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
+  constexpr int kFullVectors = kChunkBytes<KIND> / 16;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  griddep_trigger_at_entry();  // no decode attention reads this op's output directly
+  const WarpRow r = warp_row(p, warp);
+  const int64_t n = r.n;
+  const GgufSegment& g = p.seg[r.s];
+  if (n >= g.n) return;  // a warp past the last row (no barrier waits for it)
+  // Chunk, block and vector indices in 32 bits (gguf_rows_aligned admits k < 2^30); the row's offset in 64.
+  const int nb = static_cast<int>(p.k / 32);                  // 32-value blocks (sub-blocks) a row, and of x
+  const int units = static_cast<int>(p.k / kBlockValues<KIND>);  // blocks (super-blocks) a row
+  const int chunks = (units + kPerChunk - 1) / kPerChunk;
+  // The last chunk too is whole vectors: 8k blocks of the 32-value types (K a multiple of 256), or 1-3 super-blocks
+  // of 144 or 176 bytes.
+  const int tail_vectors = (units - (chunks - 1) * kPerChunk) * kBlockBytes<KIND> / 16;
+  const uint4* row = reinterpret_cast<const uint4*>(g.blocks + n * g.row_bytes);
+  uint4* stage = reinterpret_cast<uint4*>(stages[warp]);
+  auto fetch = [&](AlignedChunk<KIND>& w, int c) {
+    const int vectors = c + 1 < chunks ? kFullVectors : tail_vectors;
+#pragma unroll
+    for (int j = 0; j < kAlignedVecs<KIND>; ++j) {
+      const int i = lane + 32 * j;
+      if (i < vectors) w.v[j] = __ldcs(row + c * kFullVectors + i);
+    }
+  };
+
+  AlignedChunk<KIND> w[kDepth];
+#pragma unroll
+  for (int i = 0; i < kDepth; ++i) {
+    if (i < chunks) fetch(w[i], i);
+  }
+  griddep_wait();
+
+  const int8_t* xq = static_cast<const int8_t*>(p.work);
+  const float* xd = reinterpret_cast<const float*>(xq + p.batch * p.k);
+  const int* xsum = reinterpret_cast<const int*>(xd + 2 * p.batch * nb);
+  float acc[BMAX], acc_m[BMAX];
+#pragma unroll
+  for (int b = 0; b < BMAX; ++b) acc[b] = acc_m[b] = 0.f;
+  for (int c0 = 0; c0 < chunks; c0 += kDepth) {
+#pragma unroll
+    for (int i = 0; i < kDepth; ++i) {  // chunk c from the registers w[i], which then take chunk c + depth
+      const int c = c0 + i;
+      if (c >= chunks) break;
+      const int vectors = c + 1 < chunks ? kFullVectors : tail_vectors;
+#pragma unroll
+      for (int j = 0; j < kAlignedVecs<KIND>; ++j) {
+        if (lane + 32 * j < vectors) stage[lane + 32 * j] = w[i].v[j];
+      }
+      if (c + kDepth < chunks) fetch(w[i], c + kDepth);
+      __syncwarp();
+      const int blk = c * kChunkBlocks + lane;
+      if (blk < nb) {
+        float d, m;  // the K-quants': d * sc[j] and the offset -(dmin * mn[j])
+        int q[8];
+        if constexpr (kKQuant<KIND>) {
+          float scale[2], dm;
+          parse_sub_block<KIND, true>(stages[warp] + (lane >> 3) * kBlockBytes<KIND>, lane & 7, scale, dm, q);
+          d = scale[0];
+          m = -dm;
+        } else {
+          parse_aligned<KIND>(stages[warp], lane, d, m, q);
+        }
+#pragma unroll
+        for (int b = 0; b < BMAX; ++b) {
+          if (b >= p.batch) break;
+          const int4* qv = reinterpret_cast<const int4*>(xq + b * p.k + blk * 32);
+          const int4 lo = qv[0], hi = qv[1];
+          const int qa[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+          int isum = 0;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) isum = __dp4a(q[e], qa[e], isum);
+          if constexpr (KIND == kGgufQ4_0) isum -= 8 * xsum[b * nb + blk];  // sum((q - 8) q_a), exactly
+          const float d_a = xd[b * nb + blk];
+          acc[b] = __fadd_rn(acc[b], __fmul_rn(__fmul_rn(d, d_a), static_cast<float>(isum)));
+          if constexpr (kHasOffset<KIND>) acc_m[b] = __fadd_rn(acc_m[b], __fmul_rn(m, xd[(p.batch + b) * nb + blk]));
+        }
+      }
+      __syncwarp();  // the stage is rewritten by the next chunk
+    }
+  }
+  store_row<T, KIND, true, BMAX>(p, g, n, lane, acc, acc_m);
+}
+
+// Whether every segment of `p` (all of one type of kAlignedKind) meets the aligned kernel's layout.
+inline bool gguf_rows_aligned(const GgufGemvParams& p) {
+  if (p.k % 256 || p.k >= (int64_t{1} << 30)) return false;
+  for (int i = 0; i < p.segments; ++i) {
+    if (reinterpret_cast<uintptr_t>(p.seg[i].blocks) & 15) return false;
+  }
+  return true;
+}
+
+}  // namespace
+}  // namespace patcher

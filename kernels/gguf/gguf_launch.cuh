@@ -1,0 +1,76 @@
+// The GGUF decode GEMV's launchers: the input kernel, then per block type the general kernel (gguf_gemv.cuh) or,
+// for W4A8 over aligned blocks, the aligned one (gguf_gemv_aligned.cuh). Included by one .cu file per
+// dtype (gguf_half.cu, gguf_bf16.cu, gguf_float.cu).
+#pragma once
+#include "gguf/gguf_gemv_aligned.cuh"
+
+namespace patcher {
+namespace {
+
+template <typename T, int KIND, bool A8, int BMAX, bool ALIGNED>
+cudaError_t launch_gguf(const GgufGemvParams& p, cudaStream_t stream) {
+  int64_t rows = 0;
+  for (int i = 0; i < p.segments; ++i) rows += p.seg[i].n;
+  const dim3 grid(static_cast<unsigned>((rows + kGgufWarps - 1) / kGgufWarps));
+  if constexpr (ALIGNED) {
+    return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX>, grid, dim3(kGgufWarps * 32), 0, stream, p);
+  } else {
+    return launch_pdl(gguf_gemv_kernel<T, KIND, A8, BMAX>, grid, dim3(kGgufWarps * 32), 0, stream, p);
+  }
+}
+
+template <typename T, int KIND, bool A8, bool ALIGNED>
+cudaError_t launch_gguf_batch(const GgufGemvParams& p, cudaStream_t stream) {
+  if (p.batch <= 1) return launch_gguf<T, KIND, A8, 1, ALIGNED>(p, stream);
+  if (p.batch <= 2) return launch_gguf<T, KIND, A8, 2, ALIGNED>(p, stream);
+  if (p.batch <= 4) return launch_gguf<T, KIND, A8, 4, ALIGNED>(p, stream);
+  return launch_gguf<T, KIND, A8, 8, ALIGNED>(p, stream);
+}
+
+// W4A8 takes the aligned kernel where the layout allows (gguf_gemv_aligned.cuh).
+template <typename T, int KIND>
+cudaError_t launch_gguf_mode(const GgufGemvParams& p, cudaStream_t stream) {
+  if constexpr (kAlignedKind<KIND>) {
+    if (p.quantize_activations && gguf_rows_aligned(p)) return launch_gguf_batch<T, KIND, true, true>(p, stream);
+  }
+  return p.quantize_activations ? launch_gguf_batch<T, KIND, true, false>(p, stream)
+                                : launch_gguf_batch<T, KIND, false, false>(p, stream);
+}
+
+// The dtype's launcher over every kind, which gguf_<dtype>.cu instantiates.
+template <typename T, bool A8>
+cudaError_t launch_gguf_input(const GgufGemvParams& p, cudaStream_t stream) {
+  const int64_t threads = p.batch * (p.k / 8);
+  const dim3 grid(static_cast<unsigned>((threads + kInputThreads - 1) / kInputThreads));
+  if (rows_aligned16<T>(p.x, p.x_stride)) {
+    return launch_pdl(gguf_input_kernel<T, A8, true>, grid, dim3(kInputThreads), 0, stream, p);
+  }
+  return launch_pdl(gguf_input_kernel<T, A8, false>, grid, dim3(kInputThreads), 0, stream, p);
+}
+
+// The input kernel, then one GEMV launch per block type among the segments (in their order), each over the
+// segments of its type.
+template <typename T>
+cudaError_t launch_gguf_gemv_typed(const GgufGemvParams& p, cudaStream_t stream) {
+  const cudaError_t input =
+      p.quantize_activations ? launch_gguf_input<T, true>(p, stream) : launch_gguf_input<T, false>(p, stream);
+  if (input != cudaSuccess) return input;
+  bool launched[kGgufMaxSegments] = {};
+  for (int i = 0; i < p.segments; ++i) {
+    if (launched[i]) continue;
+    GgufGemvParams one = p;
+    one.segments = 0;
+    for (int j = i; j < p.segments; ++j) {
+      if (p.seg[j].kind != p.seg[i].kind) continue;
+      one.seg[one.segments++] = p.seg[j];
+      launched[j] = true;
+    }
+    const cudaError_t e =
+        with_kind(one.seg[0].kind, [&](auto kind) { return launch_gguf_mode<T, kind.value>(one, stream); });
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+}  // namespace patcher
