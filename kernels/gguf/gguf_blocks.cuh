@@ -158,20 +158,44 @@ __device__ __forceinline__ void parse_block(const uint8_t* blk, float& d, float&
 // Sub-block j (0..7) of the super-block at sb (2-byte aligned): its 32 integers as signed bytes, element i in byte
 // i % 4 of q[i / 4] (Q4_K: the nibble, Q5_K: nibble | high bit << 4, Q6_K: 6 bits - 32), and its scales. Q4_K, Q5_K:
 // scale[0] = scale[1] = d * sc[j], dm = dmin * mn[j]. Q6_K: scale[h] = d * scales[2j + h] for the 16-value half h
-// (elements 16h .. 16h + 15), dm = 0. ALIGNED (Q4_K, Q5_K): sb is 4-byte aligned, and the words load whole.
+// (elements 16h .. 16h + 15), dm = 0. ALIGNED: Q4_K, Q5_K: sb is 4-byte aligned, and the words load whole; Q6_K
+// (2-byte aligned, in a 4-byte aligned stage): the 4-byte words around them, each pair shifted into place.
 template <int KIND, bool ALIGNED = false>
 __device__ __forceinline__ void parse_sub_block(const uint8_t* sb, int j, float (&scale)[2], float& dm, int (&q)[8]) {
-  static_assert(!ALIGNED || KIND != kGgufQ6_K, "Q6_K's 210-byte super-blocks are 2-byte aligned");
   if constexpr (KIND == kGgufQ6_K) {
     // Half h = j / 4 (128 values) reads ql[64h ..] and qh[32h ..]; its group g = j % 4 the low (g < 2) or high
     // nibbles of ql[64h + 32(g % 2) + e] and bits 2g, 2g + 1 of qh[32h + e].
     const int h = j >> 2, g = j & 3;
     const uint8_t* ql = sb + 64 * h + 32 * (g & 1);
     const uint8_t* qh = sb + 128 + 32 * h;
+    unsigned lw[8], hw[8];
+    if constexpr (ALIGNED) {
+      // Words 0..8 from the word at or below each start (the 9th is inside the super-block: ql's 32 bytes are
+      // followed by ql or qh, qh's by qh or the scales).
+      const int off = static_cast<int>(reinterpret_cast<uintptr_t>(sb) & 3);  // 0 or 2
+      const unsigned shift = 8u * static_cast<unsigned>(off);
+      // (offsets from sb itself, so that shared memory stays shared to the compiler)
+      const uint32_t* l = reinterpret_cast<const uint32_t*>(ql - off);
+      const uint32_t* hi = reinterpret_cast<const uint32_t*>(qh - off);
+      uint32_t lv[9], hv[9];
+#pragma unroll
+      for (int i = 0; i < 9; ++i) lv[i] = l[i], hv[i] = hi[i];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        lw[i] = __funnelshift_rc(lv[i], lv[i + 1], shift);
+        hw[i] = __funnelshift_rc(hv[i], hv[i + 1], shift);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        lw[i] = static_cast<unsigned>(load_word(ql + 4 * i));
+        hw[i] = static_cast<unsigned>(load_word(qh + 4 * i));
+      }
+    }
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const unsigned low = (static_cast<unsigned>(load_word(ql + 4 * i)) >> (4 * (g >> 1))) & 0x0F0F0F0Fu;
-      const unsigned high = ((static_cast<unsigned>(load_word(qh + 4 * i)) >> (2 * g)) & 0x03030303u) << 4;
+      const unsigned low = (lw[i] >> (4 * (g >> 1))) & 0x0F0F0F0Fu;
+      const unsigned high = ((hw[i] >> (2 * g)) & 0x03030303u) << 4;
       q[i] = static_cast<int>(__vsub4(low | high, 0x20202020u));  // 0..63 - 32 per byte, no borrow between bytes
     }
     const float d = load_fp16(sb + 208);

@@ -86,14 +86,12 @@ __global__ void __launch_bounds__(kInputThreads) gguf_input_kernel(const GgufGem
   }
 }
 
-// One lane's block of the chunk (at `chunk` in the warp's stage) times x's 32-value block `blk` of every row (from
-// the workspace), into the lane's sums.
+// A lane's parsed block (parse_lane) times x's 32-value block `blk` of every row (from the workspace), into the
+// lane's sums.
 template <typename T, int KIND, bool A8, int BMAX>
-__device__ __forceinline__ void accumulate(const uint8_t* chunk, const GgufGemvParams& p, int64_t blk, int lane,
-                                           float (&acc)[BMAX], float (&acc_m)[BMAX]) {
-  float scale[2], off;
-  int q[8];
-  parse_lane<KIND>(chunk, lane, scale, off, q);
+__device__ __forceinline__ void accumulate_parsed(const float (&scale)[2], float off, const int (&q)[8],
+                                                  const GgufGemvParams& p, int64_t blk, float (&acc)[BMAX],
+                                                  float (&acc_m)[BMAX]) {
   if constexpr (A8) {
     const int8_t* xq = static_cast<const int8_t*>(p.work);
     const int64_t nb = p.k / 32;
@@ -140,6 +138,16 @@ __device__ __forceinline__ void accumulate(const uint8_t* chunk, const GgufGemvP
       }
     }
   }
+}
+
+// One lane's block of the chunk (at `chunk` in the warp's stage) times x's 32-value block `blk` of every row.
+template <typename T, int KIND, bool A8, int BMAX>
+__device__ __forceinline__ void accumulate(const uint8_t* chunk, const GgufGemvParams& p, int64_t blk, int lane,
+                                           float (&acc)[BMAX], float (&acc_m)[BMAX]) {
+  float scale[2], off;
+  int q[8];
+  parse_lane<KIND>(chunk, lane, scale, off, q);
+  accumulate_parsed<T, KIND, A8, BMAX>(scale, off, q, p, blk, acc, acc_m);
 }
 
 // The warp's output row: the launch's segments' rows one after the other (every segment is of the launch's KIND).

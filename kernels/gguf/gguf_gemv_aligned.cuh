@@ -1,33 +1,38 @@
 // The W4A8 decode GEMV where every chunk of a row starts 16-byte aligned: the blocks 16-byte aligned and, for the
-// 32-value types (Q4_0, Q4_1, Q8_0), K a multiple of 256 (8k blocks of 18, 20 or 34 bytes are whole 16-byte
-// vectors), as every real model's projections are; Q4_K and Q5_K (144 and 176-byte super-blocks) at any K. Q6_K's
-// 210-byte super-blocks never align. Work split, pipeline and arithmetic are gguf_gemv_kernel's (gguf_gemv.cuh): a
-// warp a row, chunks of 1024 values (one 32-value block or sub-block a lane), chunks of weights in registers ahead
-// of their use, the warp's shared stage, and the same fp32 terms summed in the same order, so the two kernels agree
-// bit for bit. What alignment saves is the instructions around the arithmetic, which bound the general kernel
-// (about 230 a Q4_0 chunk against 8 dp4a a lane): a chunk is whole 16-byte vectors at a fixed stride (no byte
-// window, no edge bytes); a lane reads its block from the stage as the 4-byte words that cover it, shifted into
-// place by a funnel shift (a 32-value block starts 0 or 2 bytes into a word; a K-quant's words are aligned), rather
-// than as 2-byte halves; and Q4_0's nibbles enter the dot product as stored (0..15), the 8 they are offset by
-// subtracted once as 8 * sum(q_a) from the workspace, in place of a per-byte subtraction on each word.
+// 32-value types (Q4_0, Q4_1, Q8_0), K a multiple of 256 (8k blocks of 18, 20 or 34 bytes are whole 16-byte vectors),
+// as every real model's projections are; Q4_K and Q5_K (144 and 176-byte super-blocks) at any K; Q6_K with the blocks
+// 8-byte aligned and K a multiple of 1024 (a chunk of 4 super-blocks is 840 bytes: whole 8-byte vectors, which Q6_K's
+// chunks are read in). Work split, pipeline and arithmetic are gguf_gemv_kernel's (gguf_gemv.cuh): a warp a row, chunks
+// of 1024 values (one 32-value block or sub-block a lane), chunks of weights in registers ahead of their use, the
+// warp's shared stage, and the same fp32 terms summed in the same order, so the two kernels agree bit for bit. What
+// alignment saves is the instructions around the arithmetic, which bound the general kernel (about 230 a Q4_0 chunk
+// against 8 dp4a a lane): a chunk is whole 16-byte vectors at a fixed stride (no byte window, no edge bytes); a lane
+// reads its block from the stage as the 4-byte words that cover it, shifted into place by a funnel shift (a 32-value
+// block or a Q6_K super-block starts 0 or 2 bytes into a word; Q4_K's and Q5_K's words are aligned), rather than as
+// 2-byte halves; and Q4_0's nibbles enter the dot product as stored (0..15), the 8 they are offset by subtracted once
+// as 8 * sum(q_a) from the workspace, in place of a per-byte subtraction on each word.
 #pragma once
 #include "gguf/gguf_gemv.cuh"
 
 namespace patcher {
 namespace {
 
+// The global vectors a chunk is read in: 16 bytes, but 8 for Q6_K, whose chunk of 4 super-blocks is 840 bytes (a
+// row of whole chunks starts every chunk 8-byte aligned).
 template <int KIND>
-constexpr bool kAlignedKind = KIND != kGgufQ6_K;  // Q6_K's 210-byte super-blocks leave chunks 2-byte aligned
+using AlignedVec = std::conditional_t<KIND == kGgufQ6_K, uint2, uint4>;
+template <int KIND>
+constexpr int kVecBytes = static_cast<int>(sizeof(AlignedVec<KIND>));
 // 4-byte words of the stage that cover a lane's block: its 18, 20 or 34 bytes from an offset of 0 or 2 mod 4.
 template <int KIND>
 constexpr int kLaneWords = KIND == kGgufQ8_0 ? 9 : 5;
-// 16-byte vectors of a full chunk a lane loads (the chunk's vectors spread over the lanes).
+// Vectors of a full chunk a lane loads (the chunk's vectors spread over the lanes).
 template <int KIND>
-constexpr int kAlignedVecs = (kChunkBytes<KIND> / 16 + 31) / 32;
+constexpr int kAlignedVecs = (kChunkBytes<KIND> / kVecBytes<KIND> + 31) / 32;
 
 template <int KIND>
 struct AlignedChunk {
-  uint4 v[kAlignedVecs<KIND>];
+  AlignedVec<KIND> v[kAlignedVecs<KIND>];
 };
 
 // Lane `lane`'s block of the chunk in `stage` (16-byte aligned): d, Q4_1's m, and the 32 integers as 8 words of 4
@@ -61,11 +66,11 @@ __device__ __forceinline__ void parse_aligned(const uint8_t* stage, int lane, fl
 
 template <typename T, int KIND, int BMAX>
 __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(const __grid_constant__ GgufGemvParams p) {
-  static_assert(kAlignedKind<KIND>, "chunks of whole 16-byte vectors");
+  using Vec = AlignedVec<KIND>;
   __shared__ __align__(16) uint8_t stages[kGgufWarps][kChunkBytes<KIND>];
   constexpr int kDepth = kGgufDepth<KIND>;
   constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
-  constexpr int kFullVectors = kChunkBytes<KIND> / 16;
+  constexpr int kFullVectors = kChunkBytes<KIND> / kVecBytes<KIND>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   griddep_trigger_at_entry();  // no decode attention reads this op's output directly
   const WarpRow r = warp_row(p, warp);
@@ -76,11 +81,11 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
   const int nb = static_cast<int>(p.k / 32);                  // 32-value blocks (sub-blocks) a row, and of x
   const int units = static_cast<int>(p.k / kBlockValues<KIND>);  // blocks (super-blocks) a row
   const int chunks = (units + kPerChunk - 1) / kPerChunk;
-  // The last chunk too is whole vectors: 8k blocks of the 32-value types (K a multiple of 256), or 1-3 super-blocks
-  // of 144 or 176 bytes.
-  const int tail_vectors = (units - (chunks - 1) * kPerChunk) * kBlockBytes<KIND> / 16;
-  const uint4* row = reinterpret_cast<const uint4*>(g.blocks + n * g.row_bytes);
-  uint4* stage = reinterpret_cast<uint4*>(stages[warp]);
+  // The last chunk too is whole vectors: 8k blocks of the 32-value types (K a multiple of 256), 1-3 super-blocks
+  // of 144 or 176 bytes, or Q6_K's 4 (K a multiple of 1024).
+  const int tail_vectors = (units - (chunks - 1) * kPerChunk) * kBlockBytes<KIND> / kVecBytes<KIND>;
+  const Vec* row = reinterpret_cast<const Vec*>(g.blocks + n * g.row_bytes);
+  Vec* stage = reinterpret_cast<Vec*>(stages[warp]);
   auto fetch = [&](AlignedChunk<KIND>& w, int c) {
     const int vectors = c + 1 < chunks ? kFullVectors : tail_vectors;
 #pragma unroll
@@ -116,7 +121,15 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
       if (c + kDepth < chunks) fetch(w[i], c + kDepth);
       __syncwarp();
       const int blk = c * kChunkBlocks + lane;
-      if (blk < nb) {
+      if constexpr (KIND == kGgufQ6_K) {
+        // The general kernel's arithmetic (a term a 16-value half, the pair added first) on a word-wise parse.
+        if (blk < nb) {
+          float scale[2], dm;
+          int q[8];
+          parse_sub_block<KIND, true>(stages[warp] + (lane >> 3) * kBlockBytes<KIND>, lane & 7, scale, dm, q);
+          accumulate_parsed<T, KIND, true, BMAX>(scale, 0.f, q, p, blk, acc, acc_m);
+        }
+      } else if (blk < nb) {
         float d, m;  // the K-quants': d * sc[j] and the offset -(dmin * mn[j])
         int q[8];
         if constexpr (kKQuant<KIND>) {
@@ -148,11 +161,13 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
   store_row<T, KIND, true, BMAX>(p, g, n, lane, acc, acc_m);
 }
 
-// Whether every segment of `p` (all of one type of kAlignedKind) meets the aligned kernel's layout.
-inline bool gguf_rows_aligned(const GgufGemvParams& p) {
-  if (p.k % 256 || p.k >= (int64_t{1} << 30)) return false;
+// Whether every segment of `p` (all of type KIND) meets the aligned kernel's layout: blocks aligned to its vectors,
+// rows of whole chunks of them (K a multiple of 256; of 1024 for Q6_K).
+template <int KIND>
+bool gguf_rows_aligned(const GgufGemvParams& p) {
+  if (p.k % (KIND == kGgufQ6_K ? 1024 : 256) || p.k >= (int64_t{1} << 30)) return false;
   for (int i = 0; i < p.segments; ++i) {
-    if (reinterpret_cast<uintptr_t>(p.seg[i].blocks) & 15) return false;
+    if (reinterpret_cast<uintptr_t>(p.seg[i].blocks) % kVecBytes<KIND>) return false;
   }
   return true;
 }

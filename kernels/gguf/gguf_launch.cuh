@@ -30,9 +30,7 @@ cudaError_t launch_gguf_batch(const GgufGemvParams& p, cudaStream_t stream) {
 // W4A8 takes the aligned kernel where the layout allows (gguf_gemv_aligned.cuh).
 template <typename T, int KIND>
 cudaError_t launch_gguf_mode(const GgufGemvParams& p, cudaStream_t stream) {
-  if constexpr (kAlignedKind<KIND>) {
-    if (p.quantize_activations && gguf_rows_aligned(p)) return launch_gguf_batch<T, KIND, true, true>(p, stream);
-  }
+  if (p.quantize_activations && gguf_rows_aligned<KIND>(p)) return launch_gguf_batch<T, KIND, true, true>(p, stream);
   return p.quantize_activations ? launch_gguf_batch<T, KIND, true, false>(p, stream)
                                 : launch_gguf_batch<T, KIND, false, false>(p, stream);
 }

@@ -177,13 +177,14 @@ def test_gguf_gemv_strided_and_shaped_inputs(kernels, kind, quantize_activations
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_gemv_aligned_kernel_matches_the_general_one(kernels, kind):
-    """W4A8 (every type but Q6_K, K a multiple of 256) takes the aligned kernel where the blocks start 16-byte
-    aligned and the general one where they do not (the same blocks 2 bytes into a buffer): both give the same output
-    bit for bit (the same fp32 terms summed in the same order), within the W4A8 bound of the reference. K of 1280
-    (a chunk of 1024 values and a quarter one) and of 14336 (14 chunks), 1 and 5 rows of x."""
-    for k in (1280, 14336):
+    """W4A8 takes the aligned kernel where the blocks start 16-byte aligned (K a multiple of 256; of 1024 for Q6_K)
+    and the general one where they do not (the same blocks 2 bytes into a buffer): both give the same output bit for
+    bit (the same fp32 terms summed in the same order), within the W4A8 bound of the reference. K of 1280 (a chunk of
+    1024 values and a quarter one; Q6_K: 2048, two chunks, its super-blocks 0 and 2 bytes into a word) and of 14336
+    (14 chunks), 1 and 5 rows of x."""
+    for k in (2048 if kind == "Q6_K" else 1280, 14336):
         blocks, bias = weights(kind, 37, k, True)
         aligned, bias = blocks.cuda(), bias.cuda()
         buffer = torch.empty(aligned.numel() + 2, dtype=torch.uint8, device="cuda")
