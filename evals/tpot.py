@@ -92,7 +92,7 @@ def weight_bytes(model) -> int:
     embedding = model.get_input_embeddings().weight
     embedding = embedding.to_local() if hasattr(embedding, "to_local") else embedding
     output = model.get_output_embeddings()
-    if output is None or output.weight is not embedding:
+    if output is None or getattr(output, "weight", None) is not embedding:  # (a GGUF lm_head holds blocks)
         total -= embedding.numel() * embedding.element_size()
     return total
 

@@ -21,6 +21,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from ..layers.guard import user_hooks
+from ..layers.weights import head_device, head_rows
 from ..parallel import vocab_reason
 from .processors import Sampling
 from .runner import MAX_BATCH
@@ -136,8 +137,7 @@ def split_reason(model) -> str | None:
                                                               "in_gguf")):  # fmt: skip
             return f"GPTQ int4 or GGUF projections over several devices ({name})"
     norm = getattr(getattr(model, state.spec.base_model, model), state.spec.final_norm)
-    head = model.get_output_embeddings()
-    if next(norm.parameters()).device != head.weight.device:
+    if next(norm.parameters()).device != head_device(model.get_output_embeddings()):
         return "the final norm and the lm_head on different devices"
     return None
 
@@ -261,7 +261,7 @@ def call_reason(model, generation_config, kwargs) -> tuple[str | None, dict]:
         if StopStringCriteria not in replaced:
             criteria.append(stop_string_criteria(model._patcher_state, tokenizer, config.stop_strings))
     try:
-        sampling = sampling_for(config, eos, model.get_output_embeddings().weight.shape[0])
+        sampling = sampling_for(config, eos, head_rows(model.get_output_embeddings()))
     except ValueError as e:
         return str(e), {}
     return None, {

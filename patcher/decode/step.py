@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..gguf import GGUFLinear
+from ..layers.weights import GGUFProjection, head_device, head_rows
 from ..ops import int4
 from ..parallel import RankSum, embedding_lookup, gather_logits, rank_sum_reason, rowwise_linear, shard, vocab_group
 from ..registry import REGISTRY
@@ -136,9 +138,13 @@ class DecodeStep:
         fused = options.fuse_next_token and plain and self.embed_group is None and self.embed.weight.is_contiguous()
         self.embed_weight = self.embed.weight if fused else None
         lm_head = model.get_output_embeddings()
-        self.lm_group = vocab_group(lm_head.weight)
-        self.lm_weight, self.lm_bias = shard(lm_head.weight), shard(getattr(lm_head, "bias", None))
-        self.vocab = lm_head.weight.shape[0]  # the whole vocabulary (a DTensor's shape is the global one)
+        # A GGUF file's lm_head kept as blocks (load_gguf) runs its module's own op, as the layers' GGUF projections.
+        self.lm_gguf = GGUFProjection([lm_head]) if isinstance(lm_head, GGUFLinear) else None
+        head_weight = None if self.lm_gguf else lm_head.weight
+        self.lm_group = None if self.lm_gguf else vocab_group(head_weight)
+        self.lm_weight, self.lm_bias = shard(head_weight), shard(getattr(lm_head, "bias", None))
+        self.vocab = head_rows(lm_head)  # the whole vocabulary (a DTensor's shape is the global one)
+        head_at = head_device(lm_head)
         self.rotary = base.rotary_emb
         final_norm = getattr(base, spec.final_norm)
         self.final_norm = norm_params(final_norm, spec)
@@ -152,11 +158,11 @@ class DecodeStep:
         self.segments = segments([next(layer.parameters()).device for layer in layers])
         if self.segments[0][0] != self.embed.weight.device:  # the embedding on a device of its own
             self.segments.insert(0, (self.embed.weight.device, 0, 0))
-        if self.segments[-1][0] != self.lm_weight.device:  # so the final norm and the lm_head
-            self.segments.append((self.lm_weight.device, len(layers), len(layers)))
+        if self.segments[-1][0] != head_at:  # so the final norm and the lm_head
+            self.segments.append((head_at, len(layers), len(layers)))
         if len(self.segments) > 1:  # next_token's embedding copy would read the first segment's table from the last
             self.embed_weight = None
-        self.gguf = any(
+        self.gguf = self.lm_gguf is not None or any(
             p is not None
             for layer in self.layers
             for p in (layer.attention.qkv_gguf, layer.attention.out_gguf, layer.mlp.in_gguf, layer.mlp.out_gguf)
@@ -170,8 +176,10 @@ class DecodeStep:
                                     *(x.mlp.group for x in self.layers))
         )  # fmt: skip
         self.head_dim = spec.head_dim(config)
-        self.hidden = self.lm_weight.shape[1]
-        self.device, self.dtype = self.lm_weight.device, self.lm_weight.dtype
+        self.hidden = lm_head.in_features if self.lm_gguf else self.lm_weight.shape[1]
+        # (the activations' dtype: a GGUF head's blocks have none, the embedding its load_gguf dtype)
+        self.device = head_at
+        self.dtype = self.embed.weight.dtype if self.lm_gguf else self.lm_weight.dtype
         # the row-wise projections' sums: a RankSum of each StepState where every layer sums over one group that
         # rank_sum serves (NCCL on GPUs), else dist.all_reduce
         groups = {id(g): g for x in self.layers for g in (x.attention.group, x.mlp.group) if g is not None}
@@ -453,14 +461,13 @@ class DecodeStep:
         pro = self._prologue(delta, delta2, self.final_norm)
         if delta is not None and delta.dtype == torch.int64:  # the last int4 projection left its sums unmet
             h = self.ops.int4_norm_prologue(residual, *pro)[0]
-            logits = self._linear(h, self.lm_weight, self.lm_bias, "none", st)
+            logits = self._linear(h, self.lm_weight, self.lm_bias, "none", st, gguf=self.lm_gguf)
         else:
             # On a GPU the lm_head never takes the final norm as its prologue: its vocab / 8 blocks would each
             # recompute the norm, which costs more than a norm kernel in front.
             fuse = self.device.type != "cuda"
-            logits = self._norm_linear(
-                residual, pro, self.final_separate_norm, self.lm_weight, self.lm_bias, "none", st, fuse=fuse
-            )[0]
+            head = (self.lm_weight, self.lm_bias, "none", st)
+            logits = self._norm_linear(residual, pro, self.final_separate_norm, *head, fuse=fuse, gguf=self.lm_gguf)[0]
         return logits if self.lm_group is None else gather_logits(logits, st.gathered_logits, self.lm_group)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""`load_gguf`: an HF model from a GGUF file whose decoder linears keep the file's blocks (GGUFLinear).
+"""`load_gguf`: an HF model from a GGUF file whose decoder linears and lm_head keep the file's blocks (GGUFLinear).
 
 The config (and later the tokenizer) come from transformers' own reading of the file's metadata; the model is built
 with its parameters on the meta device (accelerate's init_empty_weights), and each tensor of the file is then read
-once: a decoder linear whose tensor has a supported block type (format.TYPES) becomes a GGUFLinear holding the
-blocks as the file stores them, without being dequantized; every other tensor is dequantized and processed exactly
+once: a decoder linear, or an lm_head not tied to the embedding (llama.cpp stores it as Q6_K in most files), whose
+tensor has a supported block type (format.TYPES) becomes a GGUFLinear holding the blocks as the file stores them,
+without being dequantized; every other tensor is dequantized and processed exactly
 as transformers' GGUF loader does it (`gguf.quants.dequantize`, the architecture's tensor processor, the name map),
 in the model's dtype. So loading costs the dequantization of the other tensors only, and its peak memory is about
 the quantized model's.
@@ -83,8 +84,8 @@ def load_gguf(
     device_map: str | torch.device | None = None,
     quantize_activations: bool = True,
 ):
-    """Loads a GGUF file as an HF *ForCausalLM in eval mode, with GGUFLinear decoder linears; `model.gguf_report`
-    (a GGUFReport) names the linears kept quantized and those dequantized.
+    """Loads a GGUF file as an HF *ForCausalLM in eval mode, with GGUFLinear decoder linears (and lm_head, untied);
+    `model.gguf_report` (a GGUFReport) names the linears kept quantized and those dequantized.
 
     dtype: the activations' and the dequantized tensors' dtype. device_map: one device ("cuda", "cpu",
     torch.device). quantize_activations: W4A8 (activations quantized to Q8_1 blocks) or W4A16. The model is not
@@ -113,6 +114,8 @@ def load_gguf(
     prefix = f"{entry.spec.base_model}.{entry.spec.layers}."
     report = GGUFReport(str(path.name), quantize_activations=quantize_activations)
     modules = dict(model.named_modules())
+    head = model.get_output_embeddings()  # kept as blocks too where untied (the embedding's rows are looked up)
+    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
     kept: dict[str, tuple[torch.Tensor, str]] = {}  # module name -> (blocks in the model's row order, block type)
     parsed = {"config": processor.config, "tensors": {}}  # (some processors store tensors here themselves)
     state = parsed["tensors"]
@@ -121,7 +124,8 @@ def load_gguf(
         module_name = hf_name[: -len(".weight")] if hf_name and hf_name.endswith(".weight") else None
         module = modules.get(module_name) if module_name else None
         kind = tensor.tensor_type.name
-        if module_name is not None and module_name.startswith(prefix) and isinstance(module, nn.Linear):
+        decoder = module_name is not None and module_name.startswith(prefix)
+        if isinstance(module, nn.Linear) and (decoder or (module is head and not tied)):
             reason, order = _keep_reason(tensor, module), None
             if reason is None:
                 try:
@@ -134,11 +138,11 @@ def load_gguf(
                 continue
             report.dequantized[module_name] = f"{kind}: {reason}"
         elif kind not in ("F32", "F16", "BF16"):
-            report.dequantized[module_name or hf_name or tensor.name] = f"{kind}: not a decoder linear"
+            report.dequantized[module_name or hf_name or tensor.name] = f"{kind}: {_other_reason(model, module, tied)}"
         _dequantize_into(state, tensor, processor, mapping, parsed, dtype)
     for module_name, (data, kind) in kept.items():
         bias = state.pop(f"{module_name}.bias", None)
-        parent, _, child = module_name.rpartition(".")
+        parent, _, child = module_name.rpartition(".")  # (the lm_head's parent: the model itself, "")
         setattr(model.get_submodule(parent), child, GGUFLinear.from_blocks(data, kind, bias, quantize_activations))
         report.quantized[module_name] = kind
     model.load_state_dict(state, strict=False, assign=True)
@@ -165,6 +169,13 @@ def _dequantize_into(state: dict, tensor, processor, mapping: dict, parsed: dict
     if result.weights is None or result.name not in mapping:
         return
     state[mapping[result.name]] = torch.from_numpy(np.copy(result.weights)).to(dtype)
+
+
+def _other_reason(model, module, tied: bool) -> str:
+    """Why a quantized tensor that is not a decoder linear is dequantized."""
+    if module is not None and module is model.get_input_embeddings():
+        return "the embedding, looked up by rows" + (" (the lm_head shares it)" if tied else "")
+    return "the lm_head, tied to the embedding" if module is model.get_output_embeddings() else "not a decoder linear"
 
 
 def _keep_reason(tensor, module: nn.Linear) -> str | None:

@@ -74,12 +74,23 @@ def q4_k_m(layer: int, layers: int) -> dict[str, str]:
 MIXES = {"Q4_K_M": q4_k_m}  # a mix name -> (layer, layers) -> projection name -> type
 
 
+def head_type(kinds: str | dict[str, str], hidden: int) -> str | None:
+    """The lm_head's type in a file of `kinds` (quantize_random), as llama.cpp's quantizer writes it: Q8_0 in a Q8_0
+    file or where the hidden size is not whole super-blocks of 256, Q6_K otherwise; a dict names its own ("lm_head",
+    or none)."""
+    if isinstance(kinds, dict):
+        return kinds.get("lm_head")
+    return "Q8_0" if kinds == "Q8_0" or hidden % 256 else "Q6_K"
+
+
 def quantize_random(model, kinds: str | dict[str, str], quantize_activations: bool = True, seed: int = 0):
-    """Replaces every decoder linear of `model` with a GGUFLinear of random blocks, on the linear's device.
+    """Replaces every decoder linear of `model`, and an lm_head not tied to the embedding, with a GGUFLinear of
+    random blocks, on the linear's device.
 
     kinds: one type name for all, a mix of MIXES (types per layer as a file of that mix has them; GPT-NeoX's fused
-    query_key_value takes Q4_K), or projection attribute name (q_proj, down_proj, ...) -> type name (a name not in it
-    keeps its nn.Linear). A linear's bias is kept. Sets `model.gguf_report`.
+    query_key_value takes Q4_K), or projection attribute name (q_proj, down_proj, ...; lm_head) -> type name (a name
+    not in it keeps its nn.Linear). The lm_head takes head_type's. A linear's bias is kept. Sets
+    `model.gguf_report`.
     """
     from ..registry import REGISTRY
     from .load import GGUFReport
@@ -102,10 +113,20 @@ def quantize_random(model, kinds: str | dict[str, str], quantize_activations: bo
                     kind = per_layer.get(name, "Q4_K" if mix else None)
                 if not isinstance(linear, torch.nn.Linear) or kind is None:
                     continue
-                data = random_blocks(kind, linear.out_features, linear.in_features, generator)
-                bias = None if linear.bias is None else linear.bias.detach()
-                layer_ = GGUFLinear.from_blocks(data.to(linear.weight.device), kind, bias, quantize_activations)
+                setattr(parent, name, _random_layer(linear, kind, quantize_activations, generator))
                 report.quantized[module_names[id(linear)]] = fmt.block_type(kind).name
-                setattr(parent, name, layer_)
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    kind = head_type(kinds, head.in_features) if isinstance(head, torch.nn.Linear) and not tied else None
+    if kind is not None:
+        model.set_output_embeddings(_random_layer(head, kind, quantize_activations, generator))
+        report.quantized[module_names[id(head)]] = fmt.block_type(kind).name
     model.gguf_report = report
     return model
+
+
+def _random_layer(linear: torch.nn.Linear, kind: str, quantize_activations: bool, generator) -> GGUFLinear:
+    """A GGUFLinear of random `kind` blocks in place of `linear`: its shape, bias and device."""
+    data = random_blocks(kind, linear.out_features, linear.in_features, generator)
+    bias = None if linear.bias is None else linear.bias.detach()
+    return GGUFLinear.from_blocks(data.to(linear.weight.device), kind, bias, quantize_activations)

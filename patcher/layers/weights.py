@@ -138,3 +138,16 @@ def project(ops, x: torch.Tensor, weight, bias, int4, group=None, gguf: GGUFProj
     if group is not None:
         return rowwise_linear(x, weight, bias, group)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def head_rows(head: nn.Module) -> int:
+    """The lm_head's output rows (the vocabulary): an nn.Linear's weight rows (a DTensor's are the global ones), or
+    a GGUFLinear's out_features (its blocks hold no weight tensor)."""
+    weight = getattr(head, "weight", None)
+    return head.out_features if weight is None else weight.shape[0]
+
+
+def head_device(head: nn.Module) -> torch.device:
+    """The device the lm_head computes on: its weight's, or a GGUFLinear's blocks'."""
+    weight = getattr(head, "weight", None)
+    return head.qweight.device if weight is None else weight.device

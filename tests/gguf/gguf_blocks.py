@@ -36,9 +36,9 @@ def random_blocks(kind: str, rows: int, cols: int, gen: torch.Generator, scales=
 def write_tiny_model(path, architecture: str = "llama", types: dict | None = None, seed: int = 0) -> dict:
     """Writes a 2-layer GGUF model (hidden 256, 4 heads, 2 kv heads, MLP 512, vocab 64) with gguf.GGUFWriter.
 
-    types: GGUF projection name (attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down) -> type name;
-    gguf.quants quantizes the types it can from random weights, the K-quants get random blocks. qwen2 files carry
-    q/k/v biases. Returns the types used.
+    types: GGUF projection name (attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down, and output: the
+    lm_head, Q6_K as llama.cpp writes it, F32, or None for none) -> type name; gguf.quants quantizes the types it can from random
+    weights, the K-quants get random blocks. qwen2 files carry q/k/v biases. Returns the types used.
     """
     import gguf
     import numpy as np
@@ -52,6 +52,7 @@ def write_tiny_model(path, architecture: str = "llama", types: dict | None = Non
         "ffn_gate": "Q5_K",
         "ffn_up": "Q6_K",
         "ffn_down": "Q4_0",
+        "output": "Q6_K",
         **(types or {}),
     }
     shapes = {
@@ -82,17 +83,25 @@ def write_tiny_model(path, architecture: str = "llama", types: dict | None = Non
 
     writer.add_tensor("token_embd.weight", floats(vocab, hidden))
     writer.add_tensor("output_norm.weight", 1 + floats(hidden, scale=0.1))
-    writer.add_tensor("output.weight", floats(vocab, hidden, scale=0.05))
+
+    def add_linear(name: str, kind_name: str, rows: int, cols: int) -> None:
+        if kind_name == "F32":
+            writer.add_tensor(name, floats(rows, cols, scale=0.05))
+            return
+        kind = gguf.GGMLQuantizationType[kind_name]
+        if kind_name in ("Q4_K", "Q5_K", "Q6_K"):
+            data = random_blocks(kind_name, rows, cols, gen, scales=_k_scales).numpy()
+        else:
+            data = gguf.quants.quantize(floats(rows, cols, scale=0.05), kind)
+        writer.add_tensor(name, data, raw_dtype=kind)
+
+    if types["output"] is not None:  # (None: no lm_head of its own, as a file of a tied model)
+        add_linear("output.weight", types["output"], vocab, hidden)
     for i in range(layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", 1 + floats(hidden, scale=0.1))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + floats(hidden, scale=0.1))
         for name, (rows, cols) in shapes.items():
-            kind = gguf.GGMLQuantizationType[types[name]]
-            if types[name] in ("Q4_K", "Q5_K", "Q6_K"):
-                data = random_blocks(types[name], rows, cols, gen, scales=_k_scales).numpy()
-            else:
-                data = gguf.quants.quantize(floats(rows, cols, scale=0.05), kind)
-            writer.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=kind)
+            add_linear(f"blk.{i}.{name}.weight", types[name], rows, cols)
             if architecture == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
                 writer.add_tensor(f"blk.{i}.{name}.bias", floats(rows, scale=0.1))
     writer.write_header_to_file()

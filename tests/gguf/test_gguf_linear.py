@@ -83,9 +83,10 @@ def test_load_gguf_keeps_the_supported_blocks(tiny):
     model = load_gguf(path, dtype=torch.float32, quantize_activations=False)
     report = model.gguf_report
     layers = gguf_layers(model)
-    supported = [kind for kind in types.values() if kind in fmt.TYPES]
-    assert len(layers) == 2 * len(supported) and report.quantized == {n: m.kind for n, m in layers.items()}
-    assert sorted(m.kind for m in layers.values()) == sorted(supported * 2)
+    supported = [kind for name, kind in types.items() if kind in fmt.TYPES and name != "output"]
+    assert len(layers) == 2 * len(supported) + 1 and report.quantized == {n: m.kind for n, m in layers.items()}
+    assert sorted(m.kind for m in layers.values()) == sorted(supported * 2 + [types["output"]])
+    assert layers["lm_head"] is model.get_output_embeddings() and model.lm_head.kind == types["output"] == "Q6_K"
     unsupported = {n: why for n, why in report.dequantized.items() if "up_proj" in n}
     assert len(unsupported) == (2 if "Q5_0" in types.values() else 0)
     assert all(why.startswith("Q5_0: not supported") for why in unsupported.values())
@@ -125,6 +126,28 @@ def test_load_gguf_logits_w4a16_equal_and_w4a8_close(tiny):
             hook.remove()
     assert len(rounding) == len(layers) and max(rounding) <= 1e-5, rounding
     assert min(quantization) > 100 * max(rounding), quantization  # the activations were quantized
+
+
+@pytest.mark.parametrize("output", [None, "F32", "Q8_0"])
+def test_load_gguf_lm_head_kept_where_untied(tmp_path, output):
+    """A file without an lm_head of its own (a tied model's): the head stays transformers' tied embedding; an F32
+    head stays an nn.Linear, named in the report; a quantized one is kept as blocks, and the model's logits are
+    transformers' own bit for bit (W4A16)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, "llama", {"output": output})
+    model = load_gguf(path, dtype=torch.float32, quantize_activations=False)
+    head, report = model.get_output_embeddings(), model.gguf_report
+    if output is None:
+        assert head.weight is model.get_input_embeddings().weight and "lm_head" not in report.dequantized
+    elif output == "F32":
+        assert type(head) is torch.nn.Linear and report.dequantized["lm_head"].startswith("F32: not supported")
+    else:
+        assert isinstance(head, GGUFLinear) and report.quantized["lm_head"] == head.kind == "Q8_0"
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(model(TINY_TOKENS).logits, expected(TINY_TOKENS).logits)
 
 
 def test_load_gguf_dtype_and_refusals(tiny, tmp_path):

@@ -11,7 +11,7 @@ from patcher import patch_model, unpatch_model
 from patcher import random_models as rm
 from patcher.gguf import GGUFLinear
 from patcher.gguf import format as fmt
-from patcher.gguf.random_weights import q4_k_m, quantize_random, random_blocks
+from patcher.gguf.random_weights import head_type, q4_k_m, quantize_random, random_blocks
 
 
 @pytest.mark.parametrize("kind", list(fmt.TYPES))
@@ -58,7 +58,7 @@ def test_q4_k_m_mix_follows_llama_cpp():
 
 def test_q4_k_m_random_model():
     """`--gguf-random Q4_K_M`: every decoder linear of a model whose widths are whole super-blocks takes the mix's
-    type for its layer."""
+    type for its layer, the untied lm_head Q6_K (llama.cpp's head_type)."""
     from transformers import AutoModelForCausalLM
 
     cfg = rm.config("tiny-llama")
@@ -71,6 +71,39 @@ def test_q4_k_m_random_model():
             for name, module in parent.named_children():
                 if isinstance(module, GGUFLinear):
                     assert module.kind == expected[name], (i, name)
-    assert len(model.gguf_report.quantized) == 7 * 9
+    assert len(model.gguf_report.quantized) == 7 * 9 + 1 and model.lm_head.kind == "Q6_K"
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-pythia", "tiny-llama-tied"])
+def test_random_head_follows_llama_cpp_and_keeps_the_logits(name):
+    """An untied lm_head takes head_type's blocks (Q6_K where the hidden size is whole super-blocks of 256, tiny-llama's;
+    Q8_0 otherwise, tiny-pythia's 320; Q8_0 in a Q8_0 file); a tied one stays the embedding. patch_model keeps the
+    logits, and the decode runner's greedy tokens are HF's."""
+    from patcher.decode import DecodeOptions, DecodeRunner, Sampling
+
+    assert [head_type(k, 4096) for k in ("Q4_0", "Q4_K_M", "Q8_0")] == ["Q6_K", "Q6_K", "Q8_0"]
+    assert head_type("Q4_0", 320) == "Q8_0" and head_type({"q_proj": "Q4_0"}, 4096) is None
+    model = rm.build(name)
+    quantize_random(model, "Q4_0")
+    head = model.get_output_embeddings()
+    if name == "tiny-llama-tied":
+        assert head.weight is model.get_input_embeddings().weight and "lm_head" not in model.gguf_report.quantized
+    else:
+        want = head_type("Q4_0", model.config.hidden_size)
+        name = next(n for n, m in model.named_modules() if m is head)
+        assert isinstance(head, GGUFLinear) and head.kind == want == model.gguf_report.quantized[name]
+    tokens = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(tokens).logits
+        hf_tokens = model.generate(tokens, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        patch_model(model)
+        try:
+            got = model(tokens).logits
+            runner = DecodeRunner(model, DecodeOptions(use_graphs=False))
+            ours = runner.generate(tokens, torch.ones_like(tokens), 6, Sampling(), eos=[], pad_token_id=0)
+        finally:
+            unpatch_model(model)
+    assert max_err(got, expected) <= FP32_LOGIT_ATOL
+    assert torch.equal(ours, hf_tokens)
