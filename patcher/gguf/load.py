@@ -19,6 +19,7 @@ way, an unsupported type, or a shape that is not the module's is dequantized as 
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,7 +152,29 @@ def load_gguf(
     if empty:
         raise ValueError(f"{path.name} holds no tensor for {len(empty)} parameters of the model: {empty[:4]}")
     model.gguf_report = report
+    if isinstance(model.get_output_embeddings(), GGUFLinear):
+        model.__dict__["resize_token_embeddings"] = types.MethodType(resize_token_embeddings, model)
     return model.to(device).eval()
+
+
+def resize_token_embeddings(self, *args, **kwargs):
+    """transformers' `resize_token_embeddings`, on a model whose lm_head load_gguf kept as GGUF blocks: rows are
+    added to float weights only, so the head is first dequantized into an nn.Linear of the embedding's dtype and
+    device (named in `gguf_report`), then transformers resizes the embedding and that head."""
+    head = self.get_output_embeddings()
+    if isinstance(head, GGUFLinear):
+        embed = self.get_input_embeddings().weight
+        bias = head.bias is not None
+        dense = nn.Linear(head.in_features, head.out_features, bias, device=embed.device, dtype=embed.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(head.dequantize())
+            if bias:
+                dense.bias.copy_(head.bias)
+        self.set_output_embeddings(dense)
+        name = next(n for n, m in self.named_modules() if m is dense)
+        self.gguf_report.quantized.pop(name, None)
+        self.gguf_report.dequantized[name] = f"{head.kind}: dequantized by resize_token_embeddings"
+    return type(self).resize_token_embeddings(self, *args, **kwargs)
 
 
 def _dequantize_into(state: dict, tensor, processor, mapping: dict, parsed: dict, dtype: torch.dtype) -> None:

@@ -150,6 +150,30 @@ def test_load_gguf_lm_head_kept_where_untied(tmp_path, output):
         assert torch.equal(model(TINY_TOKENS).logits, expected(TINY_TOKENS).logits)
 
 
+@pytest.mark.parametrize("patched", [False, True])
+def test_resize_token_embeddings_dequantizes_a_kept_lm_head(tmp_path, patched):
+    """Rows are added to float weights only: resizing the vocabulary of a model whose lm_head is kept as blocks turns
+    the head into an nn.Linear holding the dequantized weight (named in the report), and the old tokens' logits stay
+    those of the kept head (W4A16: the same dequantized weight either way), patched or not."""
+    from patcher import patch_model
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, "llama")
+    model = load_gguf(path, dtype=torch.float32, quantize_activations=False)
+    if patched:
+        patch_model(model)
+    with torch.no_grad():
+        before = model(TINY_TOKENS).logits
+    vocab = before.shape[-1]
+    model.resize_token_embeddings(vocab + 16, mean_resizing=False)
+    head, report = model.get_output_embeddings(), model.gguf_report
+    assert type(head) is torch.nn.Linear and head.weight.shape == (vocab + 16, head.in_features)
+    assert "lm_head" not in report.quantized and report.dequantized["lm_head"].startswith("Q6_K: dequantized by")
+    with torch.no_grad():
+        after = model(TINY_TOKENS).logits
+    assert after.shape[-1] == vocab + 16 and torch.equal(after[..., :vocab], before)
+
+
 def test_load_gguf_dtype_and_refusals(tiny, tmp_path):
     """In bf16, W4A16 gives the logits of transformers' bf16 model (the same dequantized weights, cast once)."""
     from transformers import AutoModelForCausalLM
