@@ -14,7 +14,8 @@ transformers maps GGUF tensor names to its own (`get_gguf_hf_weights_map`) and m
 run along the input dimension, so a row permutation moves whole rows of blocks: the same processor is run on the
 row indices, and the block rows are taken in the order it returns. A tensor the processor changes in any other
 way, an unsupported type, or a shape that is not the module's is dequantized as transformers would, and
-`model.gguf_report` says which and why.
+`model.gguf_report` says which and why. The model's `save_pretrained` and `resize_token_embeddings` are bound to
+dense.py's, which meet float weights where transformers needs them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tqdm import tqdm
 
 from ..patching import UnsupportedModelError
 from ..registry import REGISTRY
+from . import dense
 from . import format as fmt
 from .linear import GGUFLinear
 
@@ -152,29 +154,9 @@ def load_gguf(
     if empty:
         raise ValueError(f"{path.name} holds no tensor for {len(empty)} parameters of the model: {empty[:4]}")
     model.gguf_report = report
-    if isinstance(model.get_output_embeddings(), GGUFLinear):
-        model.__dict__["resize_token_embeddings"] = types.MethodType(resize_token_embeddings, model)
+    for method in (dense.save_pretrained, dense.resize_token_embeddings):  # (they need float weights)
+        model.__dict__[method.__name__] = types.MethodType(method, model)
     return model.to(device).eval()
-
-
-def resize_token_embeddings(self, *args, **kwargs):
-    """transformers' `resize_token_embeddings`, on a model whose lm_head load_gguf kept as GGUF blocks: rows are
-    added to float weights only, so the head is first dequantized into an nn.Linear of the embedding's dtype and
-    device (named in `gguf_report`), then transformers resizes the embedding and that head."""
-    head = self.get_output_embeddings()
-    if isinstance(head, GGUFLinear):
-        embed = self.get_input_embeddings().weight
-        bias = head.bias is not None
-        dense = nn.Linear(head.in_features, head.out_features, bias, device=embed.device, dtype=embed.dtype)
-        with torch.no_grad():
-            dense.weight.copy_(head.dequantize())
-            if bias:
-                dense.bias.copy_(head.bias)
-        self.set_output_embeddings(dense)
-        name = next(n for n, m in self.named_modules() if m is dense)
-        self.gguf_report.quantized.pop(name, None)
-        self.gguf_report.dequantized[name] = f"{head.kind}: dequantized by resize_token_embeddings"
-    return type(self).resize_token_embeddings(self, *args, **kwargs)
 
 
 def _dequantize_into(state: dict, tensor, processor, mapping: dict, parsed: dict, dtype: torch.dtype) -> None:

@@ -174,6 +174,25 @@ def test_resize_token_embeddings_dequantizes_a_kept_lm_head(tmp_path, patched):
     assert after.shape[-1] == vocab + 16 and torch.equal(after[..., :vocab], before)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_save_pretrained_writes_what_transformers_gguf_loading_holds(tmp_path, architecture):
+    """save_pretrained writes each kept linear's dequantized weight (and bias) as a dense one: from_pretrained of the
+    folder gives the logits of transformers' own GGUF model, and the model keeps its blocks."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, architecture)
+    model = load_gguf(path, dtype=torch.float32, quantize_activations=False)
+    model.save_pretrained(tmp_path / "saved")
+    assert isinstance(model.get_output_embeddings(), GGUFLinear) and "lm_head.qweight" in model.state_dict()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    assert reloaded.state_dict().keys() == expected.state_dict().keys()
+    with torch.no_grad():
+        assert torch.equal(reloaded(TINY_TOKENS).logits, expected(TINY_TOKENS).logits)
+        assert torch.equal(model(TINY_TOKENS).logits, expected(TINY_TOKENS).logits)
+
+
 def test_load_gguf_dtype_and_refusals(tiny, tmp_path):
     """In bf16, W4A16 gives the logits of transformers' bf16 model (the same dequantized weights, cast once)."""
     from transformers import AutoModelForCausalLM
