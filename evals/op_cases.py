@@ -148,7 +148,7 @@ def gguf_blocks(kind: str, n: int, k: int) -> torch.Tensor:
     """Random GGUF blocks of `kind` [n, bytes per row] on the GPU (patcher.gguf.random_weights)."""
     from patcher.gguf.random_weights import random_blocks
 
-    return random_blocks(kind, n, k, torch.Generator().manual_seed(n + k)).cuda()
+    return random_blocks(kind, n, k, torch.Generator("cuda").manual_seed(n + k))
 
 
 def case_gguf_linear(tokens, arch, dtype, ops, kind="Q4_0"):
