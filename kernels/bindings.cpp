@@ -35,8 +35,10 @@ struct NormResult {
   Tensor out, out2, sum;
 };
 
+// gguf: the output goes to that GGUF GEMV launch's workspace instead (NormParams::gguf_work; out stays undefined).
 NormResult run_norm(const Tensor& x, const Tensor* delta, const OptTensor& delta2, const Tensor& weight,
-                    const OptTensor& bias, const Tensor* weight2, const OptTensor& bias2, double eps, bool rms) {
+                    const OptTensor& bias, const Tensor* weight2, const OptTensor& bias2, double eps, bool rms,
+                    const patcher::GgufGemvParams* gguf = nullptr) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t hidden = x.size(-1);
@@ -65,8 +67,13 @@ NormResult run_norm(const Tensor& x, const Tensor* delta, const OptTensor& delta
   }
   p.weight = vector_arg(weight, x, hidden, "weight");
   p.bias = optional_vector_arg(bias, x, hidden, "bias");
-  r.out = at::empty(x.sizes(), x.options());
-  p.out = r.out.data_ptr();
+  if (gguf) {
+    p.gguf_work = gguf->work;
+    p.gguf_a8 = gguf->quantize_activations;
+  } else {
+    r.out = at::empty(x.sizes(), x.options());
+    p.out = r.out.data_ptr();
+  }
   if (weight2) {
     p.weight2 = vector_arg(*weight2, x, hidden, "weight2");
     p.bias2 = optional_vector_arg(bias2, x, hidden, "bias2");
@@ -109,6 +116,40 @@ std::tuple<Tensor, Tensor, Tensor> add_dual_layer_norm(const Tensor& x, const Te
                                                        const Tensor& weight2, const OptTensor& bias2, double eps) {
   auto r = run_norm(x, &delta, delta2, weight, bias, &weight2, bias2, eps, false);
   return {r.out, r.out2, r.sum};
+}
+
+// Whether the norm kernel can write a GGUF GEMV's workspace for x (NormParams::gguf_work): 16-bit values, hidden a
+// multiple of 256, rows of x, delta and the weight 16-byte aligned.
+bool norm_writes_gguf(const Tensor& x, const Tensor* delta, const Tensor& weight) {
+  const auto rows_aligned = [](const Tensor& t) {
+    return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0 && t.dim() >= 1 && t.stride(-1) == 1 &&
+           (t.dim() == 1 || t.stride(-2) % 8 == 0);
+  };
+  return (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) && x.size(-1) % 256 == 0 &&
+         rows_aligned(x) && (!delta || rows_aligned(*delta)) && weight.scalar_type() == x.scalar_type() &&
+         rows_aligned(weight);
+}
+
+// rms_norm(x [+ delta]) into gguf_gemv_cat, for the 1 to 8 rows of a decode step: (out, sum), sum = x + delta (an
+// empty tensor where delta is None). The norm kernel writes the GEMV's workspace itself where it can
+// (norm_writes_gguf), so no input kernel runs; otherwise the norm, then gguf_gemv_cat.
+std::tuple<Tensor, Tensor> gguf_norm_gemv_cat(const Tensor& x, const OptTensor& delta, const Tensor& norm_weight,
+                                              double eps, TensorList blocks, c10::string_view kinds,
+                                              OptTensorList biases, bool quantize_activations) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  GgufLaunch l = gguf_launch(x, blocks, kinds, biases, quantize_activations);
+  const Tensor* d = delta.has_value() ? &*delta : nullptr;
+  const bool fused = norm_writes_gguf(x, d, norm_weight);
+  l.p.work_ready = fused;
+  NormResult r = run_norm(x, d, std::nullopt, norm_weight, std::nullopt, nullptr, std::nullopt, eps, true,
+                          fused ? &l.p : nullptr);
+  if (!fused) {
+    l.p.x = r.out.data_ptr();
+    l.p.x_stride = r.out.size(-1);
+  }
+  check_launch(patcher::launch_gguf_gemv(l.p, c10::cuda::getCurrentCUDAStream()), "gguf_gemv");
+  return {l.out, d ? r.sum : at::empty({0}, x.options())};
 }
 
 // ---- attention prologue -----------------------------------------------------------------------------------
@@ -442,6 +483,8 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("int4_qkv_mlp_in", &int4_qkv_mlp_in);
   m.impl("gguf_gemv", &gguf_gemv);
   m.impl("gguf_gemv_cat", &gguf_gemv_cat);
+  m.impl("gguf_norm_gemv_cat", &gguf_norm_gemv_cat);
+  m.impl("gguf_silu_mul_gemv_cat", &gguf_silu_mul_gemv_cat);
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("round_q8_1", &round_q8_1);
   m.impl("rank_sum", &rank_sum);

@@ -68,11 +68,14 @@ patcher::GgufSegment gguf_segment(const Tensor& x, const Tensor& blocks, c10::st
   return g;
 }
 
-// [x @ W_0^T (+ b_0) | x @ W_1^T (+ b_1) | ...] [..., sum N_i] for the 1 to 8 rows of a decode step, each W_i the
-// GGUF rows blocks[i] [N_i, K / block values * block bytes] as GGUFLinear holds them, of the i-th of the
-// comma-separated `kinds`.
-Tensor gguf_gemv_cat(const Tensor& x, TensorList blocks, c10::string_view kinds, OptTensorList biases,
-                     bool quantize_activations) {
+// A checked gguf_gemv_cat launch: its parameters, output and workspace (on x's device: the caller holds its guard).
+struct GgufLaunch {
+  patcher::GgufGemvParams p;
+  Tensor out, work;
+};
+
+GgufLaunch gguf_launch(const Tensor& x, TensorList blocks, c10::string_view kinds, OptTensorList biases,
+                       bool quantize_activations) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   TORCH_CHECK(x.dim() >= 1, "patcher: x must have at least one dimension");
   const int64_t count = static_cast<int64_t>(blocks.size());
@@ -89,7 +92,6 @@ Tensor gguf_gemv_cat(const Tensor& x, TensorList blocks, c10::string_view kinds,
               "patcher: gguf_gemv_cat needs a kind (comma-separated) and a bias (or None) for each of its ",
               std::to_string(count), " weights, got '", std::string(kinds), "' and ", std::to_string(biases.size()),
               " biases");
-  const c10::cuda::CUDAGuard guard(x.device());
   patcher::GgufGemvParams p{};
   p.dtype = dtype_of(x);
   p.quantize_activations = quantize_activations;
@@ -113,8 +115,33 @@ Tensor gguf_gemv_cat(const Tensor& x, TensorList blocks, c10::string_view kinds,
   Tensor work = at::empty({patcher::gguf_gemv_work_bytes(p.batch, p.k, quantize_activations)},
                           x.options().dtype(at::kByte));
   p.work = work.data_ptr();
-  check_launch(patcher::launch_gguf_gemv(p, c10::cuda::getCurrentCUDAStream()), "gguf_gemv");
-  return out;
+  return {p, out, work};
+}
+
+// [x @ W_0^T (+ b_0) | x @ W_1^T (+ b_1) | ...] [..., sum N_i] for the 1 to 8 rows of a decode step, each W_i the
+// GGUF rows blocks[i] [N_i, K / block values * block bytes] as GGUFLinear holds them, of the i-th of the
+// comma-separated `kinds`.
+Tensor gguf_gemv_cat(const Tensor& x, TensorList blocks, c10::string_view kinds, OptTensorList biases,
+                     bool quantize_activations) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  GgufLaunch l = gguf_launch(x, blocks, kinds, biases, quantize_activations);
+  check_launch(patcher::launch_gguf_gemv(l.p, c10::cuda::getCurrentCUDAStream()), "gguf_gemv");
+  return l.out;
+}
+
+// gguf_gemv_cat(silu_and_mul(gate_up)) for the 1 to 8 rows of a decode step, gate_up [..., 2K] a gated MLP's
+// [gate | up]: the input kernel takes the activation's values itself (GgufGemvParams::silu_mul_input).
+Tensor gguf_silu_mul_gemv_cat(const Tensor& gate_up, TensorList blocks, c10::string_view kinds, OptTensorList biases,
+                              bool quantize_activations) {
+  TORCH_CHECK(gate_up.is_cuda(), "patcher: gate_up must be a CUDA tensor, got ", gate_up.device());
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "patcher: gate_up must be [..., 2 * in_features] ",
+              "([gate | up]), got ", dims(gate_up.sizes()));
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  GgufLaunch l = gguf_launch(gate_up.narrow(-1, 0, gate_up.size(-1) / 2), blocks, kinds, biases, quantize_activations);
+  l.p.silu_mul_input = true;
+  check_launch(patcher::launch_gguf_gemv(l.p, c10::cuda::getCurrentCUDAStream()), "gguf_gemv");
+  return l.out;
 }
 
 // y [..., N] = x [..., K] . W^T (+ bias) for the 1 to 8 rows of a decode step, W the GGUF rows `blocks`

@@ -49,41 +49,22 @@ __device__ __forceinline__ float load_scalar(const void* p, DType dtype, int64_t
 }
 
 // x [batch, k] into the workspace (params.h), a thread 8 values; every thread of a warp reaches the shuffles of the
-// quantization (a thread past the end works on a clamped copy and stores nothing).
-template <typename T, bool A8, bool VEC>
+// quantization (a thread past the end works on a clamped copy and stores nothing). SILU: x is [gate | up]
+// (GgufGemvParams::silu_mul_input), and the values are silu_and_mul's, round(round(silu(gate)) * up).
+template <typename T, bool A8, bool VEC, bool SILU>
 __global__ void __launch_bounds__(kInputThreads) gguf_input_kernel(const GgufGemvParams p) {
   griddep_trigger_at_entry();  // the GEMV after it reads only weights before its wait
   griddep_wait();
   const Part8 t = part8(p.batch, p.k, kInputThreads);
   float v[8];
   load8<T, VEC>(v, p.x, p.x_stride, t.row, t.col);
-  if constexpr (A8) {
-    int q[8];
-    const float d = quantize_q8_1_part(v, q);
-    int sum = 0;
+  if constexpr (SILU) {
+    float up[8];
+    load8<T, VEC>(up, p.x, p.x_stride, t.row, t.col + p.k);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) sum += q[i];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if (!t.live) return;
-    uint32_t packed[2] = {0u, 0u};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) packed[i / 4] |= (static_cast<uint32_t>(q[i]) & 0xFFu) << (8 * (i % 4));
-    int8_t* xq = static_cast<int8_t*>(p.work);
-    *reinterpret_cast<uint2*>(xq + t.row * p.k + t.col) = make_uint2(packed[0], packed[1]);
-    if (t.col % 32 == 0) {  // the block's first thread
-      const int64_t nb = p.k / 32, blk = t.row * nb + t.col / 32;
-      float* xd = reinterpret_cast<float*>(xq + p.batch * p.k);
-      xd[blk] = d;
-      xd[p.batch * nb + blk] = __fmul_rn(static_cast<float>(sum), d);
-      reinterpret_cast<int*>(xd + 2 * p.batch * nb)[blk] = sum;
-    }
-  } else {
-    if (!t.live) return;
-    float* xf = static_cast<float*>(p.work) + t.row * p.k + t.col;
-    *reinterpret_cast<float4*>(xf) = make_float4(v[0], v[1], v[2], v[3]);
-    *reinterpret_cast<float4*>(xf + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    for (int i = 0; i < 8; ++i) v[i] = round_to<T>(round_to<T>(silu(v[i])) * up[i]);
   }
+  store_gguf_input<A8>(p.work, p.batch, p.k, t.row, t.col, v, t.live);
 }
 
 // A lane's parsed block (parse_lane) times x's 32-value block `blk` of every row (from the workspace), into the

@@ -36,23 +36,31 @@ cudaError_t launch_gguf_mode(const GgufGemvParams& p, cudaStream_t stream) {
 }
 
 // The dtype's launcher over every kind, which gguf_<dtype>.cu instantiates.
-template <typename T, bool A8>
+template <typename T, bool A8, bool SILU>
 cudaError_t launch_gguf_input(const GgufGemvParams& p, cudaStream_t stream) {
   const int64_t threads = p.batch * (p.k / 8);
   const dim3 grid(static_cast<unsigned>((threads + kInputThreads - 1) / kInputThreads));
+  // (the up half starts k values, a multiple of 32, after the gate half: aligned with it)
   if (rows_aligned16<T>(p.x, p.x_stride)) {
-    return launch_pdl(gguf_input_kernel<T, A8, true>, grid, dim3(kInputThreads), 0, stream, p);
+    return launch_pdl(gguf_input_kernel<T, A8, true, SILU>, grid, dim3(kInputThreads), 0, stream, p);
   }
-  return launch_pdl(gguf_input_kernel<T, A8, false>, grid, dim3(kInputThreads), 0, stream, p);
+  return launch_pdl(gguf_input_kernel<T, A8, false, SILU>, grid, dim3(kInputThreads), 0, stream, p);
 }
 
-// The input kernel, then one GEMV launch per block type among the segments (in their order), each over the
-// segments of its type.
+template <typename T, bool A8>
+cudaError_t launch_gguf_input(const GgufGemvParams& p, cudaStream_t stream) {
+  return p.silu_mul_input ? launch_gguf_input<T, A8, true>(p, stream) : launch_gguf_input<T, A8, false>(p, stream);
+}
+
+// The input kernel (unless the workspace is ready), then one GEMV launch per block type among the segments (in their
+// order), each over the segments of its type.
 template <typename T>
 cudaError_t launch_gguf_gemv_typed(const GgufGemvParams& p, cudaStream_t stream) {
-  const cudaError_t input =
-      p.quantize_activations ? launch_gguf_input<T, true>(p, stream) : launch_gguf_input<T, false>(p, stream);
-  if (input != cudaSuccess) return input;
+  if (!p.work_ready) {
+    const cudaError_t input =
+        p.quantize_activations ? launch_gguf_input<T, true>(p, stream) : launch_gguf_input<T, false>(p, stream);
+    if (input != cudaSuccess) return input;
+  }
   bool launched[kGgufMaxSegments] = {};
   for (int i = 0; i < p.segments; ++i) {
     if (launched[i]) continue;

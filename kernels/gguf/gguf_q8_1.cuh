@@ -61,5 +61,41 @@ __device__ __forceinline__ float quantize_q8_1_part(const float (&v)[8], int (&q
   return __half2float(__float2half_rn(d));
 }
 
+// A thread's 8 values of x [batch, k] (row `row`, columns col .. col + 7) into the GGUF GEMV's workspace
+// (gguf/params.h), as the GEMV reads them: W4A8 Q8_1 (int8 q; the block's first thread its d, s = d * sum(q) and
+// sum(q)), W4A16 fp32. Every thread of the warp must reach the W4A8 shuffles; `live` false: a thread that only
+// takes part in them.
+template <bool A8>
+__device__ __forceinline__ void store_gguf_input(void* work, int64_t batch, int64_t k, int64_t row, int64_t col,
+                                                 const float (&v)[8], bool live) {
+  if constexpr (A8) {
+    int q[8];
+    const float d = quantize_q8_1_part(v, q);
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += q[i];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (!live) return;
+    uint32_t packed[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) packed[i / 4] |= (static_cast<uint32_t>(q[i]) & 0xFFu) << (8 * (i % 4));
+    int8_t* xq = static_cast<int8_t*>(work);
+    *reinterpret_cast<uint2*>(xq + row * k + col) = make_uint2(packed[0], packed[1]);
+    if (col % 32 == 0) {  // the block's first thread
+      const int64_t nb = k / 32, blk = row * nb + col / 32;
+      float* xd = reinterpret_cast<float*>(xq + batch * k);
+      xd[blk] = d;
+      xd[batch * nb + blk] = __fmul_rn(static_cast<float>(sum), d);
+      reinterpret_cast<int*>(xd + 2 * batch * nb)[blk] = sum;
+    }
+  } else {
+    if (!live) return;
+    float* xf = static_cast<float*>(work) + row * k + col;
+    *reinterpret_cast<float4*>(xf) = make_float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<float4*>(xf + 4) = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
 }  // namespace
 }  // namespace patcher

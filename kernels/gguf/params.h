@@ -58,6 +58,11 @@ struct GgufGemvParams {
   void* out;         // [batch, out_stride] contiguous
   int64_t out_stride;
   void* work;  // gguf_gemv_work_bytes(batch, k, quantize_activations), 16-byte aligned: x as the GEMV reads it
+  // The workspace already holds x (the norm in front wrote it: NormParams::gguf_work): no input kernel, x unread.
+  bool work_ready;
+  // x is a gated MLP's [gate | up] [batch, 2k] (row stride x_stride, x pointing at the gate half): the input kernel
+  // takes silu(gate) * up as silu_and_mul rounds it (kernels/activation/activation.cu) for the GEMV's input.
+  bool silu_mul_input;
 };
 // The workspace of one product: x written once in the form the GEMV's lanes read (kernels/gguf/gguf_gemv.cuh).
 // W4A8: q int8 [batch, k] | d fp32 [batch, k / 32] | s fp32 [batch, k / 32] | sum(q) int32 [batch, k / 32];

@@ -13,12 +13,16 @@
 // compile-time limit on the hidden size. LayerNorm uses two passes for the variance (mean first), as exact as
 // torch's Welford.
 #include "common/common.cuh"
+#include "gguf/gguf_q8_1.cuh"
 #include "norm/params.h"
 
 namespace patcher {
 namespace {
 
-template <typename T, int VEC, bool RMS>
+// Where the output goes: `out` (and `out2`), or the GGUF GEMV's workspace as Q8_1 blocks or fp32 (gguf_work).
+enum NormOutput { kToOut, kToGgufQ8_1, kToGgufF32 };
+
+template <typename T, int VEC, bool RMS, int OUTPUT = kToOut>
 __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
   __shared__ float scratch[32];
   // Nothing is read before the wait; the next kernel reads only constants before its own.
@@ -51,8 +55,9 @@ __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
   const float2 stats = row_stats<T, VEC>(s_row, nvec, acc, inv_n, p.eps, RMS, scratch);
   const float mean = stats.x, rstd = stats.y;
 
-  // Pass 3: the outputs.
-  T* out = static_cast<T*>(p.out) + row * p.hidden;
+  // Pass 3: the outputs. (To the GGUF workspace: hidden / 8 is a multiple of 32, so each warp's threads all take
+  // every iteration, and all reach the quantization's shuffles.)
+  T* out = p.out ? static_cast<T*>(p.out) + row * p.hidden : nullptr;
   T* out2 = p.out2 ? static_cast<T*>(p.out2) + row * p.hidden : nullptr;
   const T* weight = static_cast<const T*>(p.weight);
   const T* bias = static_cast<const T*>(p.bias);
@@ -62,6 +67,13 @@ __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
     const Vec<T, VEC> w = vec_or_zero<T, VEC>(weight, i * VEC), b = vec_or_zero<T, VEC>(bias, i * VEC);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) y[k] = norm_value<T>(s[k], mean, rstd, w.data[k], b.data[k], RMS);
+    if constexpr (OUTPUT != kToOut) {
+      static_assert(VEC == 8, "four threads a 32-value block");
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) y[k] = round_to<T>(y[k]);  // the values `out` would hold
+      store_gguf_input<OUTPUT == kToGgufQ8_1>(p.gguf_work, p.rows, p.hidden, row, i * VEC, y, true);
+      continue;
+    }
     store_vec<T, VEC>(out + i * VEC, y);
     if (out2) {
       const Vec<T, VEC> w2 = vec_or_zero<T, VEC>(static_cast<const T*>(p.weight2), i * VEC);
@@ -78,6 +90,12 @@ cudaError_t launch_typed(const NormParams& p, cudaStream_t stream) {
   const int64_t nvec = p.hidden / VEC;
   const int threads = static_cast<int>(nvec >= 1024 ? 1024 : round_up(nvec, 32));
   const dim3 grid(static_cast<unsigned>(p.rows));
+  if constexpr (VEC == 8) {
+    if (p.gguf_work) {
+      const auto kernel = p.gguf_a8 ? norm_kernel<T, VEC, true, kToGgufQ8_1> : norm_kernel<T, VEC, true, kToGgufF32>;
+      return launch_pdl(kernel, grid, dim3(threads), 0, stream, p);
+    }
+  }
   if (p.rms) return launch_pdl(norm_kernel<T, VEC, true>, grid, dim3(threads), 0, stream, p);
   return launch_pdl(norm_kernel<T, VEC, false>, grid, dim3(threads), 0, stream, p);
 }
@@ -99,6 +117,15 @@ bool can_vectorize(const NormParams& p) {
 cudaError_t launch_norm(const NormParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.hidden == 0) return cudaSuccess;
   if (p.rows > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if (p.gguf_work) {  // (NormParams::gguf_work)
+    if (!p.rms || p.weight2 || p.bias || p.delta2 || p.hidden % 256 || p.dtype == DType::kFloat32 ||
+        (reinterpret_cast<uintptr_t>(p.gguf_work) & 15))
+      return cudaErrorInvalidValue;
+    PATCHER_DISPATCH_DTYPE(p.dtype, T, {
+      if (!can_vectorize<T>(p)) return cudaErrorInvalidValue;
+      return launch_typed<T, 16 / sizeof(T)>(p, stream);
+    });
+  }
   PATCHER_DISPATCH_DTYPE(p.dtype, T, {
     if (can_vectorize<T>(p)) return launch_typed<T, 16 / sizeof(T)>(p, stream);
     return launch_typed<T, 1>(p, stream);

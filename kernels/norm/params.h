@@ -34,6 +34,13 @@ struct NormParams {
   void* sum;            // [rows, hidden] contiguous; required when delta is set, else nullptr
   float eps;
   bool rms;
+  // The GGUF decode GEMV's workspace (gguf/params.h, GgufGemvParams::work), or nullptr. Set: the norm's output goes
+  // there instead of to `out`, in the form the GEMV reads (gguf_a8: Q8_1 blocks, else fp32), and the GEMV runs
+  // without its input kernel (GgufGemvParams::work_ready). RMSNorm, one output, 16-bit dtypes in 16-byte vectors (8
+  // values a thread, four threads a 32-value block), hidden a multiple of 256 (so a warp's threads all hold values);
+  // launch_norm returns cudaErrorInvalidValue otherwise.
+  void* gguf_work;
+  bool gguf_a8;
 };
 cudaError_t launch_norm(const NormParams& p, cudaStream_t stream);
 

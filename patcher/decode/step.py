@@ -246,6 +246,10 @@ class DecodeStep:
             h, total, h2 = self.ops.int4_norm_prologue(x, *pro)
         elif st.fused_norms and fuse and gguf is None:
             return self.ops.norm_gemv(x, *pro, weight, bias, act)
+        elif gguf is not None and self.rms and pro[1] is None and (args := gguf.op_args(x)) is not None:
+            # The norm writes the projection's input as its GEMV reads it (Q8_1 blocks): one kernel less.
+            out, total = self.ops.gguf_norm_gemv_cat(x, pro[0], pro[2], pro[6], *args)
+            return self._activation(out, act), (x if pro[0] is None else total), None
         else:
             h, total, h2 = separate(x, pro[0], pro[1])
         return self._linear(h, weight, bias, act, st, int4_linear, gguf=gguf), total, h2
@@ -401,9 +405,17 @@ class DecodeStep:
         else:
             attn, attn2 = self._attention(layer, q, st, i), None
         pro = self._prologue(attn, attn2, post_norm)
+        # GGUF gate/up and down: the down projection's input kernel computes the activation (one kernel less)
+        silu_into_down = layer.mlp_act == "silu_mul" and m.in_gguf is not None and m.out_gguf is not None
+        act = "none" if silu_into_down else layer.mlp_act
         inner, residual, _ = self._norm_linear(
-            residual, pro, layer.separate_norms[1], m.in_weight, m.in_bias, layer.mlp_act, st, m.in_int4, gguf=m.in_gguf
+            residual, pro, layer.separate_norms[1], m.in_weight, m.in_bias, act, st, m.in_int4, gguf=m.in_gguf
         )
+        if silu_into_down:
+            args = m.out_gguf.op_args(inner[..., : inner.shape[-1] // 2])
+            if args is None:
+                return residual, m.out_gguf(self._activation(inner, "silu_mul")), None
+            return residual, self.ops.gguf_silu_mul_gemv_cat(inner, *args), None
         if ("mlp_out", i) in st.deferred:
             return (residual, *self._accumulate("mlp_out", i, inner, None, m.out_int4, st))
         out = self._linear(inner, m.out_weight, m.out_bias, "none", st, m.out_int4, gguf=m.out_gguf, group=m.group)

@@ -111,6 +111,15 @@ class GGUFProjection:
             return torch.cat([m.gemm(rounded, backend) for m in self.modules], -1)
         return torch.cat([m(x) for m in self.modules], -1)
 
+    def op_args(self, x: torch.Tensor) -> tuple | None:
+        """What the ops that feed the projection's GEMV take after their own input (gguf_norm_gemv_cat,
+        gguf_silu_mul_gemv_cat): (blocks, kinds, biases, quantize_activations), where one op serves every module for
+        x (a decode step's rows, no hook of the caller's); None otherwise."""
+        if self._shared_path(x) != "gemv":
+            return None
+        m = self.modules
+        return [w.qweight for w in m], ",".join(self.kinds), [w.bias for w in m], m[0].quantize_activations
+
     def _shared_path(self, x: torch.Tensor) -> str | None:
         """The op path ("gemv" or "gemm", GGUFLinear._kernel_path) every module takes for x, in one mode and with no
         hook of the caller's to run, so that one op may serve them all; None otherwise."""

@@ -76,6 +76,63 @@ define(
 )
 
 
+def gguf_norm_gemv_cat(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    blocks: list[torch.Tensor],
+    kinds: str,
+    biases: list[torch.Tensor | None],
+    quantize_activations: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF projection behind its RMSNorm: (gguf_gemv_cat(rms_norm(s), ...), s) with s = x + delta, or (..., an
+    empty tensor) where delta is None and s is x itself. On CUDA the norm kernel writes the GEMV's workspace (Q8_1
+    blocks, or fp32 for W4A16) in place of the input kernel, for 16-bit values of a hidden size a multiple of 256."""
+    from .norm import add_rms_norm, rms_norm
+
+    if delta is None:
+        h, total = rms_norm(x, norm_weight, eps), x.new_empty(0)
+    else:
+        h, total = add_rms_norm(x, delta, norm_weight, eps)
+    return gguf_gemv_cat(h, blocks, kinds, biases, quantize_activations), total
+
+
+def _gguf_norm_gemv_cat_fake(x, delta, norm_weight, eps, blocks, kinds, biases, quantize_activations=True):
+    out = x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in blocks)))
+    return out, x.new_empty(0) if delta is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+define(
+    "gguf_norm_gemv_cat(Tensor x, Tensor? delta, Tensor norm_weight, float eps, Tensor[] blocks, str kinds, "
+    "Tensor?[] biases, bool quantize_activations=True) -> (Tensor, Tensor)",
+    gguf_norm_gemv_cat,
+    _gguf_norm_gemv_cat_fake,
+)
+
+
+def gguf_silu_mul_gemv_cat(
+    gate_up: torch.Tensor,
+    blocks: list[torch.Tensor],
+    kinds: str,
+    biases: list[torch.Tensor | None],
+    quantize_activations: bool = True,
+) -> torch.Tensor:
+    """gguf_gemv_cat(silu_and_mul(gate_up), ...): a gated MLP's activation (gate_up [..., 2K] = [gate | up]) into its
+    GGUF down projection. On CUDA the GEMV's input kernel computes the activation, as silu_and_mul rounds it."""
+    from .activation import silu_and_mul
+
+    return gguf_gemv_cat(silu_and_mul(gate_up), blocks, kinds, biases, quantize_activations)
+
+
+define(
+    "gguf_silu_mul_gemv_cat(Tensor gate_up, Tensor[] blocks, str kinds, Tensor?[] biases, "
+    "bool quantize_activations=True) -> Tensor",
+    gguf_silu_mul_gemv_cat,
+    _gguf_gemv_cat_fake,
+)
+
+
 def gguf_dequantize(blocks: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
     """GGUF rows `blocks` [N, K / block * type size] of `kind` -> W [N, K] in dtype: format.dequantize (bit-identical
     to gguf.quants, fp32), rounded to dtype once."""

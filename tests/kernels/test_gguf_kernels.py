@@ -244,6 +244,84 @@ def test_gguf_gemv_cat(kernels, case, dtype, rows, quantize_activations):
     assert got.shape == (rows, sum(n for _, n in parts)) and torch.equal(got, expected)
 
 
+def projection(parts: list, k: int) -> tuple[list, list, str]:
+    """A case's modules on the GPU: their blocks, biases (one on every other module) and kinds, comma-separated."""
+    mods = [weights(kind, n, k, i % 2 == 0) for i, (kind, n) in enumerate(parts)]
+    biases = [None if b is None else b.cuda() for _, b in mods]
+    return [w.cuda() for w, _ in mods], biases, ",".join(kind for kind, _ in parts)
+
+
+NORM_CASES = [*CAT_CASES, ([("Q4_0", 40), ("Q4_0", 24)], 512)]  # K of 96: the norm, then gguf_gemv_cat
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize_activations", [True, False])
+@pytest.mark.parametrize("delta", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(NORM_CASES)))
+def test_gguf_norm_gemv_cat_is_the_norm_then_the_projection(kernels, case, dtype, rows, delta, quantize_activations):
+    """The norm writing the GEMV's input itself (16-bit values, K a multiple of 256) gives what the norm op, then
+    gguf_gemv_cat, give, bit for bit (the norm kernel's arithmetic, then the input kernel's quantization), and the
+    same residual sum; where it can't (fp32, K of 96, x 8 bytes off 16-byte alignment) the op runs those two."""
+    parts, k = NORM_CASES[case]
+    blocks, biases, kinds = projection(parts, k)
+    gen = torch.Generator().manual_seed(rows * 31 + k)
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).cuda()
+    for offset in (0, 4):  # x's rows 16-byte aligned, or 8 bytes off (16-bit dtypes)
+        x = torch.randn(rows, k + 8, generator=gen).to(dtype).cuda()[:, offset : offset + k]
+        d = torch.randn(rows, k, generator=gen).to(dtype).cuda() if delta else None
+        out, total = kernels.gguf_norm_gemv_cat(x, d, norm_weight, 1e-5, blocks, kinds, biases, quantize_activations)
+        if d is None:
+            h, want_total = kernels.rms_norm(x, norm_weight, 1e-5), x.new_empty(0)
+        else:
+            h, want_total = kernels.add_rms_norm(x, d, norm_weight, 1e-5)
+        want = kernels.gguf_gemv_cat(h, blocks, kinds, biases, quantize_activations)
+        assert torch.equal(out, want) and torch.equal(total, want_total), f"x offset {offset}"
+
+
+def test_gguf_norm_gemv_cat_op_schema():
+    """The reference is rms_norm (after the residual add), then gguf_gemv_cat; schema and fake kernel pass opcheck."""
+    blocks, bias = weights("Q4_0", 24, 256, True)
+    x, d = torch.randn(2, 256), torch.randn(2, 256)
+    w = 1 + 0.1 * torch.randn(256)
+    for delta in (d, None):
+        args = (x, delta, w, 1e-5, [blocks], "Q4_0", [bias], True)
+        torch.library.opcheck(torch.ops.patcher.gguf_norm_gemv_cat.default, args)
+        out, total = KERNELS.gguf_norm_gemv_cat(*args)
+        h = REFERENCE.rms_norm(x, w, 1e-5) if delta is None else REFERENCE.add_rms_norm(x, d, w, 1e-5)[0]
+        assert torch.equal(out, ref.linear_w4a8(h, blocks, "Q4_0", bias))
+        assert torch.equal(total, x.new_empty(0) if delta is None else x + d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize_activations", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(NORM_CASES)))
+def test_gguf_silu_mul_gemv_cat_is_the_activation_then_the_projection(kernels, case, dtype, rows, quantize_activations):
+    """The input kernel computing silu(gate) * up gives what silu_and_mul, then gguf_gemv_cat, give, bit for bit;
+    gate_up [rows, 2K] with 16-byte aligned rows, or a slice whose rows are not (one value off)."""
+    parts, k = NORM_CASES[case]
+    blocks, biases, kinds = projection(parts, k)
+    gen = torch.Generator().manual_seed(rows * 37 + k)
+    for offset in (0, 1):
+        gate_up = (2 * torch.randn(rows, 2 * k + 8, generator=gen)).to(dtype).cuda()[:, offset : offset + 2 * k]
+        got = kernels.gguf_silu_mul_gemv_cat(gate_up, blocks, kinds, biases, quantize_activations)
+        want = kernels.gguf_gemv_cat(kernels.silu_and_mul(gate_up), blocks, kinds, biases, quantize_activations)
+        assert torch.equal(got, want), f"gate_up offset {offset}"
+
+
+def test_gguf_silu_mul_gemv_cat_op_schema():
+    """The reference is silu_and_mul, then gguf_gemv_cat; schema and fake kernel pass opcheck."""
+    blocks, bias = weights("Q4_K", 24, 256, True)
+    gate_up = torch.randn(2, 512)
+    args = (gate_up, [blocks], "Q4_K", [bias], True)
+    torch.library.opcheck(torch.ops.patcher.gguf_silu_mul_gemv_cat.default, args)
+    h = REFERENCE.silu_and_mul(gate_up)
+    assert torch.equal(KERNELS.gguf_silu_mul_gemv_cat(*args), ref.linear_w4a8(h, blocks, "Q4_K", bias))
+
+
 @pytest.mark.gpu
 def test_gguf_gemv_cat_bad_inputs(kernels):
     w = weights("Q4_0", 8, 64, False)[0].cuda()
