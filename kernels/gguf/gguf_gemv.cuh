@@ -68,8 +68,9 @@ __global__ void __launch_bounds__(kInputThreads) gguf_input_kernel(const GgufGem
 }
 
 // A lane's parsed block (parse_lane) times x's 32-value block `blk` of every row (from the workspace), into the
-// lane's sums.
-template <typename T, int KIND, bool A8, int BMAX>
+// lane's sums. STORED_Q4_0: Q4_0's q are its nibbles as stored (0..15, gguf_gemv_aligned.cuh), and the 8 they are
+// offset by comes off the integer sum as 8 * sum(q_a), which the input kernel writes after the blocks' d and s.
+template <typename T, int KIND, bool A8, int BMAX, bool STORED_Q4_0 = false>
 __device__ __forceinline__ void accumulate_parsed(const float (&scale)[2], float off, const int (&q)[8],
                                                   const GgufGemvParams& p, int64_t blk, float (&acc)[BMAX],
                                                   float (&acc_m)[BMAX]) {
@@ -77,6 +78,7 @@ __device__ __forceinline__ void accumulate_parsed(const float (&scale)[2], float
     const int8_t* xq = static_cast<const int8_t*>(p.work);
     const int64_t nb = p.k / 32;
     const float* xd = reinterpret_cast<const float*>(xq + p.batch * p.k);
+    const int* xsum = reinterpret_cast<const int*>(xd + 2 * p.batch * nb);
 #pragma unroll
     for (int b = 0; b < BMAX; ++b) {
       if (b >= p.batch) break;
@@ -97,6 +99,7 @@ __device__ __forceinline__ void accumulate_parsed(const float (&scale)[2], float
         int isum = 0;
 #pragma unroll
         for (int i = 0; i < 8; ++i) isum = __dp4a(q[i], qa[i], isum);
+        if constexpr (STORED_Q4_0 && KIND == kGgufQ4_0) isum -= 8 * xsum[b * nb + blk];  // sum((q - 8) q_a), exactly
         acc[b] = __fadd_rn(acc[b], __fmul_rn(__fmul_rn(scale[0], d_a), static_cast<float>(isum)));
         if constexpr (kHasOffset<KIND>) acc_m[b] = __fadd_rn(acc_m[b], __fmul_rn(off, xd[(p.batch + b) * nb + blk]));
       }

@@ -102,9 +102,6 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
   }
   griddep_wait();
 
-  const int8_t* xq = static_cast<const int8_t*>(p.work);
-  const float* xd = reinterpret_cast<const float*>(xq + p.batch * p.k);
-  const int* xsum = reinterpret_cast<const int*>(xd + 2 * p.batch * nb);
   float acc[BMAX], acc_m[BMAX];
 #pragma unroll
   for (int b = 0; b < BMAX; ++b) acc[b] = acc_m[b] = 0.f;
@@ -121,39 +118,18 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
       if (c + kDepth < chunks) fetch(w[i], c + kDepth);
       __syncwarp();
       const int blk = c * kChunkBlocks + lane;
-      if constexpr (KIND == kGgufQ6_K) {
-        // The general kernel's arithmetic (a term a 16-value half, the pair added first) on a word-wise parse.
-        if (blk < nb) {
-          float scale[2], dm;
-          int q[8];
-          parse_sub_block<KIND, true>(stages[warp] + (lane >> 3) * kBlockBytes<KIND>, lane & 7, scale, dm, q);
-          accumulate_parsed<T, KIND, true, BMAX>(scale, 0.f, q, p, blk, acc, acc_m);
-        }
-      } else if (blk < nb) {
-        float d, m;  // the K-quants': d * sc[j] and the offset -(dmin * mn[j])
+      if (blk < nb) {
+        float scale[2], off;  // the K-quants' d * sc[j] (Q6_K: a 16-value group's two) and -(dmin * mn[j])
         int q[8];
         if constexpr (kKQuant<KIND>) {
-          float scale[2], dm;
+          float dm;
           parse_sub_block<KIND, true>(stages[warp] + (lane >> 3) * kBlockBytes<KIND>, lane & 7, scale, dm, q);
-          d = scale[0];
-          m = -dm;
+          off = -dm;
         } else {
-          parse_aligned<KIND>(stages[warp], lane, d, m, q);
+          parse_aligned<KIND>(stages[warp], lane, scale[0], off, q);
+          scale[1] = scale[0];
         }
-#pragma unroll
-        for (int b = 0; b < BMAX; ++b) {
-          if (b >= p.batch) break;
-          const int4* qv = reinterpret_cast<const int4*>(xq + b * p.k + blk * 32);
-          const int4 lo = qv[0], hi = qv[1];
-          const int qa[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-          int isum = 0;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) isum = __dp4a(q[e], qa[e], isum);
-          if constexpr (KIND == kGgufQ4_0) isum -= 8 * xsum[b * nb + blk];  // sum((q - 8) q_a), exactly
-          const float d_a = xd[b * nb + blk];
-          acc[b] = __fadd_rn(acc[b], __fmul_rn(__fmul_rn(d, d_a), static_cast<float>(isum)));
-          if constexpr (kHasOffset<KIND>) acc_m[b] = __fadd_rn(acc_m[b], __fmul_rn(m, xd[(p.batch + b) * nb + blk]));
-        }
+        accumulate_parsed<T, KIND, true, BMAX, true>(scale, off, q, p, blk, acc, acc_m);
       }
       __syncwarp();  // the stage is rewritten by the next chunk
     }
