@@ -247,6 +247,12 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// Waits until at most N of the thread's committed groups are still in flight (groups complete in commit order).
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Whether launch_pdl may use programmatic dependent launch: true unless the host turned it off (patcher_set_pdl,
 // called once by the Python loader, which reads PATCHER_DISABLE_PDL). Defined in pdl.cu.
 bool pdl_enabled();

@@ -2,9 +2,10 @@
 // 32-value types (Q4_0, Q4_1, Q8_0), K a multiple of 256 (8k blocks of 18, 20 or 34 bytes are whole 16-byte vectors),
 // as every real model's projections are; Q4_K and Q5_K (144 and 176-byte super-blocks) at any K; Q6_K with the blocks
 // 8-byte aligned and K a multiple of 1024 (a chunk of 4 super-blocks is 840 bytes: whole 8-byte vectors, which Q6_K's
-// chunks are read in). Work split, pipeline and arithmetic are gguf_gemv_kernel's (gguf_gemv.cuh): a warp a row, chunks
-// of 1024 values (one 32-value block or sub-block a lane), chunks of weights in registers ahead of their use, the
-// warp's shared stage, and the same fp32 terms summed in the same order, so the two kernels agree bit for bit. What
+// chunks are read in). Work split and arithmetic are gguf_gemv_kernel's (gguf_gemv.cuh): a warp a row, chunks of 1024
+// values (one 32-value block or sub-block a lane) read from the warp's shared stage, and the same fp32 terms summed
+// in the same order, so the two kernels agree bit for bit; the chunks ahead of their use wait in registers (the
+// K-quants, as there) or in a ring of shared stages (the 32-value types, kAlignedRing). What
 // alignment saves is the instructions around the arithmetic, which bound the general kernel (about 230 a Q4_0 chunk
 // against 8 dp4a a lane): a chunk is whole 16-byte vectors at a fixed stride (no byte window, no edge bytes); a lane
 // reads its block from the stage as the 4-byte words that cover it, shifted into place by a funnel shift (a 32-value
@@ -64,11 +65,20 @@ __device__ __forceinline__ void parse_aligned(const uint8_t* stage, int lane, fl
   }
 }
 
+// The 32-value types' chunks ahead of their use wait in a ring of kAlignedRing shared stages a warp, copied there by
+// cp.async, so that they hold no registers (four chunks are a K = 4096 row whole): more bytes in flight for the
+// smaller register file (Q4_0 batch 1: 38 registers, not 64). The K-quants keep theirs in registers, as the general
+// kernel does: their ring measured slower (docs/gguf.md).
+template <int KIND>
+constexpr bool kAlignedRingKind = !kKQuant<KIND>;
+constexpr int kAlignedRing = 4;
+template <int KIND>
+constexpr int kAlignedStages = kAlignedRingKind<KIND> ? kAlignedRing : 1;
+
 template <typename T, int KIND, int BMAX>
 __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(const __grid_constant__ GgufGemvParams p) {
   using Vec = AlignedVec<KIND>;
-  __shared__ __align__(16) uint8_t stages[kGgufWarps][kChunkBytes<KIND>];
-  constexpr int kDepth = kGgufDepth<KIND>;
+  __shared__ __align__(16) uint8_t stages[kGgufWarps][kAlignedStages<KIND>][kChunkBytes<KIND>];
   constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
   constexpr int kFullVectors = kChunkBytes<KIND> / kVecBytes<KIND>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -85,53 +95,83 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
   // of 144 or 176 bytes, or Q6_K's 4 (K a multiple of 1024).
   const int tail_vectors = (units - (chunks - 1) * kPerChunk) * kBlockBytes<KIND> / kVecBytes<KIND>;
   const Vec* row = reinterpret_cast<const Vec*>(g.blocks + n * g.row_bytes);
-  Vec* stage = reinterpret_cast<Vec*>(stages[warp]);
-  auto fetch = [&](AlignedChunk<KIND>& w, int c) {
-    const int vectors = c + 1 < chunks ? kFullVectors : tail_vectors;
-#pragma unroll
-    for (int j = 0; j < kAlignedVecs<KIND>; ++j) {
-      const int i = lane + 32 * j;
-      if (i < vectors) w.v[j] = __ldcs(row + c * kFullVectors + i);
-    }
-  };
-
-  AlignedChunk<KIND> w[kDepth];
-#pragma unroll
-  for (int i = 0; i < kDepth; ++i) {
-    if (i < chunks) fetch(w[i], i);
-  }
-  griddep_wait();
+  auto vectors_of = [&](int c) { return c + 1 < chunks ? kFullVectors : tail_vectors; };
 
   float acc[BMAX], acc_m[BMAX];
 #pragma unroll
   for (int b = 0; b < BMAX; ++b) acc[b] = acc_m[b] = 0.f;
-  for (int c0 = 0; c0 < chunks; c0 += kDepth) {
+  // The lane's block of chunk c, whole in `stage`, into the sums.
+  auto accumulate_chunk = [&](const uint8_t* stage, int c) {
+    const int blk = c * kChunkBlocks + lane;
+    if (blk >= nb) return;
+    float scale[2], off;  // the K-quants' d * sc[j] (Q6_K: a 16-value group's two) and -(dmin * mn[j])
+    int q[8];
+    if constexpr (kKQuant<KIND>) {
+      float dm;
+      parse_sub_block<KIND, true>(stage + (lane >> 3) * kBlockBytes<KIND>, lane & 7, scale, dm, q);
+      off = -dm;
+    } else {
+      parse_aligned<KIND>(stage, lane, scale[0], off, q);
+      scale[1] = scale[0];
+    }
+    accumulate_parsed<T, KIND, true, BMAX, true>(scale, off, q, p, blk, acc, acc_m);
+  };
+
+  if constexpr (kAlignedRingKind<KIND>) {
+    static_assert(sizeof(Vec) == 16, "the ring is filled by 16-byte copies");
+    // Chunk c into its stage of the ring, then one commit group (empty past the last chunk, so that the group that
+    // holds chunk c is always the (c + 1)-th).
+    auto fetch = [&](int c) {
+      if (c < chunks) {
+        Vec* stage = reinterpret_cast<Vec*>(stages[warp][c % kAlignedRing]);
 #pragma unroll
-    for (int i = 0; i < kDepth; ++i) {  // chunk c from the registers w[i], which then take chunk c + depth
-      const int c = c0 + i;
-      if (c >= chunks) break;
-      const int vectors = c + 1 < chunks ? kFullVectors : tail_vectors;
+        for (int j = 0; j < kAlignedVecs<KIND>; ++j) {
+          const int i = lane + 32 * j;
+          if (i < vectors_of(c)) cp_async16(stage + i, row + c * kFullVectors + i);
+        }
+      }
+      cp_async_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < kAlignedRing; ++i) fetch(i);
+    griddep_wait();
+    for (int c = 0; c < chunks; ++c) {
+      cp_async_wait_group<kAlignedRing - 1>();  // this lane's copies of chunk c have landed
+      __syncwarp();                             // and every lane's
+      accumulate_chunk(stages[warp][c % kAlignedRing], c);
+      __syncwarp();  // every lane is done with the stage, which now takes chunk c + ring
+      fetch(c + kAlignedRing);
+    }
+  } else {
+    constexpr int kDepth = kGgufDepth<KIND>;
+    Vec* stage = reinterpret_cast<Vec*>(stages[warp][0]);
+    auto fetch = [&](AlignedChunk<KIND>& w, int c) {
 #pragma unroll
       for (int j = 0; j < kAlignedVecs<KIND>; ++j) {
-        if (lane + 32 * j < vectors) stage[lane + 32 * j] = w[i].v[j];
+        const int i = lane + 32 * j;
+        if (i < vectors_of(c)) w.v[j] = __ldcs(row + c * kFullVectors + i);
       }
-      if (c + kDepth < chunks) fetch(w[i], c + kDepth);
-      __syncwarp();
-      const int blk = c * kChunkBlocks + lane;
-      if (blk < nb) {
-        float scale[2], off;  // the K-quants' d * sc[j] (Q6_K: a 16-value group's two) and -(dmin * mn[j])
-        int q[8];
-        if constexpr (kKQuant<KIND>) {
-          float dm;
-          parse_sub_block<KIND, true>(stages[warp] + (lane >> 3) * kBlockBytes<KIND>, lane & 7, scale, dm, q);
-          off = -dm;
-        } else {
-          parse_aligned<KIND>(stages[warp], lane, scale[0], off, q);
-          scale[1] = scale[0];
+    };
+    AlignedChunk<KIND> w[kDepth];
+#pragma unroll
+    for (int i = 0; i < kDepth; ++i) {
+      if (i < chunks) fetch(w[i], i);
+    }
+    griddep_wait();
+    for (int c0 = 0; c0 < chunks; c0 += kDepth) {
+#pragma unroll
+      for (int i = 0; i < kDepth; ++i) {  // chunk c from the registers w[i], which then take chunk c + depth
+        const int c = c0 + i;
+        if (c >= chunks) break;
+#pragma unroll
+        for (int j = 0; j < kAlignedVecs<KIND>; ++j) {
+          if (lane + 32 * j < vectors_of(c)) stage[lane + 32 * j] = w[i].v[j];
         }
-        accumulate_parsed<T, KIND, true, BMAX, true>(scale, off, q, p, blk, acc, acc_m);
+        if (c + kDepth < chunks) fetch(w[i], c + kDepth);
+        __syncwarp();
+        accumulate_chunk(stages[warp][0], c);
+        __syncwarp();  // the stage is rewritten by the next chunk
       }
-      __syncwarp();  // the stage is rewritten by the next chunk
     }
   }
   store_row<T, KIND, true, BMAX>(p, g, n, lane, acc, acc_m);
