@@ -256,5 +256,26 @@ __device__ __forceinline__ float weight_at(const float (&scale)[2], float off, c
   return kHasOffset<KIND> ? __fadd_rn(scaled, off) : scaled;
 }
 
+// Weight elements 8 part .. 8 part + 7 (part 0..3, known only at run time), as weight_at forms each: words 2 part and
+// 2 part + 1 of q, under scale[part / 2]. The words are picked by selects, so that q and scale stay in registers
+// (indexing them by a run-time value would put them in local memory).
+template <int KIND>
+__device__ __forceinline__ void weights8(const float (&scale)[2], float off, const int (&q)[8], int part,
+                                         float (&w)[8]) {
+  unsigned lo = static_cast<unsigned>(q[0]), hi = static_cast<unsigned>(q[1]);
+#pragma unroll
+  for (int j = 1; j < 4; ++j) {
+    lo = part == j ? static_cast<unsigned>(q[2 * j]) : lo;
+    hi = part == j ? static_cast<unsigned>(q[2 * j + 1]) : hi;
+  }
+  const float s = part < 2 ? scale[0] : scale[1];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float v = static_cast<float>(static_cast<int8_t>((e < 4 ? lo : hi) >> (8 * (e % 4))));
+    const float scaled = __fmul_rn(s, v);
+    w[e] = kHasOffset<KIND> ? __fadd_rn(scaled, off) : scaled;
+  }
+}
+
 }  // namespace
 }  // namespace patcher

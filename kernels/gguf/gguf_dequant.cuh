@@ -5,6 +5,7 @@
 // dtype buffer (four threads a 32-value block or sub-block, 8 values each written as 16-byte vectors) and, for W4A8,
 // the activations rounded through Q8_1 (four threads a 32-value block, 16-byte loads and stores).
 #pragma once
+#include "gguf/gguf_aligned.cuh"
 #include "gguf/gguf_blocks.cuh"
 #include "gguf/gguf_q8_1.cuh"
 
@@ -13,8 +14,28 @@ namespace {
 
 constexpr int kDequantThreads = 256;
 
-// One thread 8 values, four threads a 32-value block or sub-block: each of the four parses the block (its bytes
-// come once from memory, then from L1) and writes its 8 values, so a warp's stores cover 128 contiguous values.
+// Values i .. i + 7 of the T buffer `out` (i a multiple of 8), rounded to T: one 16-byte store, two for fp32. The
+// store is indexed from the buffer's start in vectors: through a T* to the values, the compiler wrote them as four
+// 4-byte stores.
+template <typename T>
+__device__ __forceinline__ void store8(void* out, int64_t i, const float (&v)[8]) {
+  if constexpr (sizeof(T) == 2) {
+    uint32_t words[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const T lo = from_float<T>(v[2 * w]), hi = from_float<T>(v[2 * w + 1]);
+      uint16_t l, h;
+      memcpy(&l, &lo, 2);
+      memcpy(&h, &hi, 2);
+      words[w] = static_cast<uint32_t>(l) | (static_cast<uint32_t>(h) << 16);
+    }
+    static_cast<uint4*>(out)[i / 8] = make_uint4(words[0], words[1], words[2], words[3]);
+  } else {
+    static_cast<float4*>(out)[i / 4] = make_float4(v[0], v[1], v[2], v[3]);
+    static_cast<float4*>(out)[i / 4 + 1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
 template <typename T, int KIND>
 __global__ void __launch_bounds__(kDequantThreads) gguf_dequantize_kernel(const GgufDequantizeParams p) {
   const int64_t per_row = p.k / 8;  // 8-value parts a row
@@ -28,22 +49,74 @@ __global__ void __launch_bounds__(kDequantThreads) gguf_dequantize_kernel(const 
   int q[8];
   parse_lane<KIND>(chunk, static_cast<int>(c % kChunkBlocks), scale, off, q);
   float w[8];
+  weights8<KIND>(scale, off, q, part, w);
+  store8<T>(p.out, row * p.k + c * 32 + part * 8, w);
+}
+
+// The aligned form (gguf_aligned.cuh; rows_of_aligned_chunks): a warp a chunk of a row (1024 values), its blocks read
+// once as whole vectors into the warp's shared stage, then four passes over 8 consecutive 32-value blocks (or
+// sub-blocks), four lanes a block, each lane parsing its block from the stage as words and writing 8 of its values:
+// a pass's stores cover 256 contiguous values, as a warp's of the kernel above. The general kernel's lanes each read
+// their block from global memory in 2-byte halves, four lanes the same bytes. The values are the general kernel's:
+// the same scale, offset and integers through weights8.
+constexpr int kDequantWarps = 8;
+
+template <typename T, int KIND>
+__global__ void __launch_bounds__(kDequantWarps * 32) gguf_dequantize_aligned_kernel(const GgufDequantizeParams p) {
+  using Vec = AlignedVec<KIND>;
+  __shared__ __align__(16) uint8_t stages[kDequantWarps][kChunkBytes<KIND>];
+  constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a full chunk
+  constexpr int kFullVectors = kChunkBytes<KIND> / kVecBytes<KIND>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int chunks = static_cast<int>((p.k + kChunkBlocks * 32 - 1) / (kChunkBlocks * 32));  // a row
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kDequantWarps + warp;                   // the warp's chunk
+  if (g >= p.n * chunks) return;  // the whole warp (no barrier joins the warps)
+  const int64_t row = g / chunks;
+  const int c = static_cast<int>(g - row * chunks);
+  // The last chunk too is whole vectors: 8k blocks of the 32-value types (K a multiple of 256), 1-3 super-blocks of
+  // 144 or 176 bytes, or Q6_K's 4 (K a multiple of 1024).
+  const int units = min(kPerChunk, static_cast<int>(p.k / kBlockValues<KIND>) - c * kPerChunk);
+  const int vectors = units * kBlockBytes<KIND> / kVecBytes<KIND>;
+  const Vec* src = reinterpret_cast<const Vec*>(p.blocks + row * p.row_bytes) + c * kFullVectors;
+  Vec* stage = reinterpret_cast<Vec*>(stages[warp]);
 #pragma unroll
-  for (int e = 0; e < 8; ++e) w[e] = weight_at<KIND>(scale, off, q, part * 8 + e);
-  T* out = static_cast<T*>(p.out) + row * p.k + c * 32 + part * 8;  // 16-byte aligned (32 for fp32)
-  if constexpr (sizeof(T) == 2) {
-    store_vec<T, 8>(out, w);
-  } else {
-    float lo[4], hi[4];
+  for (int j = 0; j < kAlignedVecs<KIND>; ++j) {
+    const int i = lane + 32 * j;
+    if (i < vectors) stage[i] = __ldcs(src + i);
+  }
+  __syncwarp();
+  const int blocks = units * kBlockValues<KIND> / 32;  // 32-value blocks (sub-blocks) of the chunk
+  const int part = lane & 3;
+  const int64_t at = row * p.k + static_cast<int64_t>(c) * kChunkBlocks * 32 + part * 8;  // in the output
+  for (int b = lane >> 2; b < blocks; b += 8) {
+    float scale[2], off;
+    int q[8];
+    if constexpr (kKQuant<KIND>) {
+      float dm;
+      parse_sub_block<KIND, true>(stages[warp] + (b >> 3) * kBlockBytes<KIND>, b & 7, scale, dm, q);
+      off = -dm;
+    } else {
+      parse_aligned<KIND>(stages[warp], b, scale[0], off, q);
+      scale[1] = scale[0];
+      if constexpr (KIND == kGgufQ4_0) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) lo[e] = w[e], hi[e] = w[4 + e];
-    store_vec<T, 4>(out, lo);
-    store_vec<T, 4>(out + 4, hi);
+        for (int j = 0; j < 8; ++j) q[j] = static_cast<int>(__vsub4(static_cast<unsigned>(q[j]), 0x08080808u));
+      }
+    }
+    float w[8];
+    weights8<KIND>(scale, off, q, part, w);
+    store8<T>(p.out, at + b * 32, w);
   }
 }
 
 template <typename T, int KIND>
 cudaError_t launch_gguf_dequantize_kind(const GgufDequantizeParams& p, cudaStream_t stream) {
+  if (rows_of_aligned_chunks<KIND>(p.k, p.blocks)) {
+    const int64_t warps = p.n * ((p.k + kChunkBlocks * 32 - 1) / (kChunkBlocks * 32));
+    gguf_dequantize_aligned_kernel<T, KIND><<<static_cast<unsigned>((warps + kDequantWarps - 1) / kDequantWarps),
+                                              kDequantWarps * 32, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
   const int64_t units = p.n * (p.k / 8);
   gguf_dequantize_kernel<T, KIND>
       <<<static_cast<unsigned>((units + kDequantThreads - 1) / kDequantThreads), kDequantThreads, 0, stream>>>(p);
@@ -72,16 +145,7 @@ __global__ void __launch_bounds__(kRoundThreads) round_q8_1_kernel(const Q8_1Rou
 #pragma unroll
   for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(static_cast<float>(q[i]), d);  // exact: |q| <= 127, d an fp16 value
   if (!t.live) return;
-  T* dst = static_cast<T*>(p.out) + t.row * p.k + t.col;
-  if constexpr (sizeof(T) == 2) {
-    store_vec<T, 8>(dst, y);
-  } else {
-    float lo[4], hi[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) lo[i] = y[i], hi[i] = y[4 + i];
-    store_vec<T, 4>(dst, lo);
-    store_vec<T, 4>(dst + 4, hi);
-  }
+  store8<T>(p.out, t.row * p.k + t.col, y);
 }
 
 template <typename T>

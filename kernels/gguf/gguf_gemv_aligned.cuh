@@ -13,61 +13,15 @@
 // 2-byte halves; and Q4_0's nibbles enter the dot product as stored (0..15), the 8 they are offset by subtracted once
 // as 8 * sum(q_a) from the workspace, in place of a per-byte subtraction on each word.
 #pragma once
+#include "gguf/gguf_aligned.cuh"
 #include "gguf/gguf_gemv.cuh"
 
 namespace patcher {
 namespace {
 
-// The global vectors a chunk is read in: 16 bytes, but 8 for Q6_K, whose chunk of 4 super-blocks is 840 bytes (a
-// row of whole chunks starts every chunk 8-byte aligned).
-template <int KIND>
-using AlignedVec = std::conditional_t<KIND == kGgufQ6_K, uint2, uint4>;
-template <int KIND>
-constexpr int kVecBytes = static_cast<int>(sizeof(AlignedVec<KIND>));
-// 4-byte words of the stage that cover a lane's block: its 18, 20 or 34 bytes from an offset of 0 or 2 mod 4.
-template <int KIND>
-constexpr int kLaneWords = KIND == kGgufQ8_0 ? 9 : 5;
-// Vectors of a full chunk a lane loads (the chunk's vectors spread over the lanes).
-template <int KIND>
-constexpr int kAlignedVecs = (kChunkBytes<KIND> / kVecBytes<KIND> + 31) / 32;
-
-template <int KIND>
-struct AlignedChunk {
-  AlignedVec<KIND> v[kAlignedVecs<KIND>];
-};
-
-// Lane `lane`'s block of the chunk in `stage` (16-byte aligned): d, Q4_1's m, and the 32 integers as 8 words of 4
-// bytes (Q4_0's nibbles as stored, 0..15; Q4_1's likewise; Q8_0's int8).
-template <int KIND>
-__device__ __forceinline__ void parse_aligned(const uint8_t* stage, int lane, float& d, float& m, int (&q)[8]) {
-  const int at = lane * kBlockBytes<KIND>;
-  const uint32_t* src = reinterpret_cast<const uint32_t*>(stage + (at & ~3));
-  const unsigned shift = 8u * static_cast<unsigned>(at & 3);  // 0 or 16: every block size is even
-  uint32_t w[kLaneWords<KIND>];
-#pragma unroll
-  for (int i = 0; i < kLaneWords<KIND>; ++i) w[i] = src[i];
-  const uint32_t head = __funnelshift_rc(w[0], w[1], shift);  // the block's first 4 bytes
-  d = __half2float(__ushort_as_half(static_cast<unsigned short>(head & 0xFFFFu)));
-  m = KIND == kGgufQ4_1 ? __half2float(__ushort_as_half(static_cast<unsigned short>(head >> 16))) : 0.f;
-  // The integers start 2 bytes in (4 for Q4_1): word j is bytes 4j .. 4j + 3 of them, which a funnel shift by
-  // `shift` plus that start takes from w[j] and w[j + 1] (a shift of 32 gives w[j + 1] itself).
-  constexpr unsigned kStart = KIND == kGgufQ4_1 ? 32u : 16u;
-  if constexpr (KIND == kGgufQ8_0) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) q[j] = static_cast<int>(__funnelshift_rc(w[j], w[j + 1], shift + kStart));
-  } else {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t v = __funnelshift_rc(w[j], w[j + 1], shift + kStart);
-      q[j] = static_cast<int>(v & 0x0F0F0F0Fu);             // elements 4j .. 4j + 3
-      q[4 + j] = static_cast<int>((v >> 4) & 0x0F0F0F0Fu);  // elements 16 + 4j .. 16 + 4j + 3
-    }
-  }
-}
-
 // The 32-value types' chunks ahead of their use wait in a ring of kAlignedRing shared stages a warp, copied there by
 // cp.async, so that they hold no registers (four chunks are a K = 4096 row whole): more bytes in flight for the
-// smaller register file (Q4_0 batch 1: 38 registers, not 64). The K-quants keep theirs in registers, as the general
+// smaller register file (Q4_0 batch 1: 40 registers, not 64). The K-quants keep theirs in registers, as the general
 // kernel does: their ring measured slower (docs/gguf.md).
 template <int KIND>
 constexpr bool kAlignedRingKind = !kKQuant<KIND>;
@@ -181,9 +135,8 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
 // rows of whole chunks of them (K a multiple of 256; of 1024 for Q6_K).
 template <int KIND>
 bool gguf_rows_aligned(const GgufGemvParams& p) {
-  if (p.k % (KIND == kGgufQ6_K ? 1024 : 256) || p.k >= (int64_t{1} << 30)) return false;
   for (int i = 0; i < p.segments; ++i) {
-    if (reinterpret_cast<uintptr_t>(p.seg[i].blocks) % kVecBytes<KIND>) return false;
+    if (!rows_of_aligned_chunks<KIND>(p.k, p.seg[i].blocks)) return false;
   }
   return true;
 }
