@@ -18,6 +18,7 @@ can't be handled is left exactly as it was and named in the report with the reas
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import types
 import warnings
@@ -84,6 +85,17 @@ class PatchState:
     last_generate: dict = field(default_factory=dict)
     warned: set = field(default_factory=set)
     stop_string_criteria: dict = field(default_factory=dict)  # reasons.stop_string_criteria's, oldest first
+
+    def __deepcopy__(self, memo):
+        # A copy of the patched model starts without a decode runner (its static caches and CUDA graphs hold this
+        # model's memory; the copy's first generate builds its own) and without the generate lock, which a lock
+        # can't be copied into (decode/generate.py makes one on first use).
+        new = PatchState.__new__(PatchState)
+        memo[id(self)] = new
+        kept = {k: v for k, v in self.__dict__.items() if k not in ("runner", "generate_lock")}
+        new.__dict__.update(copy.deepcopy(kept, memo))
+        new.runner = None
+        return new
 
     def check_weights(self, model: nn.Module) -> bool:
         """Once per generate call, and when a DecodeRunner is built: True (and the decode runner, its caches and

@@ -23,6 +23,7 @@ own memory.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from itertools import chain
@@ -108,6 +109,23 @@ class Guard:
         self.reason: str | None = None  # why HF's forward serves the module until its weights change again
         self.hook_dicts: list = []  # the hooks of the children the fused forward does not call
         self.watch: Watch | None = None
+
+    def __reduce_ex__(self, protocol):
+        # Met first by pickle in every patched module (its __dict__ holds the guard before the plan): the fused
+        # forwards and plans are functions of this process, which a pickle can't hold (torch.save(model)).
+        raise TypeError(
+            f"a patched model can't be pickled whole ({self.name} is patched): save its weights (save_pretrained, or "
+            "torch.save(model.state_dict())) and call patch_model on the model loaded from them, or call "
+            "unpatch_model(model) before pickling it"
+        )
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy of a patched model (a working patched copy, whose plans rebuild from the copy's weights)
+        # copies the guard as a plain object would be; only pickling is refused.
+        new = Guard.__new__(Guard)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def note(self, text: str) -> None:
         self.planner.note(text)
