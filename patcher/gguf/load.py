@@ -20,7 +20,7 @@ dense.py's, which meet float weights where transformers needs them.
 
 from __future__ import annotations
 
-import types
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,7 +155,9 @@ def load_gguf(
         raise ValueError(f"{path.name} holds no tensor for {len(empty)} parameters of the model: {empty[:4]}")
     model.gguf_report = report
     for method in (dense.save_pretrained, dense.resize_token_embeddings):  # (they need float weights)
-        model.__dict__[method.__name__] = types.MethodType(method, model)
+        # A partial, not a bound method: pickle writes a bound method as its name, which torch.load would look up
+        # on the class (transformers' own, writing the blocks); a partial keeps the function and the model.
+        model.__dict__[method.__name__] = functools.partial(method, model)
     return model.to(device).eval()
 
 

@@ -3,6 +3,9 @@ not). patch_model on such models: test_gguf_patch.py."""
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -177,20 +180,25 @@ def test_resize_token_embeddings_dequantizes_a_kept_lm_head(tmp_path, patched):
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_save_pretrained_writes_what_transformers_gguf_loading_holds(tmp_path, architecture):
     """save_pretrained writes each kept linear's dequantized weight (and bias) as a dense one: from_pretrained of the
-    folder gives the logits of transformers' own GGUF model, and the model keeps its blocks."""
+    folder gives the logits of transformers' own GGUF model, and the model keeps its blocks. So does the model after
+    a torch.save / torch.load round trip (which wrote the blocks) and a deepcopy."""
     from transformers import AutoModelForCausalLM
 
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, architecture)
     model = load_gguf(path, dtype=torch.float32, quantize_activations=False)
-    model.save_pretrained(tmp_path / "saved")
-    assert isinstance(model.get_output_embeddings(), GGUFLinear) and "lm_head.qweight" in model.state_dict()
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
     expected = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
-    assert reloaded.state_dict().keys() == expected.state_dict().keys()
-    with torch.no_grad():
-        assert torch.equal(reloaded(TINY_TOKENS).logits, expected(TINY_TOKENS).logits)
-        assert torch.equal(model(TINY_TOKENS).logits, expected(TINY_TOKENS).logits)
+    for i, saving in enumerate((model, torch.load(buffer, weights_only=False), copy.deepcopy(model))):
+        saving.save_pretrained(tmp_path / f"saved{i}")
+        assert isinstance(saving.get_output_embeddings(), GGUFLinear) and "lm_head.qweight" in saving.state_dict()
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / f"saved{i}", dtype=torch.float32).eval()
+        assert reloaded.state_dict().keys() == expected.state_dict().keys()
+        with torch.no_grad():
+            assert torch.equal(reloaded(TINY_TOKENS).logits, expected(TINY_TOKENS).logits)
+            assert torch.equal(saving(TINY_TOKENS).logits, expected(TINY_TOKENS).logits)
 
 
 def test_load_gguf_dtype_and_refusals(tiny, tmp_path):
