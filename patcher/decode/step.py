@@ -246,13 +246,20 @@ class DecodeStep:
             h, total, h2 = self.ops.int4_norm_prologue(x, *pro)
         elif st.fused_norms and fuse and gguf is None:
             return self.ops.norm_gemv(x, *pro, weight, bias, act)
-        elif gguf is not None and self.rms and pro[1] is None and (args := gguf.op_args(x)) is not None:
-            # The norm writes the projection's input as its GEMV reads it (Q8_1 blocks): one kernel less.
-            out, total = self.ops.gguf_norm_gemv_cat(x, pro[0], pro[2], pro[6], *args)
-            return self._activation(out, act), (x if pro[0] is None else total), None
+        elif gguf is not None and (fused := self._gguf_norm_linear(x, pro, gguf)) is not None:
+            return self._activation(fused[0], act), fused[1], None
         else:
             h, total, h2 = separate(x, pro[0], pro[1])
         return self._linear(h, weight, bias, act, st, int4_linear, gguf=gguf), total, h2
+
+    def _gguf_norm_linear(self, x, pro, gguf) -> tuple | None:
+        """(gguf(rms_norm(x [+ delta])), sum) in one op, the norm writing the projection's input as its GEMV reads
+        it (Q8_1 blocks), one kernel less than the norm and the projection apart; None where that op does not serve
+        (a LayerNorm, two deltas or norms, or a projection whose modules take different paths)."""
+        if not self.rms or pro[1] is not None or pro[4] is not None or (args := gguf.op_args(x)) is None:
+            return None
+        out, total = self.ops.gguf_norm_gemv_cat(x, pro[0], pro[2], pro[6], *args)
+        return out, (x if pro[0] is None else total)
 
     def _linear(self, h, weight, bias, act: str, st, int4_linear=None, workspace=None, gguf=None, group=None):
         """h @ W^T (+ b) with the MLP activation: our GEMV (epilogue fused), or cuBLAS then the activation; a GGUF
@@ -306,6 +313,8 @@ class DecodeStep:
         if a.qkv_int4 is not None and st.int4_separate_norm:
             h, total, h2 = ops.int4_norm_prologue(x, *pro)
             return self._qkv_rope(layer, index, h, st), total, h2
+        if a.qkv_gguf is not None and (fused := self._gguf_norm_linear(x, pro, a.qkv_gguf)) is not None:
+            return ops.rope_qkv_cache(fused[0], *self._rope_args(layer, index, st), a.interleaved), fused[1], None
         if not self._qkv_takes_norm(layer, st):
             h, total, h2 = layer.separate_norms[0](x, pro[0], pro[1])
             return self._qkv_rope(layer, index, h, st), total, h2

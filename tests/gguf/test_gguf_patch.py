@@ -116,6 +116,41 @@ def test_decode_runner_on_gguf_model_gives_hf_greedy_tokens(tiny_file, quantize_
         assert torch.equal(runner.generate(ids, mask, 16, Sampling(), eos=[], pad_token_id=0), want)
 
 
+class CountingOps:
+    """The ops namespace of a decode step, counting the calls of each op by name."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, {}
+
+    def __getattr__(self, name):
+        op = getattr(self.ops, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return op(*args, **kwargs)
+
+        return counted
+
+
+def test_decode_step_norms_write_the_gguf_inputs(tiny_file):
+    """Each RMSNorm in front of a GGUF projection (QKV, gate/up, a GGUF head) runs in one op with it (gguf_norm_gemv_cat: on CUDA
+    the norm writes the GEMV's Q8_1 input), and the down projection's op computes the activation: no separate norm,
+    activation or plain GEMV op in a layer but the output projection's."""
+    model = load(tiny_file, True)
+    ids, mask = prompt(1)
+    want = hf_greedy(model, ids, mask, 4)
+    patch_model(model)
+    runner = DecodeRunner(model, EAGER)
+    runner.decode_step.ops = counting = CountingOps(runner.decode_step.ops)
+    assert torch.equal(runner.generate(ids, mask, 4, Sampling(), eos=[], pad_token_id=0), want)
+    layers, steps = model.config.num_hidden_layers, counting.calls["rope_qkv_cache"] // model.config.num_hidden_layers
+    assert steps >= 3 and counting.calls["rope_qkv_cache"] == steps * layers
+    head = runner.decode_step.lm_gguf is not None  # the final norm into a GGUF head: one more a step
+    assert counting.calls["gguf_norm_gemv_cat"] == (2 * layers + head) * steps
+    assert counting.calls["gguf_silu_mul_gemv_cat"] == steps * layers
+    assert "silu_and_mul" not in counting.calls and "rms_norm" not in counting.calls, counting.calls
+
+
 def test_gguf_model_generates_past_eight_rows(tiny_file, monkeypatch):
     """generate takes the runner for a batch of 9 (chunks of 8 and 1 rows) and gives HF's tokens (the CPU model
     stands in for a CUDA one: its runner runs eagerly)."""
