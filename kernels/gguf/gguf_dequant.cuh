@@ -91,17 +91,10 @@ __global__ void __launch_bounds__(kDequantWarps * 32) gguf_dequantize_aligned_ke
   for (int b = lane >> 2; b < blocks; b += 8) {
     float scale[2], off;
     int q[8];
-    if constexpr (kKQuant<KIND>) {
-      float dm;
-      parse_sub_block<KIND, true>(stages[warp] + (b >> 3) * kBlockBytes<KIND>, b & 7, scale, dm, q);
-      off = -dm;
-    } else {
-      parse_aligned<KIND>(stages[warp], b, scale[0], off, q);
-      scale[1] = scale[0];
-      if constexpr (KIND == kGgufQ4_0) {
+    parse_aligned_block<KIND>(stages[warp], b, scale, off, q);
+    if constexpr (KIND == kGgufQ4_0) {  // (the nibbles as stored: 0..15)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) q[j] = static_cast<int>(__vsub4(static_cast<unsigned>(q[j]), 0x08080808u));
-      }
+      for (int j = 0; j < 8; ++j) q[j] = static_cast<int>(__vsub4(static_cast<unsigned>(q[j]), 0x08080808u));
     }
     float w[8];
     weights8<KIND>(scale, off, q, part, w);

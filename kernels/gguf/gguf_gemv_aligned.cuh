@@ -58,16 +58,9 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
   auto accumulate_chunk = [&](const uint8_t* stage, int c) {
     const int blk = c * kChunkBlocks + lane;
     if (blk >= nb) return;
-    float scale[2], off;  // the K-quants' d * sc[j] (Q6_K: a 16-value group's two) and -(dmin * mn[j])
+    float scale[2], off;
     int q[8];
-    if constexpr (kKQuant<KIND>) {
-      float dm;
-      parse_sub_block<KIND, true>(stage + (lane >> 3) * kBlockBytes<KIND>, lane & 7, scale, dm, q);
-      off = -dm;
-    } else {
-      parse_aligned<KIND>(stage, lane, scale[0], off, q);
-      scale[1] = scale[0];
-    }
+    parse_aligned_block<KIND>(stage, lane, scale, off, q);
     accumulate_parsed<T, KIND, true, BMAX, true>(scale, off, q, p, blk, acc, acc_m);
   };
 
