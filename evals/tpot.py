@@ -2,7 +2,9 @@
 a shard with --tp under torchrun).
 
 TPOT (time per output token) excludes prefill: (time(generate N+1) - time(generate 1)) / N, after warm-up, with
-the GPU synchronized, median over repeats. Each mode also reports TTFT (generate 1), tokens/s, kernels per decode
+the GPU synchronized, median over repeats. Each mode also reports TTFT (generate 1), on CUDA the prefill alone
+(one forward over the prompt, the logits of its last position only, GPU time by CUDA events, median of 10: TTFT
+without generate's host work), tokens/s, kernels per decode
 step and each kernel's share of the step's critical path (torch.profiler; `--kernel-table` prints the costliest),
 achieved bandwidth and TPOT over the roofline (bytes read per step / HBM read bandwidth measured in the same run),
 and peak GPU memory.
@@ -56,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import inspect
 import statistics
 import sys
 
@@ -196,10 +199,22 @@ def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True,
         row["decode_reason"] = path.get("reason")
     if device.type == "cuda":
         row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        if preset is None:
+            row["prefill_ms"] = prefill_ms(model, prompt)
         if profile:
             row.update(step_profile(generate, model.config.num_hidden_layers))
             row["gpu_busy"] = row["critical_us_per_step"] / 1e3 / row["tpot_ms"]
     return row
+
+
+def prefill_ms(model, prompt) -> float:
+    """The GPU time of one forward over `prompt` as generate's prefill runs it (logits of the last position only,
+    where the model takes logits_to_keep), median of 10 after 2 warm-ups, in ms."""
+    kwargs = {"attention_mask": torch.ones_like(prompt), "use_cache": False}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1
+    with torch.inference_mode():
+        return common.gpu_time_ms(lambda: model(prompt, **kwargs), reps=10, warmup=2)
 
 
 def run(model, args, device, prompt_len, batch, bandwidth, modes, on_row, progress=None, setup=None) -> None:
@@ -282,6 +297,7 @@ COLUMNS = [
     ("context", "context", "d"),
     ("tpot_ms", "TPOT ms", ".3f"),
     ("ttft_ms", "TTFT ms", ".1f"),
+    ("prefill_ms", "prefill ms", ".1f"),
     ("tokens_per_s", "tok/s", ".0f"),
     ("achieved_gbs", "GB/s", ".0f"),
     ("tpot_over_roofline", "x roofline", ".2f"),
