@@ -67,42 +67,63 @@ __global__ void __launch_bounds__(kInputThreads) gguf_input_kernel(const GgufGem
   store_gguf_input<A8>(p.work, p.batch, p.k, t.row, t.col, v, t.live);
 }
 
-// A lane's parsed block (parse_lane) times x's 32-value block `blk` of every row (from the workspace), into the
-// lane's sums. STORED_Q4_0: Q4_0's q are its nibbles as stored (0..15, gguf_gemv_aligned.cuh), and the 8 they are
-// offset by comes off the integer sum as 8 * sum(q_a), which the input kernel writes after the blocks' d and s.
+// x's Q8_1 block `blk` of batch row b, as the W4A8 dot product reads it from the workspace (gguf/params.h): its 32
+// int8 values as 8 words, d, s = d * sum(q) for the types with an offset, and sum(q) for Q4_0's stored nibbles.
+struct XBlock {
+  int qa[8];
+  float d, s;
+  int sum;
+};
+
+template <int KIND, bool STORED_Q4_0>
+__device__ __forceinline__ XBlock load_x_block(const GgufGemvParams& p, int b, int64_t blk) {
+  const int8_t* xq = static_cast<const int8_t*>(p.work);
+  const int64_t nb = p.k / 32;
+  const float* xd = reinterpret_cast<const float*>(xq + p.batch * p.k);
+  const int* xsum = reinterpret_cast<const int*>(xd + 2 * p.batch * nb);
+  const int4* qv = reinterpret_cast<const int4*>(xq + b * p.k + blk * 32);
+  const int4 lo = qv[0], hi = qv[1];
+  XBlock x = {{lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w}, xd[b * nb + blk], 0.f, 0};
+  if constexpr (kHasOffset<KIND>) x.s = xd[(p.batch + b) * nb + blk];
+  if constexpr (STORED_Q4_0 && KIND == kGgufQ4_0) x.sum = xsum[b * nb + blk];
+  return x;
+}
+
+// A lane's parsed block (parse_lane) times one batch row's x block, into that row's sums. STORED_Q4_0: Q4_0's q are
+// its nibbles as stored (0..15, gguf_gemv_aligned.cuh), and the 8 they are offset by comes off the integer sum as
+// 8 * sum(q_a), which the input kernel writes after the blocks' d and s.
+template <int KIND, bool STORED_Q4_0>
+__device__ __forceinline__ void accumulate_x(const float (&scale)[2], float off, const int (&q)[8], const XBlock& x,
+                                             float& acc, float& acc_m) {
+  if constexpr (KIND == kGgufQ6_K) {
+    int isum0 = 0, isum1 = 0;  // elements 0..15 and 16..31
+#pragma unroll
+    for (int i = 0; i < 4; ++i) isum0 = __dp4a(q[i], x.qa[i], isum0);
+#pragma unroll
+    for (int i = 4; i < 8; ++i) isum1 = __dp4a(q[i], x.qa[i], isum1);
+    const float t0 = __fmul_rn(__fmul_rn(scale[0], x.d), static_cast<float>(isum0));
+    const float t1 = __fmul_rn(__fmul_rn(scale[1], x.d), static_cast<float>(isum1));
+    acc = __fadd_rn(acc, __fadd_rn(t0, t1));
+  } else {
+    int isum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) isum = __dp4a(q[i], x.qa[i], isum);
+    if constexpr (STORED_Q4_0 && KIND == kGgufQ4_0) isum -= 8 * x.sum;  // sum((q - 8) q_a), exactly
+    acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(scale[0], x.d), static_cast<float>(isum)));
+    if constexpr (kHasOffset<KIND>) acc_m = __fadd_rn(acc_m, __fmul_rn(off, x.s));
+  }
+}
+
+// A lane's parsed block times x's 32-value block `blk` of every row (from the workspace), into the lane's sums.
 template <typename T, int KIND, bool A8, int BMAX, bool STORED_Q4_0 = false>
 __device__ __forceinline__ void accumulate_parsed(const float (&scale)[2], float off, const int (&q)[8],
                                                   const GgufGemvParams& p, int64_t blk, float (&acc)[BMAX],
                                                   float (&acc_m)[BMAX]) {
   if constexpr (A8) {
-    const int8_t* xq = static_cast<const int8_t*>(p.work);
-    const int64_t nb = p.k / 32;
-    const float* xd = reinterpret_cast<const float*>(xq + p.batch * p.k);
-    const int* xsum = reinterpret_cast<const int*>(xd + 2 * p.batch * nb);
 #pragma unroll
     for (int b = 0; b < BMAX; ++b) {
       if (b >= p.batch) break;
-      const int4* qv = reinterpret_cast<const int4*>(xq + b * p.k + blk * 32);
-      const int4 lo = qv[0], hi = qv[1];
-      const int qa[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      const float d_a = xd[b * nb + blk];
-      if constexpr (KIND == kGgufQ6_K) {
-        int isum0 = 0, isum1 = 0;  // elements 0..15 and 16..31
-#pragma unroll
-        for (int i = 0; i < 4; ++i) isum0 = __dp4a(q[i], qa[i], isum0);
-#pragma unroll
-        for (int i = 4; i < 8; ++i) isum1 = __dp4a(q[i], qa[i], isum1);
-        const float t0 = __fmul_rn(__fmul_rn(scale[0], d_a), static_cast<float>(isum0));
-        const float t1 = __fmul_rn(__fmul_rn(scale[1], d_a), static_cast<float>(isum1));
-        acc[b] = __fadd_rn(acc[b], __fadd_rn(t0, t1));
-      } else {
-        int isum = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) isum = __dp4a(q[i], qa[i], isum);
-        if constexpr (STORED_Q4_0 && KIND == kGgufQ4_0) isum -= 8 * xsum[b * nb + blk];  // sum((q - 8) q_a), exactly
-        acc[b] = __fadd_rn(acc[b], __fmul_rn(__fmul_rn(scale[0], d_a), static_cast<float>(isum)));
-        if constexpr (kHasOffset<KIND>) acc_m[b] = __fadd_rn(acc_m[b], __fmul_rn(off, xd[(p.batch + b) * nb + blk]));
-      }
+      accumulate_x<KIND, STORED_Q4_0>(scale, off, q, load_x_block<KIND, STORED_Q4_0>(p, b, blk), acc[b], acc_m[b]);
     }
   } else {
     float wv[32];
@@ -134,15 +155,17 @@ __device__ __forceinline__ void accumulate(const uint8_t* chunk, const GgufGemvP
   accumulate_parsed<T, KIND, A8, BMAX>(scale, off, q, p, blk, acc, acc_m);
 }
 
-// The warp's output row: the launch's segments' rows one after the other (every segment is of the launch's KIND).
+// The warp's (first) output row: the launch's segments' rows one after the other (every segment is of the launch's
+// KIND); a warp that takes several rows takes n .. n + rows_per_warp - 1 of one segment (every segment's row count a
+// multiple of rows_per_warp).
 // Only the segment's index is kept; its fields are read from the parameters (__grid_constant__: the constant bank,
 // indexed) where they are used, so that a segment costs no registers across the main loop.
 struct WarpRow {
   int s;      // segment
   int64_t n;  // row of the segment; n >= p.seg[s].n: a warp past the last row
 };
-__device__ __forceinline__ WarpRow warp_row(const GgufGemvParams& p, int warp) {
-  int64_t n = static_cast<int64_t>(blockIdx.x) * kGgufWarps + warp;
+__device__ __forceinline__ WarpRow warp_row(const GgufGemvParams& p, int warp, int rows_per_warp = 1) {
+  int64_t n = (static_cast<int64_t>(blockIdx.x) * kGgufWarps + warp) * rows_per_warp;
   int s = 0;
 #pragma unroll
   for (int i = 1; i < kGgufMaxSegments; ++i) {

@@ -2,16 +2,17 @@
 // 32-value types (Q4_0, Q4_1, Q8_0), K a multiple of 256 (8k blocks of 18, 20 or 34 bytes are whole 16-byte vectors),
 // as every real model's projections are; Q4_K and Q5_K (144 and 176-byte super-blocks) at any K; Q6_K with the blocks
 // 8-byte aligned and K a multiple of 1024 (a chunk of 4 super-blocks is 840 bytes: whole 8-byte vectors, which Q6_K's
-// chunks are read in). Work split and arithmetic are gguf_gemv_kernel's (gguf_gemv.cuh): a warp a row, chunks of 1024
-// values (one 32-value block or sub-block a lane) read from the warp's shared stage, and the same fp32 terms summed
-// in the same order, so the two kernels agree bit for bit; the chunks ahead of their use wait in registers (the
-// K-quants, as there) or in a ring of shared stages (the 32-value types, kAlignedRing). What
-// alignment saves is the instructions around the arithmetic, which bound the general kernel (about 230 a Q4_0 chunk
-// against 8 dp4a a lane): a chunk is whole 16-byte vectors at a fixed stride (no byte window, no edge bytes); a lane
-// reads its block from the stage as the 4-byte words that cover it, shifted into place by a funnel shift (a 32-value
-// block or a Q6_K super-block starts 0 or 2 bytes into a word; Q4_K's and Q5_K's words are aligned), rather than as
-// 2-byte halves; and Q4_0's nibbles enter the dot product as stored (0..15), the 8 they are offset by subtracted once
-// as 8 * sum(q_a) from the workspace, in place of a per-byte subtraction on each word.
+// chunks are read in). Work split and arithmetic are gguf_gemv_kernel's (gguf_gemv.cuh): a warp a row (four rows in
+// Q4_0's and Q4_1's widest launches at batch 1: kAlignedWideKind), chunks of 1024 values (one 32-value block or
+// sub-block a lane) read from the warp's shared stage, and the same fp32 terms summed in the same order, so the two
+// kernels agree bit for bit; the chunks ahead of their use wait in registers (the K-quants, as there) or in a ring of
+// shared stages (the 32-value types, kAlignedRing). What alignment saves is the instructions around the arithmetic,
+// which bound the general kernel (about 230 a Q4_0 chunk against 8 dp4a a lane): a chunk is whole 16-byte vectors at a
+// fixed stride (no byte window, no edge bytes); a lane reads its block from the stage as the 4-byte words that cover
+// it, shifted into place by a funnel shift (a 32-value block or a Q6_K super-block starts 0 or 2 bytes into a word;
+// Q4_K's and Q5_K's words are aligned), rather than as 2-byte halves; and Q4_0's nibbles enter the dot product as
+// stored (0..15), the 8 they are offset by subtracted once as 8 * sum(q_a) from the workspace, in place of a per-byte
+// subtraction on each word.
 #pragma once
 #include "gguf/gguf_aligned.cuh"
 #include "gguf/gguf_gemv.cuh"
@@ -20,27 +21,38 @@ namespace patcher {
 namespace {
 
 // The 32-value types' chunks ahead of their use wait in a ring of kAlignedRing shared stages a warp, copied there by
-// cp.async, so that they hold no registers (four chunks are a K = 4096 row whole): more bytes in flight for the
-// smaller register file (Q4_0 batch 1: 40 registers, not 64). The K-quants keep theirs in registers, as the general
-// kernel does: their ring measured slower (docs/gguf.md).
+// cp.async, so that they hold no registers (four chunks are a K = 4096 row whole; two for each of a warp's four
+// rows): more bytes in flight for the smaller register file (Q4_0 batch 1: 40 registers, not 64). The K-quants keep
+// theirs in registers, as the general kernel does: their ring measured slower (docs/gguf.md).
 template <int KIND>
 constexpr bool kAlignedRingKind = !kKQuant<KIND>;
-constexpr int kAlignedRing = 4;
-template <int KIND>
-constexpr int kAlignedStages = kAlignedRingKind<KIND> ? kAlignedRing : 1;
+template <int ROWS>
+constexpr int kAlignedRing = ROWS == 1 ? 4 : 2;  // (four rows of four stages would pass 48 KB of static shared memory)
+template <int KIND, int ROWS>
+constexpr int kAlignedStages = kAlignedRingKind<KIND> ? kAlignedRing<ROWS> : 1;
 
-template <typename T, int KIND, int BMAX>
+// Output rows a warp takes: four for Q4_0 and Q4_1 at batch 1 in a launch of at least kAlignedWideRows rows, every
+// segment's row count a multiple of 4 (gguf_aligned_rows), their chunks in a ring two deep; one otherwise. Each
+// row's terms are summed as with one row a warp. Four rows a warp measured faster for Llama-3.1-8B's gate/up (28672
+// rows) and slower for its QKV (6144) and down (4096) projections, whose rows then leave the SMs short of warps, as
+// two rows a warp measured for all three (docs/gguf.md).
+template <int KIND>
+constexpr bool kAlignedWideKind = KIND == kGgufQ4_0 || KIND == kGgufQ4_1;
+constexpr int64_t kAlignedWideRows = 16384;
+
+template <typename T, int KIND, int BMAX, int ROWS>
 __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(const __grid_constant__ GgufGemvParams p) {
+  static_assert(ROWS == 1 || (ROWS == 4 && kAlignedWideKind<KIND>), "four rows a warp for Q4_0 and Q4_1 only");
   using Vec = AlignedVec<KIND>;
-  __shared__ __align__(16) uint8_t stages[kGgufWarps][kAlignedStages<KIND>][kChunkBytes<KIND>];
+  __shared__ __align__(16) uint8_t stages[kGgufWarps][kAlignedStages<KIND, ROWS>][ROWS][kChunkBytes<KIND>];
   constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
   constexpr int kFullVectors = kChunkBytes<KIND> / kVecBytes<KIND>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   griddep_trigger_at_entry();  // no decode attention reads this op's output directly
-  const WarpRow r = warp_row(p, warp);
-  const int64_t n = r.n;
-  const GgufSegment& g = p.seg[r.s];
-  if (n >= g.n) return;  // a warp past the last row (no barrier waits for it)
+  const WarpRow wr = warp_row(p, warp, ROWS);
+  const int64_t n = wr.n;
+  const GgufSegment& g = p.seg[wr.s];
+  if (n >= g.n) return;  // a warp past the last row (no barrier waits for it); with four rows, n + 3 < g.n
   // Chunk, block and vector indices in 32 bits (gguf_rows_aligned admits k < 2^30); the row's offset in 64.
   const int nb = static_cast<int>(p.k / 32);                  // 32-value blocks (sub-blocks) a row, and of x
   const int units = static_cast<int>(p.k / kBlockValues<KIND>);  // blocks (super-blocks) a row
@@ -49,19 +61,34 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
   // of 144 or 176 bytes, or Q6_K's 4 (K a multiple of 1024).
   const int tail_vectors = (units - (chunks - 1) * kPerChunk) * kBlockBytes<KIND> / kVecBytes<KIND>;
   const Vec* row = reinterpret_cast<const Vec*>(g.blocks + n * g.row_bytes);
+  const int64_t row_vectors = g.row_bytes / kVecBytes<KIND>;  // row n + 1 starts there (rows of whole vectors)
   auto vectors_of = [&](int c) { return c + 1 < chunks ? kFullVectors : tail_vectors; };
 
-  float acc[BMAX], acc_m[BMAX];
+  float acc[ROWS][BMAX], acc_m[ROWS][BMAX];
 #pragma unroll
-  for (int b = 0; b < BMAX; ++b) acc[b] = acc_m[b] = 0.f;
-  // The lane's block of chunk c, whole in `stage`, into the sums.
-  auto accumulate_chunk = [&](const uint8_t* stage, int c) {
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int b = 0; b < BMAX; ++b) acc[r][b] = acc_m[r][b] = 0.f;
+  }
+  // The lane's block of chunk c of each row, whole in `stage` (one chunk a row), into the sums.
+  auto accumulate_chunk = [&](const uint8_t (*stage)[kChunkBytes<KIND>], int c) {
     const int blk = c * kChunkBlocks + lane;
     if (blk >= nb) return;
-    float scale[2], off;
-    int q[8];
-    parse_aligned_block<KIND>(stage, lane, scale, off, q);
-    accumulate_parsed<T, KIND, true, BMAX, true>(scale, off, q, p, blk, acc, acc_m);
+    float scale[ROWS][2], off[ROWS];
+    int q[ROWS][8];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) parse_aligned_block<KIND>(stage[r], lane, scale[r], off[r], q[r]);
+    if constexpr (ROWS == 1) {
+      accumulate_parsed<T, KIND, true, BMAX, true>(scale[0], off[0], q[0], p, blk, acc[0], acc_m[0]);
+    } else {
+#pragma unroll
+      for (int b = 0; b < BMAX; ++b) {
+        if (b >= p.batch) break;
+        const XBlock x = load_x_block<KIND, true>(p, b, blk);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) accumulate_x<KIND, true>(scale[r], off[r], q[r], x, acc[r][b], acc_m[r][b]);
+      }
+    }
   };
 
   if constexpr (kAlignedRingKind<KIND>) {
@@ -70,28 +97,32 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
     // holds chunk c is always the (c + 1)-th).
     auto fetch = [&](int c) {
       if (c < chunks) {
-        Vec* stage = reinterpret_cast<Vec*>(stages[warp][c % kAlignedRing]);
 #pragma unroll
-        for (int j = 0; j < kAlignedVecs<KIND>; ++j) {
-          const int i = lane + 32 * j;
-          if (i < vectors_of(c)) cp_async16(stage + i, row + c * kFullVectors + i);
+        for (int r = 0; r < ROWS; ++r) {
+          Vec* stage = reinterpret_cast<Vec*>(stages[warp][c % kAlignedRing<ROWS>][r]);
+#pragma unroll
+          for (int j = 0; j < kAlignedVecs<KIND>; ++j) {
+            const int i = lane + 32 * j;
+            if (i < vectors_of(c)) cp_async16(stage + i, row + r * row_vectors + c * kFullVectors + i);
+          }
         }
       }
       cp_async_commit();
     };
 #pragma unroll
-    for (int i = 0; i < kAlignedRing; ++i) fetch(i);
+    for (int i = 0; i < kAlignedRing<ROWS>; ++i) fetch(i);
     griddep_wait();
     for (int c = 0; c < chunks; ++c) {
-      cp_async_wait_group<kAlignedRing - 1>();  // this lane's copies of chunk c have landed
+      cp_async_wait_group<kAlignedRing<ROWS> - 1>();  // this lane's copies of chunk c have landed
       __syncwarp();                             // and every lane's
-      accumulate_chunk(stages[warp][c % kAlignedRing], c);
+      accumulate_chunk(stages[warp][c % kAlignedRing<ROWS>], c);
       __syncwarp();  // every lane is done with the stage, which now takes chunk c + ring
-      fetch(c + kAlignedRing);
+      fetch(c + kAlignedRing<ROWS>);
     }
   } else {
     constexpr int kDepth = kGgufDepth<KIND>;
-    Vec* stage = reinterpret_cast<Vec*>(stages[warp][0]);
+    static_assert(ROWS == 1, "the register path takes one row a warp");
+    Vec* stage = reinterpret_cast<Vec*>(stages[warp][0][0]);
     auto fetch = [&](AlignedChunk<KIND>& w, int c) {
 #pragma unroll
       for (int j = 0; j < kAlignedVecs<KIND>; ++j) {
@@ -121,7 +152,20 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
       }
     }
   }
-  store_row<T, KIND, true, BMAX>(p, g, n, lane, acc, acc_m);
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) store_row<T, KIND, true, BMAX>(p, g, n + r, lane, acc[r], acc_m[r]);
+}
+
+// Output rows a warp of the aligned kernel takes for `p` at batch 1 (kAlignedWideKind above).
+template <int KIND>
+int gguf_aligned_rows(const GgufGemvParams& p) {
+  if (!kAlignedWideKind<KIND>) return 1;
+  int64_t rows = 0;
+  for (int i = 0; i < p.segments; ++i) {
+    if (p.seg[i].n % 4) return 1;
+    rows += p.seg[i].n;
+  }
+  return rows >= kAlignedWideRows ? 4 : 1;
 }
 
 // Whether every segment of `p` (all of type KIND) meets the aligned kernel's layout: blocks aligned to its vectors,

@@ -13,7 +13,13 @@ cudaError_t launch_gguf(const GgufGemvParams& p, cudaStream_t stream) {
   for (int i = 0; i < p.segments; ++i) rows += p.seg[i].n;
   const dim3 grid(static_cast<unsigned>((rows + kGgufWarps - 1) / kGgufWarps));
   if constexpr (ALIGNED) {
-    return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX>, grid, dim3(kGgufWarps * 32), 0, stream, p);
+    if constexpr (kAlignedWideKind<KIND> && BMAX == 1) {
+      if (gguf_aligned_rows<KIND>(p) == 4) {
+        const dim3 quads(static_cast<unsigned>((rows + 4 * kGgufWarps - 1) / (4 * kGgufWarps)));
+        return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 4>, quads, dim3(kGgufWarps * 32), 0, stream, p);
+      }
+    }
+    return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 1>, grid, dim3(kGgufWarps * 32), 0, stream, p);
   } else {
     return launch_pdl(gguf_gemv_kernel<T, KIND, A8, BMAX>, grid, dim3(kGgufWarps * 32), 0, stream, p);
   }

@@ -133,9 +133,9 @@ class CountingOps:
 
 
 def test_decode_step_norms_write_the_gguf_inputs(tiny_file):
-    """Each RMSNorm in front of a GGUF projection (QKV, gate/up, a GGUF head) runs in one op with it (gguf_norm_gemv_cat: on CUDA
-    the norm writes the GEMV's Q8_1 input), and the down projection's op computes the activation: no separate norm,
-    activation or plain GEMV op in a layer but the output projection's."""
+    """Each RMSNorm in front of a GGUF projection (QKV, gate/up, a GGUF head) runs in one op with it
+    (gguf_norm_gemv_cat: on CUDA the norm writes the GEMV's Q8_1 input), and the down projection's op computes the
+    activation: no separate norm, activation or plain GEMV op in a layer but the output projection's."""
     model = load(tiny_file, True)
     ids, mask = prompt(1)
     want = hf_greedy(model, ids, mask, 4)

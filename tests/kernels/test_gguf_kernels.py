@@ -44,9 +44,10 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (N, K): odd output widths (one row, a last block of 8 rows partly filled) against K of one block, of 3 blocks (rows
 # of 54/60/102 bytes: misaligned for 16-byte loads), of 40 blocks (a chunk of 32 and a quarter one), of 64 blocks and
 # of Llama-3.1-8B's down_proj (448 blocks: 14 chunks of 32). K of 40, 64 and 448 blocks takes W4A8's aligned kernel
-# (as every K-quant shape here but Q6_K's).
+# (as every K-quant shape here but Q6_K's); 16388 rows (a multiple of 4, at least 16384) its Q4_0 and Q4_1 form
+# that takes four rows a warp at batch 1, the last block of 32 rows a quarter filled.
 SHAPES = [(1, 32), (1, 14336), (33, 96), (33, 1280), (33, 2048), (33, 14336), (4097, 32), (4097, 96), (4097, 2048)]
-SHAPES += [(4097, 14336)]
+SHAPES += [(4097, 14336), (16388, 1280)]
 # The K-quants' K is whole super-blocks of 256: one super-block (a chunk of 1024 values a quarter full), 3 (Q6_K rows
 # of 630 bytes, misaligned for 16-byte loads), 5 (a full chunk and a quarter one), 8 (two full chunks) and 14336
 # (56 super-blocks: 14 chunks).
@@ -183,9 +184,10 @@ def test_gguf_gemv_aligned_kernel_matches_the_general_one(kernels, kind):
     and the general one where they do not (the same blocks 2 bytes into a buffer): both give the same output bit for
     bit (the same fp32 terms summed in the same order), within the W4A8 bound of the reference. K of 1280 (a chunk of
     1024 values and a quarter one; Q6_K: 2048, two chunks, its super-blocks 0 and 2 bytes into a word) and of 14336
-    (14 chunks), 1 and 5 rows of x."""
-    for k in (2048 if kind == "Q6_K" else 1280, 14336):
-        blocks, bias = weights(kind, 37, k, True)
+    (14 chunks), 1 and 5 rows of x; 37 output rows, and 16388 of K 1280 (Q4_0 and Q4_1 take four rows a warp)."""
+    short = 2048 if kind == "Q6_K" else 1280
+    for k, n in ((short, 37), (14336, 37), (short, 16388)):
+        blocks, bias = weights(kind, n, k, True)
         aligned, bias = blocks.cuda(), bias.cuda()
         buffer = torch.empty(aligned.numel() + 2, dtype=torch.uint8, device="cuda")
         shifted = buffer[2:].view(aligned.shape).copy_(aligned)
@@ -193,8 +195,8 @@ def test_gguf_gemv_aligned_kernel_matches_the_general_one(kernels, kind):
         for rows in (1, 5):
             x = torch.randn(rows, k, device="cuda").half()
             got = kernels.gguf_gemv(x, aligned, kind, bias, True)
-            assert torch.equal(got, kernels.gguf_gemv(x, shifted, kind, bias, True)), f"{kind} k={k} rows={rows}"
-            assert_w4a8_close(got, x, aligned, kind, bias, f"{kind} k={k} rows={rows}")
+            assert torch.equal(got, kernels.gguf_gemv(x, shifted, kind, bias, True)), f"{kind} n={n} k={k} rows={rows}"
+            assert_w4a8_close(got, x, aligned, kind, bias, f"{kind} n={n} k={k} rows={rows}")
 
 
 @pytest.mark.gpu
@@ -220,6 +222,9 @@ CAT_CASES = [  # a projection's modules: (kind, n) each, and K
     ([("Q4_K", 64), ("Q4_K", 16), ("Q6_K", 16)], 512),  # a Q4_K_M q/k/v: two launches, one input
     ([("Q4_0", 40), ("Q4_0", 24)], 96),  # gate/up of one type, rows not a multiple of the block's 8
     ([("Q8_0", 8), ("Q4_1", 33), ("Q5_K", 9)], 256),
+    # aligned W4A8 at batch 1: Q4_0 four rows a warp (16388 rows; its modules alone, of fewer than 16384, one)
+    ([("Q4_0", 8192), ("Q4_1", 16384), ("Q4_0", 8196)], 256),
+    ([("Q4_1", 16384), ("Q4_1", 2)], 256),  # one row a warp (2 rows: not a multiple of 4); the first module alone four
 ]
 
 
