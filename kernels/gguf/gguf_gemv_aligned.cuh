@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
     griddep_wait();
     for (int c = 0; c < chunks; ++c) {
       cp_async_wait_group<kAlignedRing<ROWS> - 1>();  // this lane's copies of chunk c have landed
-      __syncwarp();                             // and every lane's
+      __syncwarp();                                   // and every lane's
       accumulate_chunk(stages[warp][c % kAlignedRing<ROWS>], c);
       __syncwarp();  // every lane is done with the stage, which now takes chunk c + ring
       fetch(c + kAlignedRing<ROWS>);
