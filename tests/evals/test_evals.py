@@ -70,6 +70,30 @@ def test_tpot_tiny_model_with_sweep_plot(tmp_path, capsys):
     assert result["complete"] is True
 
 
+def test_prefill_column_times_one_forward_keeping_the_last_logits(monkeypatch):
+    """evals.tpot's prefill column (CUDA only; timed here by a stand-in): one forward over the whole prompt, the
+    logits of its last position alone, as generate's prefill computes them, without a cache."""
+    import torch
+
+    from patcher import random_models as rm
+
+    model = rm.build("tiny-llama", dtype=torch.float32, device="cpu")
+    prompt = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    outputs = []
+
+    def timed(fn, reps, warmup):
+        outputs.append(fn())
+        return 1.5
+
+    monkeypatch.setattr(tpot.common, "gpu_time_ms", timed)
+    assert tpot.prefill_ms(model, prompt) == 1.5
+    (out,) = outputs
+    assert out.logits.shape == (2, 1, model.config.vocab_size)
+    assert not {"past_key_values", "cache"} & set(out.keys())  # no cache built
+    with torch.inference_mode():  # (one row through lm_head, not nine: fp32 rounding apart)
+        torch.testing.assert_close(out.logits[:, 0], model(prompt).logits[:, -1])
+
+
 def test_tpot_batch_sweep_with_plot(tmp_path, capsys):
     """--sweep-batch: every mode at each batch size, rows marked with it, the plot against the batch."""
     out = tmp_path / "tpot.json"
