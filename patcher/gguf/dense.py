@@ -1,10 +1,10 @@
 """What a model from `load_gguf` does where transformers needs float weights: saving and resizing the vocabulary.
 
 `load_gguf` binds these functions over the model's own `save_pretrained` and `resize_token_embeddings` (instance
-attributes, partials of the model, which pickle and copy.deepcopy carry). A GGUFLinear holds blocks (`qweight`), which neither
-`from_pretrained` nor `resize_token_embeddings` can read, so each of them meets the weights that transformers'
-own GGUF loading would hold: the blocks dequantized (bit-identical to `gguf.quants.dequantize`), in the
-embedding's dtype.
+attributes, partials of the model, which pickle and copy.deepcopy carry). A GGUFLinear holds blocks (`qweight`),
+which neither `from_pretrained` nor `resize_token_embeddings` can read, so each of them meets the weights that
+transformers' own GGUF loading would hold: the blocks dequantized (bit-identical to `gguf.quants.dequantize`), in
+the embedding's dtype.
 """
 
 from __future__ import annotations
