@@ -153,6 +153,21 @@ __device__ __forceinline__ float2 row_stats(const T* row, int64_t nvec, float ac
   return make_float2(mean, rsqrtf(block_sum(m2, scratch) * inv_n + eps));
 }
 
+// row_stats where each thread holds its one vector of the row (s; none where !live) in registers: LayerNorm's
+// variance pass reads them there, in the same order.
+template <int N>
+__device__ __forceinline__ float2 row_stats_resident(const float (&s)[N], bool live, float acc, float inv_n, float eps,
+                                                     bool rms, float* scratch) {
+  if (rms) return make_float2(0.f, rsqrtf(acc * inv_n + eps));
+  const float mean = acc * inv_n;
+  float m2 = 0.f;
+  if (live) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) m2 += (s[k] - mean) * (s[k] - mean);
+  }
+  return make_float2(mean, rsqrtf(block_sum(m2, scratch) * inv_n + eps));
+}
+
 // Activations in fp32, with the formulas of torch's CUDA kernels (so that, rounded to the dtype, they agree).
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 

@@ -8,10 +8,12 @@
 // A dual LayerNorm (GPT-NeoX parallel residual: the input and post-attention norms read the same x) writes two
 // outputs from one pass; they share mean and variance, only the affine parameters differ.
 //
-// Memory traffic is one read of each input row and one write of each output: the row is re-read from L1/L2 in
-// the statistics and output passes (at most a few tens of KB per block), which keeps the kernel free of a
-// compile-time limit on the hidden size. LayerNorm uses two passes for the variance (mean first), as exact as
-// torch's Welford.
+// Memory traffic is one read of each input row and one write of each output. Where the row is at most one vector a
+// thread (hidden <= 8192 in 16-bit dtypes: every decoder's; RESIDENT), each thread keeps its vector of the sum in
+// registers from the first pass to the output and loads its norm weights before the grid-dependency wait (constants),
+// so that after the wait one round trip to memory (x and the deltas) precedes the output; wider rows are re-read from
+// L1/L2 in the statistics and output passes (at most a few tens of KB per block). LayerNorm uses two passes for the
+// variance (mean first), as exact as torch's Welford.
 #include "common/common.cuh"
 #include "gguf/gguf_q8_1.cuh"
 #include "norm/params.h"
@@ -22,14 +24,32 @@ namespace {
 // Where the output goes: `out` (and `out2`), or the GGUF GEMV's workspace as Q8_1 blocks or fp32 (gguf_work).
 enum NormOutput { kToOut, kToGgufQ8_1, kToGgufF32 };
 
-template <typename T, int VEC, bool RMS, int OUTPUT = kToOut>
+template <typename T, int VEC, bool RMS, int OUTPUT = kToOut, bool RESIDENT = false>
 __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
   __shared__ float scratch[32];
-  // Nothing is read before the wait; the next kernel reads only constants before its own.
+  // Only the norm weights (constants) are read before the wait; the next kernel reads only constants before its own.
   griddep_trigger_at_entry();
-  griddep_wait();
   const int64_t row = blockIdx.x;
   const int64_t nvec = p.hidden / VEC;
+  const T* weight = static_cast<const T*>(p.weight);
+  const T* bias = static_cast<const T*>(p.bias);
+  const T* weight2 = static_cast<const T*>(p.weight2);
+  const T* bias2 = static_cast<const T*>(p.bias2);
+  // RESIDENT: the thread's one vector (index threadIdx.x, where it is < nvec): its weights now, its sum in pass 1.
+  const bool live = threadIdx.x < nvec;
+  Vec<T, VEC> w_res{}, b_res{}, w2_res{}, b2_res{};
+  float s_res[VEC];
+  if constexpr (RESIDENT) {
+    if (live) {
+      w_res = vec_or_zero<T, VEC>(weight, threadIdx.x * VEC);
+      b_res = vec_or_zero<T, VEC>(bias, threadIdx.x * VEC);
+      if (p.out2) {
+        w2_res = vec_or_zero<T, VEC>(weight2, threadIdx.x * VEC);
+        b2_res = vec_or_zero<T, VEC>(bias2, threadIdx.x * VEC);
+      }
+    }
+  }
+  griddep_wait();
   const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
   const T* delta = p.delta ? static_cast<const T*>(p.delta) + row * p.delta_stride : nullptr;
   const T* delta2 = p.delta2 ? static_cast<const T*>(p.delta2) + row * p.delta2_stride : nullptr;
@@ -48,23 +68,37 @@ __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
     }
 #pragma unroll
     for (int k = 0; k < VEC; ++k) acc += RMS ? s[k] * s[k] : s[k];
+    if constexpr (RESIDENT) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) s_res[k] = s[k];
+    }
   }
   const float inv_n = 1.f / static_cast<float>(p.hidden);
   acc = block_sum(acc, scratch);
 
-  const float2 stats = row_stats<T, VEC>(s_row, nvec, acc, inv_n, p.eps, RMS, scratch);
+  float2 stats;
+  if constexpr (RESIDENT) {
+    stats = row_stats_resident<VEC>(s_res, live, acc, inv_n, p.eps, RMS, scratch);
+  } else {
+    stats = row_stats<T, VEC>(s_row, nvec, acc, inv_n, p.eps, RMS, scratch);
+  }
   const float mean = stats.x, rstd = stats.y;
 
   // Pass 3: the outputs. (To the GGUF workspace: hidden / 8 is a multiple of 32, so each warp's threads all take
   // every iteration, and all reach the quantization's shuffles.)
   T* out = p.out ? static_cast<T*>(p.out) + row * p.hidden : nullptr;
   T* out2 = p.out2 ? static_cast<T*>(p.out2) + row * p.hidden : nullptr;
-  const T* weight = static_cast<const T*>(p.weight);
-  const T* bias = static_cast<const T*>(p.bias);
   for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
     float s[VEC], y[VEC];
-    load_vec<T, VEC>(s, s_row + i * VEC);
-    const Vec<T, VEC> w = vec_or_zero<T, VEC>(weight, i * VEC), b = vec_or_zero<T, VEC>(bias, i * VEC);
+    Vec<T, VEC> w = w_res, b = b_res;
+    if constexpr (RESIDENT) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) s[k] = s_res[k];
+    } else {
+      load_vec<T, VEC>(s, s_row + i * VEC);
+      w = vec_or_zero<T, VEC>(weight, i * VEC);
+      b = vec_or_zero<T, VEC>(bias, i * VEC);
+    }
 #pragma unroll
     for (int k = 0; k < VEC; ++k) y[k] = norm_value<T>(s[k], mean, rstd, w.data[k], b.data[k], RMS);
     if constexpr (OUTPUT != kToOut) {
@@ -76,8 +110,8 @@ __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
     }
     store_vec<T, VEC>(out + i * VEC, y);
     if (out2) {
-      const Vec<T, VEC> w2 = vec_or_zero<T, VEC>(static_cast<const T*>(p.weight2), i * VEC);
-      const Vec<T, VEC> b2 = vec_or_zero<T, VEC>(static_cast<const T*>(p.bias2), i * VEC);
+      const Vec<T, VEC> w2 = RESIDENT ? w2_res : vec_or_zero<T, VEC>(weight2, i * VEC);
+      const Vec<T, VEC> b2 = RESIDENT ? b2_res : vec_or_zero<T, VEC>(bias2, i * VEC);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) y[k] = norm_value<T>(s[k], mean, rstd, w2.data[k], b2.data[k], false);
       store_vec<T, VEC>(out2 + i * VEC, y);
@@ -85,19 +119,27 @@ __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
   }
 }
 
-template <typename T, int VEC>
+template <typename T, int VEC, bool RESIDENT>
 cudaError_t launch_typed(const NormParams& p, cudaStream_t stream) {
   const int64_t nvec = p.hidden / VEC;
   const int threads = static_cast<int>(nvec >= 1024 ? 1024 : round_up(nvec, 32));
   const dim3 grid(static_cast<unsigned>(p.rows));
   if constexpr (VEC == 8) {
     if (p.gguf_work) {
-      const auto kernel = p.gguf_a8 ? norm_kernel<T, VEC, true, kToGgufQ8_1> : norm_kernel<T, VEC, true, kToGgufF32>;
+      const auto kernel = p.gguf_a8 ? norm_kernel<T, VEC, true, kToGgufQ8_1, RESIDENT>
+                                    : norm_kernel<T, VEC, true, kToGgufF32, RESIDENT>;
       return launch_pdl(kernel, grid, dim3(threads), 0, stream, p);
     }
   }
-  if (p.rms) return launch_pdl(norm_kernel<T, VEC, true>, grid, dim3(threads), 0, stream, p);
-  return launch_pdl(norm_kernel<T, VEC, false>, grid, dim3(threads), 0, stream, p);
+  if (p.rms) return launch_pdl(norm_kernel<T, VEC, true, kToOut, RESIDENT>, grid, dim3(threads), 0, stream, p);
+  return launch_pdl(norm_kernel<T, VEC, false, kToOut, RESIDENT>, grid, dim3(threads), 0, stream, p);
+}
+
+// RESIDENT where the row is at most one vector a thread (a block's 1024 threads).
+template <typename T, int VEC>
+cudaError_t launch_typed(const NormParams& p, cudaStream_t stream) {
+  if (p.hidden / VEC <= 1024) return launch_typed<T, VEC, true>(p, stream);
+  return launch_typed<T, VEC, false>(p, stream);
 }
 
 // 16-byte vectors need every row start 16-byte aligned: base pointers, row strides and the hidden size.
