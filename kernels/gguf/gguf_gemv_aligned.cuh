@@ -5,14 +5,14 @@
 // chunks are read in). Work split and arithmetic are gguf_gemv_kernel's (gguf_gemv.cuh): a warp a row (four rows in
 // Q4_0's and Q4_1's widest launches at batch 1: kAlignedWideKind), chunks of 1024 values (one 32-value block or
 // sub-block a lane) read from the warp's shared stage, and the same fp32 terms summed in the same order, so the two
-// kernels agree bit for bit; the chunks ahead of their use wait in registers (the K-quants, as there) or in a ring of
-// shared stages (the 32-value types, kAlignedRing). What alignment saves is the instructions around the arithmetic,
-// which bound the general kernel (about 230 a Q4_0 chunk against 8 dp4a a lane): a chunk is whole 16-byte vectors at a
-// fixed stride (no byte window, no edge bytes); a lane reads its block from the stage as the 4-byte words that cover
-// it, shifted into place by a funnel shift (a 32-value block or a Q6_K super-block starts 0 or 2 bytes into a word;
-// Q4_K's and Q5_K's words are aligned), rather than as 2-byte halves; and Q4_0's nibbles enter the dot product as
-// stored (0..15), the 8 they are offset by subtracted once as 8 * sum(q_a) from the workspace, in place of a per-byte
-// subtraction on each word.
+// kernels agree bit for bit; the chunks ahead of their use wait in registers (the K-quants, as there, and the 32-value
+// types' long rows at batch 1) or in a ring of shared stages (the 32-value types, kAlignedRing). What alignment saves
+// is the instructions around the arithmetic, which bound the general kernel (about 230 a Q4_0 chunk against 8 dp4a a
+// lane): a chunk is whole 16-byte vectors at a fixed stride (no byte window, no edge bytes); a lane reads its block
+// from the stage as the 4-byte words that cover it, shifted into place by a funnel shift (a 32-value block or a Q6_K
+// super-block starts 0 or 2 bytes into a word; Q4_K's and Q5_K's words are aligned), rather than as 2-byte halves; and
+// Q4_0's nibbles enter the dot product as stored (0..15), the 8 they are offset by subtracted once as 8 * sum(q_a) from
+// the workspace, in place of a per-byte subtraction on each word.
 #pragma once
 #include "gguf/gguf_aligned.cuh"
 #include "gguf/gguf_gemv.cuh"
@@ -24,12 +24,12 @@ namespace {
 // cp.async, so that they hold no registers (four chunks are a K = 4096 row whole; two for each of a warp's four
 // rows): more bytes in flight for the smaller register file (Q4_0 batch 1: 40 registers, not 64). The K-quants keep
 // theirs in registers, as the general kernel does: their ring measured slower (docs/gguf.md).
-template <int KIND>
-constexpr bool kAlignedRingKind = !kKQuant<KIND>;
 template <int ROWS>
 constexpr int kAlignedRing = ROWS == 1 ? 4 : 2;  // (four rows of four stages would pass 48 KB of static shared memory)
-template <int KIND, int ROWS>
-constexpr int kAlignedStages = kAlignedRingKind<KIND> ? kAlignedRing<ROWS> : 1;
+// Q4_0 and Q4_1 at batch 1 over rows of at least kAlignedLongK values (Llama-3.1-8B's down projection: 14 chunks a
+// row, 4096 rows) take the registers' path (IN_REGISTERS) instead: Q4_0's down projection measured 12.3 us against
+// 16.8 through the ring, Q4_1's the same either way; a ring eight deep did not close the gap (docs/gguf.md).
+constexpr int64_t kAlignedLongK = 8192;
 
 // Output rows a warp takes: four for Q4_0 and Q4_1 at batch 1 in a launch of at least kAlignedWideRows rows, every
 // segment's row count a multiple of 4 (gguf_aligned_rows), their chunks in a ring two deep; one otherwise. Each
@@ -40,11 +40,11 @@ template <int KIND>
 constexpr bool kAlignedWideKind = KIND == kGgufQ4_0 || KIND == kGgufQ4_1;
 constexpr int64_t kAlignedWideRows = 16384;
 
-template <typename T, int KIND, int BMAX, int ROWS>
+template <typename T, int KIND, int BMAX, int ROWS, bool IN_REGISTERS = kKQuant<KIND>>
 __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(const __grid_constant__ GgufGemvParams p) {
   static_assert(ROWS == 1 || (ROWS == 4 && kAlignedWideKind<KIND>), "four rows a warp for Q4_0 and Q4_1 only");
   using Vec = AlignedVec<KIND>;
-  __shared__ __align__(16) uint8_t stages[kGgufWarps][kAlignedStages<KIND, ROWS>][ROWS][kChunkBytes<KIND>];
+  __shared__ __align__(16) uint8_t stages[kGgufWarps][IN_REGISTERS ? 1 : kAlignedRing<ROWS>][ROWS][kChunkBytes<KIND>];
   constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
   constexpr int kFullVectors = kChunkBytes<KIND> / kVecBytes<KIND>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
     }
   };
 
-  if constexpr (kAlignedRingKind<KIND>) {
+  if constexpr (!IN_REGISTERS) {
     static_assert(sizeof(Vec) == 16, "the ring is filled by 16-byte copies");
     // Chunk c into its stage of the ring, then one commit group (empty past the last chunk, so that the group that
     // holds chunk c is always the (c + 1)-th).

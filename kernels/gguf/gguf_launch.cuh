@@ -18,6 +18,10 @@ cudaError_t launch_gguf(const GgufGemvParams& p, cudaStream_t stream) {
         const dim3 quads(static_cast<unsigned>((rows + 4 * kGgufWarps - 1) / (4 * kGgufWarps)));
         return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 4>, quads, dim3(kGgufWarps * 32), 0, stream, p);
       }
+      if (p.k >= kAlignedLongK) {
+        const auto kernel = gguf_gemv_aligned_kernel<T, KIND, BMAX, 1, true>;
+        return launch_pdl(kernel, grid, dim3(kGgufWarps * 32), 0, stream, p);
+      }
     }
     return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 1>, grid, dim3(kGgufWarps * 32), 0, stream, p);
   } else {
