@@ -24,8 +24,8 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # tokens x hidden: covers tokens {1, 7, 83, 4096} and hidden {80, 640 (80k), 769, 2560, 5125, 8200}; the kernel keeps
-# a row in registers up to 1024 vectors (8192 values in 16 bits, 4096 in fp32) and re-reads wider ones (8200; 5125
-# and 769, which take one value a vector)
+# a row in registers up to 1024 vectors (8192 values in 16 bits, 4096 in fp32, 1024 at one value a vector: 769) and
+# re-reads wider ones (8200; 5125, one value a vector)
 NORM_SHAPES = [(1, 80), (7, 769), (83, 2560), (4096, 5125), (1, 5125), (83, 640), (4096, 2560), (7, 80), (3, 8200)]
 LAYOUTS = ["contiguous", "row-strided", "misaligned"]
 
