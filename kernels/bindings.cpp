@@ -132,16 +132,18 @@ bool norm_writes_gguf(const Tensor& x, const Tensor* delta, const Tensor& weight
 
 // rms_norm(x [+ delta]) into gguf_gemv_cat, for the 1 to 8 rows of a decode step: (out, sum), sum = x + delta (an
 // empty tensor where delta is None). The norm kernel writes the GEMV's workspace itself where it can
-// (norm_writes_gguf), so no input kernel runs; otherwise the norm, then gguf_gemv_cat.
+// (norm_writes_gguf), so no input kernel runs; otherwise the norm, then gguf_gemv_cat. feeds_attention: the
+// projection is a QKV whose output decode_attention_qkv reads next (GgufGemvParams::feeds_attention).
 std::tuple<Tensor, Tensor> gguf_norm_gemv_cat(const Tensor& x, const OptTensor& delta, const Tensor& norm_weight,
                                               double eps, TensorList blocks, c10::string_view kinds,
-                                              OptTensorList biases, bool quantize_activations) {
+                                              OptTensorList biases, bool quantize_activations, bool feeds_attention) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   GgufLaunch l = gguf_launch(x, blocks, kinds, biases, quantize_activations);
   const Tensor* d = delta.has_value() ? &*delta : nullptr;
   const bool fused = norm_writes_gguf(x, d, norm_weight);
   l.p.work_ready = fused;
+  l.p.feeds_attention = feeds_attention;
   NormResult r = run_norm(x, d, std::nullopt, norm_weight, std::nullopt, nullptr, std::nullopt, eps, true,
                           fused ? &l.p : nullptr);
   if (!fused) {
@@ -411,6 +413,30 @@ Tensor decode_attention_qkv_acc(const Tensor& acc, const OptTensor& bias_rows, c
   return out;
 }
 
+// decode_attention with q and the current token's K/V taken from the QKV projection's output qkv [B, (Hq + 2 Hkv) * D]
+// in the caches' dtype, RoPE'd, K/V written into the caches at slot: rope_qkv_cache, then decode_attention, in one
+// kernel. The op before it triggers after its wait (gguf_norm_gemv_cat's feeds_attention).
+Tensor decode_attention_qkv(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const Tensor& slot,
+                            const Tensor& pad, Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads,
+                            bool interleaved, double scale, int64_t splits, Tensor& workspace) {
+  TORCH_CHECK(k_cache.is_cuda(), "patcher: k_cache must be a CUDA tensor, got ", k_cache.device());
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  TORCH_CHECK(k_cache.dim() == 4, "patcher: k_cache must be [batch, kv_heads, capacity, head_dim]");
+  const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), D = k_cache.size(3);
+  const int64_t width = (num_q_heads + 2 * Hkv) * D;
+  TORCH_CHECK(qkv.is_cuda() && qkv.device() == k_cache.device() && qkv.scalar_type() == k_cache.scalar_type() &&
+                  qkv.is_contiguous() && qkv.dim() == 2 && qkv.size(0) == B && qkv.size(1) == width,
+              "patcher: qkv must be a contiguous [", std::to_string(B), ", ", std::to_string(width), "] tensor of ",
+              "the caches' dtype on ", k_cache.device(), ", got ", qkv.scalar_type(), " ", dims(qkv.sizes()));
+  patcher::DecodeAttentionParams p{};
+  Tensor out = attention_params(p, k_cache, B, num_q_heads, D, k_cache, v_cache, slot, pad, scale, splits, workspace,
+                                "decode_attention_qkv");
+  fill_rope_cache(p.rope, k_cache, B, width, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, Hkv, D, interleaved);
+  p.qkv = qkv.data_ptr();
+  check_launch(patcher::launch_decode_attention(p, c10::cuda::getCurrentCUDAStream()), "decode_attention_qkv");
+  return out;
+}
+
 // ---- tensor parallelism -----------------------------------------------------------------------------------
 
 // `inbox`: this rank's inbox (int64 words, 2 halves x world senders x capacity), allocated in torch's symmetric memory;
@@ -470,6 +496,7 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("norm_gemv_rope_cache", &norm_gemv_rope_cache);
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_attention_qkv_acc", &decode_attention_qkv_acc);
+  m.impl("decode_attention_qkv", &decode_attention_qkv);
   m.impl("next_token", &next_token);
   m.impl("sample_survivors", &sample_survivors);
   m.impl("repetition_penalty", &repetition_penalty);

@@ -12,10 +12,14 @@
 // block to finish.
 //
 // Where the QKV projection hands its sums on unmet (int4_norm_gemv_acc into a fixed-point accumulator, so its K
-// slices never meet; FROM_ACC), this kernel finishes it for the heads it takes: it rounds q and the current token's
+// slices never meet; kFromAcc), this kernel finishes it for the heads it takes: it rounds q and the current token's
 // K/V as the projection's epilogue would, applies RoPE and writes K/V into the cache, so the QKV op ends when its
 // blocks have added their sums: the decode step's default for LLaMA/Qwen2 int4 (DecodeOptions.defer_qkv;
-// docs/decode-int4.md has what it saves).
+// docs/decode-int4.md has what it saves). From a projection's finished output (the GGUF GEMV's, whose warps each
+// write one output row, so that no epilogue holds a rotation pair; kFromQkv) it does rope_qkv_cache's work the same
+// way, in place of that kernel.
+#include <type_traits>
+
 #include "attention/attention.cuh"
 #include "rope/rope.cuh"
 
@@ -32,14 +36,18 @@ constexpr int kMaxSplits = kAttnMaxSplits;
 // Beside).
 constexpr int64_t kAttnTwoPerSmHeads = 32;
 
-// One element of q or of the current token's K/V, made from the QKV accumulator (DecodeAttentionParams::qkv_acc):
-// round(round(sum) + bias), as finish_values forms the projection's output, then for q and k within the rotary dims
-// RoPE (rope.cuh: rope_value) with the partner dim d +- R/2 made the same way. Split in two so that everything but
-// the sums (bias, cos/sin: constants; pad: set before the first step) is read before the wait for the QKV kernel,
-// and the sums themselves in one batch after it: one round trip (each lane making its own 8 dims of every head, with
-// the table loads behind per-dim tests, took ~8 dependent round trips a head).
+// Where q and the current token's K/V come from: q itself, the QKV accumulator (DecodeAttentionParams::qkv_acc) or
+// the projection's output (qkv).
+enum AttnSource { kFromQ, kFromAcc, kFromQkv };
+
+// One element of q or of the current token's K/V, made from the QKV accumulator: round(round(sum) + bias), as
+// finish_values forms the projection's output (or from the output: the value itself), then for q and k within the
+// rotary dims RoPE (rope.cuh: rope_value) with the partner dim d +- R/2 made the same way. Split in two so that
+// everything but the sums (bias, cos/sin: constants; pad: set before the first step) is read before the wait for the
+// QKV kernel, and the sums themselves in one batch after it: one round trip (each lane making its own 8 dims of every
+// head, with the table loads behind per-dim tests, took ~8 dependent round trips a head).
 struct AccElement {
-  const int64_t* sum;  // the element's sum; its partner's is at sum + partner
+  int64_t at;  // the element's index in the accumulator or output; its partner's is at + partner
   int partner, d, R;
   bool rotated;                      // q or k within the rotary dims
   float bias;                        // the element's bias (0 without one)
@@ -61,7 +69,7 @@ __device__ __forceinline__ AccElement acc_element(const DecodeAttentionParams& p
   const int dr = min(d, max(R, 1) - 1), pd = dr < half ? dr + half : dr - half;  // in the rotary dims; its partner
   const T* bias = static_cast<const T*>(p.qkv_bias);
   AccElement e;
-  e.sum = p.qkv_acc + at + d;
+  e.at = at + d;
   e.partner = pd - d;
   e.d = d;
   e.R = R;
@@ -73,9 +81,9 @@ __device__ __forceinline__ AccElement acc_element(const DecodeAttentionParams& p
   return e;
 }
 
-// The element's value from its sum and its partner's, as loaded.
+// The element's value from its sum and its partner's (or its and its partner's output values), as loaded.
 template <typename T>
-__device__ __forceinline__ float acc_value(const AccElement& e, bool has_bias, long long sum, long long partner_sum) {
+__device__ __forceinline__ float made_value(const AccElement& e, bool has_bias, long long sum, long long partner_sum) {
   const auto value = [&](long long v, float bias_value) {
     const float x = round_to<T>(from_fixed(v));
     return has_bias ? round_to<T>(x + bias_value) : x;
@@ -83,10 +91,18 @@ __device__ __forceinline__ float acc_value(const AccElement& e, bool has_bias, l
   const float x = value(sum, e.bias);
   return e.rotated ? rope_value<T>(x, value(partner_sum, e.partner_bias), e.d, e.R, e.cos_d, e.sin_d) : x;
 }
+template <typename T>
+__device__ __forceinline__ float made_value(const AccElement& e, bool, T value, T partner_value) {
+  const float x = to_float(value);
+  return e.rotated ? rope_value<T>(x, to_float(partner_value), e.d, e.R, e.cos_d, e.sin_d) : x;
+}
 
-template <typename T, int D, bool FROM_ACC, int MINB = 1>
+template <typename T, int D, int SOURCE, int MINB = 1>
 __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const DecodeAttentionParams p) {
   constexpr int GMAX = 1, G = 1;  // query heads a block: attention.cuh's core in its one-head form
+  constexpr bool MADE = SOURCE != kFromQ;  // q and the current token's K/V made by the block (acc_element)
+  // What an element is made from, as loaded: a fixed-point sum or an output value.
+  using Raw = std::conditional_t<SOURCE == kFromAcc, long long, T>;
   using Shape = AttnShape<D, GMAX>;
   constexpr int kActive = Shape::kActive, kLanes = Shape::kLanes, kGroups = Shape::kGroups;
   constexpr int kUnroll = Shape::kUnroll, kStep = Shape::kStep;
@@ -124,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t t = base + u * kGroups + group;
       valid[u] = t < hi;
-      if (valid[u] && active && t != skip && !(FROM_ACC && t == last_key)) {
+      if (valid[u] && active && t != skip && !(MADE && t == last_key)) {
         load_vec<T, 8>(kv[u], k_base + t * D);
         load_vec<T, 8>(vv[u], v_base + t * D);
       } else {
@@ -133,15 +149,15 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
       }
     }
   };
-  // q, and the current token's key and value: from p.q and the cache, or (FROM_ACC) made by the block from the QKV
-  // accumulator into shared memory, one element a thread (acc_element: all but the sums read before the wait), then
-  // read as the lanes hold them. Only the block that attends over the current token (the share holding slot) makes
-  // its K/V; of those, the kv head's first query head's block writes them into the cache.
+  // q, and the current token's key and value: from p.q and the cache, or (MADE) made by the block from the QKV
+  // accumulator or output into shared memory, one element a thread (acc_element: all but the sums read before the
+  // wait), then read as the lanes hold them. Only the block that attends over the current token (the share holding
+  // slot) makes its K/V; of those, the kv head's first query head's block writes them into the cache.
   constexpr int kMade = ((GMAX + 2) * D + kThreads - 1) / kThreads;  // elements a thread makes, at most
   const bool holds_current = lo <= last_key && last_key < hi;
   const int tid = static_cast<int>(threadIdx.x), count = (holds_current ? G + 2 : G) * D;
-  AccElement made_from[FROM_ACC ? kMade : 1];
-  if constexpr (FROM_ACC) {
+  AccElement made_from[MADE ? kMade : 1];
+  if constexpr (MADE) {
     const RopeRow<T> row = rope_row<T>(p.rope, last_key, b);
 #pragma unroll
     for (int k = 0; k < kMade; ++k) {
@@ -172,19 +188,20 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
   // docs/decode-int4.md.)
   griddep_launch_dependents();
   float cur_k[8] = {}, cur_v[8] = {};
-  __shared__ float made[GMAX + 2][D];  // FROM_ACC: q of the block's heads, then K and V
-  if constexpr (FROM_ACC) {
-    long long sum[kMade], partner_sum[kMade];
+  __shared__ float made[GMAX + 2][D];  // MADE: q of the block's heads, then K and V
+  if constexpr (MADE) {
+    const Raw* source = static_cast<const Raw*>(SOURCE == kFromAcc ? static_cast<const void*>(p.qkv_acc) : p.qkv);
+    Raw sum[kMade], partner_sum[kMade];
 #pragma unroll
     for (int k = 0; k < kMade; ++k) {
-      sum[k] = made_from[k].sum[0];
-      partner_sum[k] = made_from[k].sum[made_from[k].partner];
+      sum[k] = source[made_from[k].at];
+      partner_sum[k] = source[made_from[k].at + made_from[k].partner];
     }
 #pragma unroll
     for (int k = 0; k < kMade; ++k) {
       const int i = tid + k * kThreads, m = i / D, d = i % D;
       if (i >= count) break;
-      const float y = acc_value<T>(made_from[k], p.qkv_bias != nullptr, sum[k], partner_sum[k]);
+      const float y = made_value<T>(made_from[k], p.qkv_bias != nullptr, sum[k], partner_sum[k]);
       made[m < G ? m : GMAX + m - G][d] = y;
       if (m >= G && writes_kv) {
         T* cache = static_cast<T*>(m == G ? p.rope.k_cache : p.rope.v_cache);  // p.k_cache/v_cache, writable
@@ -206,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
 #pragma unroll
     for (int j = 0; j < 8; ++j) q[g][j] = 0.f;
     if (active) {  // (G == GMAX: the block's one head)
-      if constexpr (FROM_ACC) {
+      if constexpr (MADE) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) q[g][j] = made[g][d0 + j];
       } else {
@@ -229,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
       }
     }
   };
-  if constexpr (FROM_ACC) {
+  if constexpr (MADE) {
     put_current(lo);
   } else {
 #pragma unroll
@@ -247,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
   for (int64_t base = lo; base < hi; base += kStep) {
     if (base != lo) {
       load_step(base, -1);
-      if constexpr (FROM_ACC) put_current(base);
+      if constexpr (MADE) put_current(base);
     }
     attend_step<D, GMAX>(q, kv, vv, valid, G, m, l, acc);
   }
@@ -270,9 +287,10 @@ cudaError_t launch_head_dim(const DecodeAttentionParams& p, cudaStream_t stream)
   const dim3 grid(static_cast<unsigned>(p.num_q_heads), static_cast<unsigned>(p.batch),
                   static_cast<unsigned>(p.splits));
   if (p.qkv_acc && p.num_q_heads * p.batch >= kAttnTwoPerSmHeads)
-    return launch_pdl(decode_attention_kernel<T, D, true, 2>, grid, kThreads, 0, stream, p);
-  if (p.qkv_acc) return launch_pdl(decode_attention_kernel<T, D, true>, grid, kThreads, 0, stream, p);
-  return launch_pdl(decode_attention_kernel<T, D, false>, grid, kThreads, 0, stream, p);
+    return launch_pdl(decode_attention_kernel<T, D, kFromAcc, 2>, grid, kThreads, 0, stream, p);
+  if (p.qkv_acc) return launch_pdl(decode_attention_kernel<T, D, kFromAcc>, grid, kThreads, 0, stream, p);
+  if (p.qkv) return launch_pdl(decode_attention_kernel<T, D, kFromQkv>, grid, kThreads, 0, stream, p);
+  return launch_pdl(decode_attention_kernel<T, D, kFromQ>, grid, kThreads, 0, stream, p);
 }
 
 }  // namespace

@@ -38,6 +38,10 @@ struct DecodeAttentionParams {
   // interleaved are read, and the caches written through its k_cache/v_cache (k_cache/v_cache above are read-only).
   const int64_t* qkv_acc;
   const void* qkv_bias;
+  // Or, with qkv set (q and qkv_acc not read): q and the current token's K/V from the QKV projection's output
+  // [batch, (Hq + 2 Hkv) * D] in the dtype and rope's layout (as rope_qkv_cache reads it), RoPE applied and K/V
+  // written as with qkv_acc. The kernel before this one triggers after its wait, as rope_qkv_cache does.
+  const void* qkv;
   RopeCacheParams rope;
 };
 cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream);

@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const __grid
   __shared__ __align__(16) uint8_t stages[kGgufWarps][kStageBytes<KIND>];
   constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  griddep_trigger_at_entry();  // no decode attention reads this op's output directly
+  griddep_trigger_at_entry(p.feeds_attention);
   const WarpRow r = warp_row(p, warp);
   const int64_t n = r.n;
   const GgufSegment& g = p.seg[r.s];
@@ -228,6 +228,7 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_kernel(const __grid
     if (i < chunks) fetch_chunk<KIND>(w[i], window(i), lane);
   }
   griddep_wait();
+  griddep_trigger_after_wait(p.feeds_attention);
 
   float acc[BMAX], acc_m[BMAX];
 #pragma unroll

@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
   constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
   constexpr int kFullVectors = kChunkBytes<KIND> / kVecBytes<KIND>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  griddep_trigger_at_entry();  // no decode attention reads this op's output directly
+  griddep_trigger_at_entry(p.feeds_attention);
   const WarpRow wr = warp_row(p, warp, ROWS);
   const int64_t n = wr.n;
   const GgufSegment& g = p.seg[wr.s];
@@ -112,6 +112,7 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
 #pragma unroll
     for (int i = 0; i < kAlignedRing<ROWS>; ++i) fetch(i);
     griddep_wait();
+    griddep_trigger_after_wait(p.feeds_attention);
     for (int c = 0; c < chunks; ++c) {
       cp_async_wait_group<kAlignedRing<ROWS> - 1>();  // this lane's copies of chunk c have landed
       __syncwarp();                                   // and every lane's
@@ -136,6 +137,7 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
       if (i < chunks) fetch(w[i], i);
     }
     griddep_wait();
+    griddep_trigger_after_wait(p.feeds_attention);
     for (int c0 = 0; c0 < chunks; c0 += kDepth) {
 #pragma unroll
       for (int i = 0; i < kDepth; ++i) {  // chunk c from the registers w[i], which then take chunk c + depth

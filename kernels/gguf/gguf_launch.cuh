@@ -81,6 +81,8 @@ cudaError_t launch_gguf_gemv_typed(const GgufGemvParams& p, cudaStream_t stream)
       one.seg[one.segments++] = p.seg[j];
       launched[j] = true;
     }
+    // Only the last launch is right before the attention; the ones before it trigger at entry.
+    for (int j = i; j < p.segments; ++j) one.feeds_attention = one.feeds_attention && launched[j];
     const cudaError_t e =
         with_kind(one.seg[0].kind, [&](auto kind) { return launch_gguf_mode<T, kind.value>(one, stream); });
     if (e != cudaSuccess) return e;

@@ -63,6 +63,9 @@ struct GgufGemvParams {
   // x is a gated MLP's [gate | up] [batch, 2k] (row stride x_stride, x pointing at the gate half): the input kernel
   // takes silu(gate) * up as silu_and_mul rounds it (kernels/activation/activation.cu) for the GEMV's input.
   bool silu_mul_input;
+  // The op right before a decode attention that reads its output (decode_attention_qkv): the last GEMV launch
+  // triggers after its wait (common.cuh: griddep_trigger_after_wait).
+  bool feeds_attention;
 };
 // The workspace of one product: x written once in the form the GEMV's lanes read (kernels/gguf/gguf_gemv.cuh).
 // W4A8: q int8 [batch, k] | d fp32 [batch, k / 32] | s fp32 [batch, k / 32] | sum(q) int32 [batch, k / 32];

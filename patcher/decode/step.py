@@ -63,6 +63,14 @@ MAX_SPLITS = 16  # decode_attention merges at most this many partial softmaxes p
 
 
 @dataclass
+class QkvOut:
+    """A QKV projection's output [B, (Hq + 2 Hkv) * D] handed to the attention before RoPE and the cache write,
+    which decode_attention_qkv does in its own kernel (the GGUF QKV, whose GEMV has no RoPE epilogue)."""
+
+    qkv: torch.Tensor
+
+
+@dataclass
 class LayerStep:
     """What one layer's decode step reads: its modules' patch plans and its norms' parameters."""
 
@@ -252,13 +260,14 @@ class DecodeStep:
             h, total, h2 = separate(x, pro[0], pro[1])
         return self._linear(h, weight, bias, act, st, int4_linear, gguf=gguf), total, h2
 
-    def _gguf_norm_linear(self, x, pro, gguf) -> tuple | None:
+    def _gguf_norm_linear(self, x, pro, gguf, feeds_attention: bool = False) -> tuple | None:
         """(gguf(rms_norm(x [+ delta])), sum) in one op, the norm writing the projection's input as its GEMV reads
         it (Q8_1 blocks), one kernel less than the norm and the projection apart; None where that op does not serve
-        (a LayerNorm, two deltas or norms, or a projection whose modules take different paths)."""
+        (a LayerNorm, two deltas or norms, or a projection whose modules take different paths). feeds_attention: the
+        output goes straight to decode_attention_qkv."""
         if not self.rms or pro[1] is not None or pro[4] is not None or (args := gguf.op_args(x)) is None:
             return None
-        out, total = self.ops.gguf_norm_gemv_cat(x, pro[0], pro[2], pro[6], *args)
+        out, total = self.ops.gguf_norm_gemv_cat(x, pro[0], pro[2], pro[6], *args, feeds_attention=feeds_attention)
         return out, (x if pro[0] is None else total)
 
     def _linear(self, h, weight, bias, act: str, st, int4_linear=None, workspace=None, gguf=None, group=None):
@@ -313,8 +322,8 @@ class DecodeStep:
         if a.qkv_int4 is not None and st.int4_separate_norm:
             h, total, h2 = ops.int4_norm_prologue(x, *pro)
             return self._qkv_rope(layer, index, h, st), total, h2
-        if a.qkv_gguf is not None and (fused := self._gguf_norm_linear(x, pro, a.qkv_gguf)) is not None:
-            return ops.rope_qkv_cache(fused[0], *self._rope_args(layer, index, st), a.interleaved), fused[1], None
+        if a.qkv_gguf is not None and (fused := self._gguf_norm_linear(x, pro, a.qkv_gguf, True)) is not None:
+            return QkvOut(fused[0]), fused[1], None  # RoPE and the cache write in the attention's kernel
         if not self._qkv_takes_norm(layer, st):
             h, total, h2 = layer.separate_norms[0](x, pro[0], pro[1])
             return self._qkv_rope(layer, index, h, st), total, h2
@@ -368,12 +377,17 @@ class DecodeStep:
         return self.ops.int4_qkv_mlp_in(x, *pro, *args)
 
     def _attention(self, layer: LayerStep, q, st, index: int, project: bool = True):
-        """Attention over the cache and (with `project`) the output projection. q: the query [B, Hq, D], or the
-        QKV projection's DeferredOut (q and the current token's K/V still in its accumulator)."""
+        """Attention over the cache and (with `project`) the output projection. q: the query [B, Hq, D], the QKV
+        projection's DeferredOut (q and the current token's K/V still in its accumulator), or its QkvOut (its output,
+        before RoPE and the cache write)."""
         a = layer.attention
         if isinstance(q, torch.Tensor):
             out = self.ops.decode_attention(q, st.k[index], st.v[index], st.slot, st.pad, layer.scale, st.splits,
                                             st.workspace)  # fmt: skip
+        elif isinstance(q, QkvOut):
+            out = self.ops.decode_attention_qkv(q.qkv, st.cos, st.sin, st.slot, st.pad, st.k[index], st.v[index],
+                                                a.num_heads, a.interleaved, layer.scale, st.splits,
+                                                st.workspace)  # fmt: skip
         else:
             out = self.ops.decode_attention_qkv_acc(q.acc, q.bias_rows, st.cos, st.sin, st.slot, st.pad, st.k[index],
                                                     st.v[index], a.num_heads, a.interleaved, layer.scale, st.splits,

@@ -1,6 +1,7 @@
 """Decode attention over the filled part of a static KV cache (kernels/attention/): flash-decoding, with the keys of
-a (row, kv head) split over `splits` blocks; and the form that takes q and the current token's K/V from the int4 QKV
-projection's fixed-point accumulator (int4_ops.int4_norm_gemv_acc)."""
+a (row, kv head) split over `splits` blocks; and the forms that take q and the current token's K/V from the int4 QKV
+projection's fixed-point accumulator (int4_ops.int4_norm_gemv_acc) or from a QKV projection's output (rope_qkv_cache
+in the attention's kernel)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,17 @@ def decode_attention_qkv_acc(
     return decode_attention(q, k_cache, v_cache, slot, pad, scale, splits, workspace)
 
 
+def decode_attention_qkv(
+    qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads: int, interleaved: bool, scale: float, splits: int,
+    workspace,
+) -> torch.Tensor:  # fmt: skip
+    """rope_qkv_cache (K/V of the QKV projection's output qkv [B, (Hq + 2 Hkv) * D] into the caches at `slot`), then
+    decode_attention, as one op: on CUDA one kernel, which makes q and the current token's K/V from qkv itself."""
+    _, num_kv_heads, _, head_dim = k_cache.shape
+    q = rope_qkv_cache(qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, interleaved)
+    return decode_attention(q, k_cache, v_cache, slot, pad, scale, splits, workspace)
+
+
 def decode_attention_workspace(
     batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, splits: int, device
 ) -> torch.Tensor:
@@ -66,6 +78,14 @@ define(
     " Tensor(c!) workspace) -> Tensor",
     decode_attention_qkv_acc,
     lambda acc, bias, cos, sin, slot, pad, kc, vc, hq, inter, scale, splits, ws: kc.new_empty(
+        (kc.shape[0], hq * kc.shape[3])
+    ),
+)
+define(
+    "decode_attention_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor slot, Tensor pad, Tensor(a!) k_cache,"
+    " Tensor(b!) v_cache, int num_q_heads, bool interleaved, float scale, int splits, Tensor(c!) workspace) -> Tensor",
+    decode_attention_qkv,
+    lambda qkv, cos, sin, slot, pad, kc, vc, hq, inter, scale, splits, ws: kc.new_empty(
         (kc.shape[0], hq * kc.shape[3])
     ),
 )

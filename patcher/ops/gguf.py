@@ -85,10 +85,13 @@ def gguf_norm_gemv_cat(
     kinds: str,
     biases: list[torch.Tensor | None],
     quantize_activations: bool = True,
+    feeds_attention: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A GGUF projection behind its RMSNorm: (gguf_gemv_cat(rms_norm(s), ...), s) with s = x + delta, or (..., an
     empty tensor) where delta is None and s is x itself. On CUDA the norm kernel writes the GEMV's workspace (Q8_1
-    blocks, or fp32 for W4A16) in place of the input kernel, for 16-bit values of a hidden size a multiple of 256."""
+    blocks, or fp32 for W4A16) in place of the input kernel, for 16-bit values of a hidden size a multiple of 256.
+    `feeds_attention` (scheduling only): the output goes straight to decode_attention_qkv, which reads the cache
+    before its grid-dependency wait, so the GEMV's last launch lets it start only after its own wait."""
     from .norm import add_rms_norm, rms_norm
 
     if delta is None:
@@ -98,14 +101,16 @@ def gguf_norm_gemv_cat(
     return gguf_gemv_cat(h, blocks, kinds, biases, quantize_activations), total
 
 
-def _gguf_norm_gemv_cat_fake(x, delta, norm_weight, eps, blocks, kinds, biases, quantize_activations=True):
+def _gguf_norm_gemv_cat_fake(
+    x, delta, norm_weight, eps, blocks, kinds, biases, quantize_activations=True, feeds_attention=False
+):
     out = x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in blocks)))
     return out, x.new_empty(0) if delta is None else torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 define(
     "gguf_norm_gemv_cat(Tensor x, Tensor? delta, Tensor norm_weight, float eps, Tensor[] blocks, str kinds, "
-    "Tensor?[] biases, bool quantize_activations=True) -> (Tensor, Tensor)",
+    "Tensor?[] biases, bool quantize_activations=True, bool feeds_attention=False) -> (Tensor, Tensor)",
     gguf_norm_gemv_cat,
     _gguf_norm_gemv_cat_fake,
 )

@@ -120,13 +120,14 @@ class CountingOps:
     """The ops namespace of a decode step, counting the calls of each op by name."""
 
     def __init__(self, ops):
-        self.ops, self.calls = ops, {}
+        self.ops, self.calls, self.feeding_attention = ops, {}, 0
 
     def __getattr__(self, name):
         op = getattr(self.ops, name)
 
         def counted(*args, **kwargs):
             self.calls[name] = self.calls.get(name, 0) + 1
+            self.feeding_attention += bool(kwargs.get("feeds_attention"))
             return op(*args, **kwargs)
 
         return counted
@@ -134,8 +135,10 @@ class CountingOps:
 
 def test_decode_step_norms_write_the_gguf_inputs(tiny_file):
     """Each RMSNorm in front of a GGUF projection (QKV, gate/up, a GGUF head) runs in one op with it
-    (gguf_norm_gemv_cat: on CUDA the norm writes the GEMV's Q8_1 input), and the down projection's op computes the
-    activation: no separate norm, activation or plain GEMV op in a layer but the output projection's."""
+    (gguf_norm_gemv_cat: on CUDA the norm writes the GEMV's Q8_1 input), the down projection's op computes the
+    activation, and the attention ropes the QKV's output and writes the cache (decode_attention_qkv, the QKV op
+    marked as feeding it): no separate norm, activation, RoPE or plain GEMV op in a layer but the output
+    projection's."""
     model = load(tiny_file, True)
     ids, mask = prompt(1)
     want = hf_greedy(model, ids, mask, 4)
@@ -143,12 +146,15 @@ def test_decode_step_norms_write_the_gguf_inputs(tiny_file):
     runner = DecodeRunner(model, EAGER)
     runner.decode_step.ops = counting = CountingOps(runner.decode_step.ops)
     assert torch.equal(runner.generate(ids, mask, 4, Sampling(), eos=[], pad_token_id=0), want)
-    layers, steps = model.config.num_hidden_layers, counting.calls["rope_qkv_cache"] // model.config.num_hidden_layers
-    assert steps >= 3 and counting.calls["rope_qkv_cache"] == steps * layers
+    layers = model.config.num_hidden_layers
+    steps = counting.calls["decode_attention_qkv"] // layers
+    assert steps >= 3 and counting.calls["decode_attention_qkv"] == steps * layers
     head = runner.decode_step.lm_gguf is not None  # the final norm into a GGUF head: one more a step
     assert counting.calls["gguf_norm_gemv_cat"] == (2 * layers + head) * steps
+    assert counting.feeding_attention == steps * layers  # the QKV's, not gate/up's or the head's
     assert counting.calls["gguf_silu_mul_gemv_cat"] == steps * layers
-    assert "silu_and_mul" not in counting.calls and "rms_norm" not in counting.calls, counting.calls
+    separate = {"silu_and_mul", "rms_norm", "rope_qkv_cache", "decode_attention"}
+    assert not separate & set(counting.calls), counting.calls
 
 
 def test_gguf_model_generates_past_eight_rows(tiny_file, monkeypatch):

@@ -268,7 +268,8 @@ NORM_CASES = [*CAT_CASES, ([("Q4_0", 40), ("Q4_0", 24)], 512)]  # K of 96: the n
 def test_gguf_norm_gemv_cat_is_the_norm_then_the_projection(kernels, case, dtype, rows, delta, quantize_activations):
     """The norm writing the GEMV's input itself (16-bit values, K a multiple of 256) gives what the norm op, then
     gguf_gemv_cat, give, bit for bit (the norm kernel's arithmetic, then the input kernel's quantization), and the
-    same residual sum; where it can't (fp32, K of 96, x 8 bytes off 16-byte alignment) the op runs those two."""
+    same residual sum; where it can't (fp32, K of 96, x 8 bytes off 16-byte alignment) the op runs those two. Marked
+    as feeding an attention (only the last GEMV launch triggers after its wait) it gives the same, bit for bit."""
     parts, k = NORM_CASES[case]
     blocks, biases, kinds = projection(parts, k)
     gen = torch.Generator().manual_seed(rows * 31 + k)
@@ -283,6 +284,8 @@ def test_gguf_norm_gemv_cat_is_the_norm_then_the_projection(kernels, case, dtype
             h, want_total = kernels.add_rms_norm(x, d, norm_weight, 1e-5)
         want = kernels.gguf_gemv_cat(h, blocks, kinds, biases, quantize_activations)
         assert torch.equal(out, want) and torch.equal(total, want_total), f"x offset {offset}"
+        feeding = kernels.gguf_norm_gemv_cat(x, d, norm_weight, 1e-5, blocks, kinds, biases, quantize_activations, True)
+        assert torch.equal(feeding[0], out) and torch.equal(feeding[1], total), f"feeds_attention, x offset {offset}"
 
 
 def test_gguf_norm_gemv_cat_op_schema():
@@ -293,6 +296,7 @@ def test_gguf_norm_gemv_cat_op_schema():
     for delta in (d, None):
         args = (x, delta, w, 1e-5, [blocks], "Q4_0", [bias], True)
         torch.library.opcheck(torch.ops.patcher.gguf_norm_gemv_cat.default, args)
+        torch.library.opcheck(torch.ops.patcher.gguf_norm_gemv_cat.default, (*args, True))  # feeds_attention
         out, total = KERNELS.gguf_norm_gemv_cat(*args)
         h = REFERENCE.rms_norm(x, w, 1e-5) if delta is None else REFERENCE.add_rms_norm(x, d, w, 1e-5)[0]
         assert torch.equal(out, ref.linear_w4a8(h, blocks, "Q4_0", bias))

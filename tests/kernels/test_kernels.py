@@ -346,6 +346,65 @@ def test_decode_attention(batch, splits, length, heads, head_dim, dtype):
     assert int(workspace[: batch * hq].abs().sum()) == 0, "split counters must be left at zero"
 
 
+QKV_ARCHS = {  # q heads, kv heads, head_dim, rotary dims, interleaved
+    "pythia-2.8b": (32, 32, 80, 20, True),  # partial rotary: partner dims 10 apart, across a lane's 8
+    "llama-3.1-8b": (32, 8, 128, 128, False),
+    "qwen2-1.5b": (12, 2, 128, 128, False),
+    "smollm2": (9, 3, 64, 64, False),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", list(QKV_ARCHS))
+@pytest.mark.parametrize("length", [1, 7, 129, 1000])
+@pytest.mark.parametrize("batch,splits", [(1, 1), (1, 16), (3, 7)])
+def test_decode_attention_qkv(batch, splits, length, arch, dtype):
+    """decode_attention_qkv against the two kernels it stands for, rope_qkv_cache then decode_attention: the caches
+    bit for bit (the current token's K/V written at slot, nothing else touched); the output is the same attention
+    over the same values, equal but for the compiler's FMA contraction in a different instantiation (within 2 ulps
+    of the dtype at 1)."""
+    from patcher.ops import KERNELS, decode_attention_workspace
+
+    hq, hkv, d, rot, interleaved = QKV_ARCHS[arch]
+    capacity, width = length + 9, (hq + 2 * hkv) * d
+    qkv = make((batch, width), dtype)
+    cos, sin = rope_tables((capacity, rot // 2), dtype)
+    slot = torch.tensor([length - 1], device="cuda")
+    pad = torch.tensor([min(r * 3, length - 1) for r in range(batch)], device="cuda")
+    caches = [make((batch, hkv, capacity, d), dtype) for _ in range(2)]
+    expected_caches = [c.clone() for c in caches]
+    workspaces = [decode_attention_workspace(batch, hq, hkv, d, splits, "cuda") for _ in range(2)]
+    scale = d**-0.5
+    out = KERNELS.decode_attention_qkv(qkv, cos, sin, slot, pad, *caches, hq, interleaved, scale, splits,
+                                       workspaces[0])  # fmt: skip
+    q = KERNELS.rope_qkv_cache(qkv, cos, sin, slot, pad, *expected_caches, hq, hkv, d, interleaved)
+    expected = KERNELS.decode_attention(q, *expected_caches, slot, pad, scale, splits, workspaces[1])
+    assert torch.equal(caches[0], expected_caches[0]) and torch.equal(caches[1], expected_caches[1])
+    assert max_err(out, expected) <= 2 * torch.finfo(dtype).eps * max(1.0, expected.abs().max().item())
+    assert int(workspaces[0][: batch * hq].abs().sum()) == 0, "split counters must be left at zero"
+
+
+def test_decode_attention_qkv_bad_inputs():
+    from patcher.ops import KERNELS, decode_attention_workspace
+
+    kc, vc = (torch.zeros(1, 2, 16, 64, device="cuda").half() for _ in range(2))
+    qkv = torch.zeros(1, 8 * 64, device="cuda").half()
+    cos, sin = rope_tables((16, 32), torch.float16)
+    slot, pad = torch.tensor([3], device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
+    workspace = decode_attention_workspace(1, 4, 2, 64, 2, "cuda")
+    args = (cos, sin, slot, pad, kc, vc, 4, False, 0.125, 2, workspace)
+    torch.library.opcheck(torch.ops.patcher.decode_attention_qkv.default, (qkv, *args))
+    with pytest.raises(RuntimeError, match="qkv must be a contiguous"):
+        KERNELS.decode_attention_qkv(qkv[:, :64], *args)
+    with pytest.raises(RuntimeError, match="qkv must be a contiguous"):
+        KERNELS.decode_attention_qkv(qkv.float(), *args)
+    with pytest.raises(RuntimeError, match="qkv must be a contiguous"):
+        KERNELS.decode_attention_qkv(torch.zeros(1, 16 * 64, device="cuda").half()[:, ::2], *args)
+    with pytest.raises(RuntimeError, match="supports head_dim"):
+        small = [torch.zeros(1, 2, 16, 32, device="cuda").half() for _ in range(2)]
+        KERNELS.decode_attention_qkv(qkv[:, :256], cos, sin, slot, pad, *small, 4, False, 0.1, 2, workspace)
+
+
 # ---- next_token: the decode step's argmax and loop bookkeeping ----------------------------------------------------
 
 

@@ -116,3 +116,26 @@ def test_op_schema_and_fake_kernel(op):
         expected if isinstance(expected, tuple) else (expected,), got if isinstance(got, tuple) else (got,)
     ):
         assert torch.equal(e, g) and g.is_contiguous()
+
+
+def test_decode_attention_qkv_is_rope_then_attention():
+    """decode_attention_qkv (CPU: its reference) writes the current token's rotated K and its V at slot, leaves the
+    rest of the caches as they were, and attends with the rotated q as decode_attention does (GQA, two rows, one
+    padded); schema and fake kernel pass opcheck."""
+    hq, hkv, d, slot = 4, 2, 16, 5
+    qkv = rand(2, (hq + 2 * hkv) * d).half()
+    angles = torch.randn(16, d // 2) * 3
+    cos, sin = torch.cat([angles, angles], -1).cos().half(), torch.cat([angles, angles], -1).sin().half()
+    caches = [rand(2, hkv, 16, d).half() for _ in range(2)]
+    before = [c.clone() for c in caches]
+    slots, pad = torch.tensor([slot]), torch.tensor([0, 2])
+    tail = (hq, False, d**-0.5, 1, None)
+    torch.library.opcheck(torch.ops.patcher.decode_attention_qkv.default,
+                          (qkv, cos, sin, slots, pad, *[c.clone() for c in caches], *tail))  # fmt: skip
+    out = KERNELS.decode_attention_qkv(qkv, cos, sin, slots, pad, *caches, *tail)
+    q, k, v = reference.rope_qkv(qkv[:, None], cos[slot - pad][:, None], sin[slot - pad][:, None], hq, hkv, d, False)
+    keep = torch.arange(16) != slot
+    for got, old, new in zip(caches, before, (k, v)):
+        assert torch.equal(got[:, :, keep], old[:, :, keep]) and torch.equal(got[:, :, slot], new[:, :, 0])
+    expected = reference.decode_attention(q[:, :, 0].contiguous(), *caches, slots, pad, d**-0.5, 1, None)
+    assert torch.equal(out, expected) and out.shape == (2, hq * d)
