@@ -437,6 +437,40 @@ Tensor decode_attention_qkv(const Tensor& qkv, const Tensor& cos, const Tensor& 
   return out;
 }
 
+// gguf_gemv_cat(decode_attention_qkv(...)): the attention writes the output projection's input as its GEMV reads it
+// (Q8_1 blocks, or fp32 for W4A16), in place of the GEMV's input kernel; head_dim 64 or 128 (a Q8_1 block within a
+// head). Returns the projection's output [B, sum of the modules' out_features].
+Tensor gguf_attention_gemv_cat(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const Tensor& slot,
+                               const Tensor& pad, Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads,
+                               bool interleaved, double scale, int64_t splits, Tensor& workspace, TensorList blocks,
+                               c10::string_view kinds, OptTensorList biases, bool quantize_activations) {
+  TORCH_CHECK(k_cache.is_cuda(), "patcher: k_cache must be a CUDA tensor, got ", k_cache.device());
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  TORCH_CHECK(k_cache.dim() == 4, "patcher: k_cache must be [batch, kv_heads, capacity, head_dim]");
+  const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), D = k_cache.size(3);
+  TORCH_CHECK(D % 32 == 0, "patcher: gguf_attention_gemv_cat needs head_dim 64 or 128, got ", std::to_string(D));
+  const int64_t width = (num_q_heads + 2 * Hkv) * D;
+  TORCH_CHECK(qkv.is_cuda() && qkv.device() == k_cache.device() && qkv.scalar_type() == k_cache.scalar_type() &&
+                  qkv.is_contiguous() && qkv.dim() == 2 && qkv.size(0) == B && qkv.size(1) == width,
+              "patcher: qkv must be a contiguous [", std::to_string(B), ", ", std::to_string(width), "] tensor of ",
+              "the caches' dtype on ", k_cache.device(), ", got ", qkv.scalar_type(), " ", dims(qkv.sizes()));
+  patcher::DecodeAttentionParams p{};
+  const Tensor attended = attention_params(p, k_cache, B, num_q_heads, D, k_cache, v_cache, slot, pad, scale, splits,
+                                           workspace, "gguf_attention_gemv_cat");
+  // The projection's launch, checked against the attention output's shape ([B, Hq * D]; the attention writes the
+  // workspace instead of that tensor).
+  GgufLaunch l = gguf_launch(attended, blocks, kinds, biases, quantize_activations);
+  fill_rope_cache(p.rope, k_cache, B, width, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, Hkv, D, interleaved);
+  p.qkv = qkv.data_ptr();
+  p.gguf_work = l.p.work;
+  p.gguf_a8 = quantize_activations;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  check_launch(patcher::launch_decode_attention(p, stream), "gguf_attention_gemv_cat");
+  l.p.work_ready = true;
+  check_launch(patcher::launch_gguf_gemv(l.p, stream), "gguf_gemv");
+  return l.out;
+}
+
 // ---- tensor parallelism -----------------------------------------------------------------------------------
 
 // `inbox`: this rank's inbox (int64 words, 2 halves x world senders x capacity), allocated in torch's symmetric memory;
@@ -497,6 +531,7 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_attention_qkv_acc", &decode_attention_qkv_acc);
   m.impl("decode_attention_qkv", &decode_attention_qkv);
+  m.impl("gguf_attention_gemv_cat", &gguf_attention_gemv_cat);
   m.impl("next_token", &next_token);
   m.impl("sample_survivors", &sample_survivors);
   m.impl("repetition_penalty", &repetition_penalty);

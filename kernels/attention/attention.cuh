@@ -119,12 +119,14 @@ __device__ __forceinline__ void attend_step(const float (&q)[GMAX][8],
 }
 
 // The block's result for its share: the lane groups merged (shuffles between lanes holding the same dims), then the
-// warps (through S); with one share the G heads' output rows go to `out` (head0's row of [batch, Hq * D]), otherwise
-// the share's partial to `partials` (head0's [G][splits][D + 2]) and the last block to arrive at `counter` merges
-// all shares into `out` and resets the counter. `sync` is the block's barrier (every thread of the 8 warps).
-template <typename T, int D, int GMAX, typename Sync>
+// warps (through S); with one share the G heads' output rows go to `store` (store(i, value) for element i of head0's
+// row of [batch, Hq * D], called by every thread of a warp for 32 consecutive i), otherwise the share's partial to
+// `partials` (head0's [G][splits][D + 2]) and the last block to arrive at `counter` merges all shares into `store`
+// and resets the counter. `sync` is the block's barrier (every thread of the 8 warps).
+template <int D, int GMAX, typename Store, typename Sync>
 __device__ void attend_finish(AttnShared& S, float (&m)[GMAX], float (&l)[GMAX], float (&acc)[GMAX][8], int G,
-                              int shares, int split, int splits, T* out, float* partials, int* counter, Sync sync) {
+                              int shares, int split, int splits, Store store, float* partials, int* counter,
+                              Sync sync) {
   constexpr int kActive = AttnShape<D, GMAX>::kActive, kLanes = AttnShape<D, GMAX>::kLanes;
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const int sub = lane % kLanes, d0 = sub * 8;
@@ -187,7 +189,7 @@ __device__ void attend_finish(AttnShared& S, float (&m)[GMAX], float (&l)[GMAX],
 #pragma unroll
     for (int r = 0; r < kAttnWarps; ++r) weighted += S.acc[r][g][d] * S.m[r][g];
     if (shares == 1) {
-      out[i] = from_float<T>(weighted / S.block_sum[g]);
+      store(i, weighted / S.block_sum[g]);
     } else {
       float* part = partials + (static_cast<int64_t>(g) * splits + split) * (D + 2);
       part[d] = weighted;
@@ -235,7 +237,7 @@ __device__ void attend_finish(AttnShared& S, float (&m)[GMAX], float (&l)[GMAX],
     float weighted = 0.f;
 #pragma unroll
     for (int s = 0; s < kAttnMaxSplits; ++s) weighted += s < shares ? values[s] * S.factor[g][s] : 0.f;
-    out[i] = from_float<T>(weighted / S.denominator[g]);
+    store(i, weighted / S.denominator[g]);
   }
   if (tid == 0) *counter = 0;  // ready for the next launch (or layer)
 }

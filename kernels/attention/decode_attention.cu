@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "attention/attention.cuh"
+#include "gguf/gguf_q8_1.cuh"
 #include "rope/rope.cuh"
 
 namespace patcher {
@@ -39,6 +40,8 @@ constexpr int64_t kAttnTwoPerSmHeads = 32;
 // Where q and the current token's K/V come from: q itself, the QKV accumulator (DecodeAttentionParams::qkv_acc) or
 // the projection's output (qkv).
 enum AttnSource { kFromQ, kFromAcc, kFromQkv };
+// Where the output goes: out, or a GGUF GEMV's workspace as Q8_1 blocks or fp32 (DecodeAttentionParams::gguf_work).
+enum AttnOutput { kToOut, kToGgufQ8_1, kToGgufF32 };
 
 // One element of q or of the current token's K/V, made from the QKV accumulator: round(round(sum) + bias), as
 // finish_values forms the projection's output (or from the output: the value itself), then for q and k within the
@@ -97,7 +100,7 @@ __device__ __forceinline__ float made_value(const AccElement& e, bool, T value, 
   return e.rotated ? rope_value<T>(x, to_float(partner_value), e.d, e.R, e.cos_d, e.sin_d) : x;
 }
 
-template <typename T, int D, int SOURCE, int MINB = 1>
+template <typename T, int D, int SOURCE, int MINB = 1, int OUTPUT = kToOut>
 __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const DecodeAttentionParams p) {
   constexpr int GMAX = 1, G = 1;  // query heads a block: attention.cuh's core in its one-head form
   constexpr bool MADE = SOURCE != kFromQ;  // q and the current token's K/V made by the block (acc_element)
@@ -268,10 +271,22 @@ __global__ void __launch_bounds__(kThreads, MINB) decode_attention_kernel(const 
     }
     attend_step<D, GMAX>(q, kv, vv, valid, G, m, l, acc);
   }
-  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + head) * D;
   float* partials = p.partials + ((static_cast<int64_t>(b) * p.num_q_heads + head) * p.splits) * (D + 2);
-  attend_finish<T, D, GMAX>(S, m, l, acc, G, shares, split, p.splits, out, partials,
-                            p.counters + b * p.num_q_heads + head, [] { __syncthreads(); });
+  const auto sync = [] { __syncthreads(); };
+  int* counter = p.counters + b * p.num_q_heads + head;
+  if constexpr (OUTPUT == kToOut) {
+    T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_q_heads + head) * D;
+    const auto store = [out](int i, float v) { out[i] = from_float<T>(v); };
+    attend_finish<D, GMAX>(S, m, l, acc, G, shares, split, p.splits, store, partials, counter, sync);
+  } else {
+    // The value rounded to the dtype, as the GEMV's input kernel would read it from out.
+    static_assert(D % 32 == 0, "a Q8_1 block within one head");
+    const int64_t k = p.num_q_heads * D, col = static_cast<int64_t>(head) * D;
+    const auto store = [&p, b, k, col](int i, float v) {
+      store_gguf_input_warp<OUTPUT == kToGgufQ8_1>(p.gguf_work, p.batch, k, b, col + i, round_to<T>(v));
+    };
+    attend_finish<D, GMAX>(S, m, l, acc, G, shares, split, p.splits, store, partials, counter, sync);
+  }
 }
 
 template <typename T, int D>
@@ -289,6 +304,14 @@ cudaError_t launch_head_dim(const DecodeAttentionParams& p, cudaStream_t stream)
   if (p.qkv_acc && p.num_q_heads * p.batch >= kAttnTwoPerSmHeads)
     return launch_pdl(decode_attention_kernel<T, D, kFromAcc, 2>, grid, kThreads, 0, stream, p);
   if (p.qkv_acc) return launch_pdl(decode_attention_kernel<T, D, kFromAcc>, grid, kThreads, 0, stream, p);
+  if constexpr (D % 32 == 0) {
+    if (p.qkv && p.gguf_work) {
+      const auto kernel = p.gguf_a8 ? decode_attention_kernel<T, D, kFromQkv, 1, kToGgufQ8_1>
+                                    : decode_attention_kernel<T, D, kFromQkv, 1, kToGgufF32>;
+      return launch_pdl(kernel, grid, kThreads, 0, stream, p);
+    }
+  }
+  if (p.gguf_work) return cudaErrorInvalidValue;  // (head_dim 80: a Q8_1 block would span two heads' blocks)
   if (p.qkv) return launch_pdl(decode_attention_kernel<T, D, kFromQkv>, grid, kThreads, 0, stream, p);
   return launch_pdl(decode_attention_kernel<T, D, kFromQ>, grid, kThreads, 0, stream, p);
 }

@@ -42,6 +42,11 @@ struct DecodeAttentionParams {
   // [batch, (Hq + 2 Hkv) * D] in the dtype and rope's layout (as rope_qkv_cache reads it), RoPE applied and K/V
   // written as with qkv_acc. The kernel before this one triggers after its wait, as rope_qkv_cache does.
   const void* qkv;
+  // With gguf_work set (and qkv, head_dim a multiple of 32): the output goes to a GGUF GEMV's workspace
+  // (gguf/params.h, batch rows of Hq * D) as its input kernel would write it, Q8_1 blocks (gguf_a8) or fp32, not to
+  // out.
+  void* gguf_work;
+  bool gguf_a8;
   RopeCacheParams rope;
 };
 cudaError_t launch_decode_attention(const DecodeAttentionParams& p, cudaStream_t stream);

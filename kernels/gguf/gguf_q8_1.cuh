@@ -97,5 +97,36 @@ __device__ __forceinline__ void store_gguf_input(void* work, int64_t batch, int6
   }
 }
 
+// store_gguf_input for a warp that holds one 32-value block of x, a value a lane (lane = col % 32): the same
+// scale, integers and sums as four threads of 8 values form them (the maximum and the integer sum do not depend on
+// the order they are taken in). Every lane of the warp must reach it.
+template <bool A8>
+__device__ __forceinline__ void store_gguf_input_warp(void* work, int64_t batch, int64_t k, int64_t row, int64_t col,
+                                                      float v) {
+  if constexpr (A8) {
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = __fdiv_rn(amax, 127.f);
+    const float inv = d == 0.f ? 0.f : __frcp_rn(d);
+    const int q = static_cast<int>(roundf(__fmul_rn(v, inv)));
+    int sum = q;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    int8_t* xq = static_cast<int8_t*>(work);
+    xq[row * k + col] = static_cast<int8_t>(q);
+    if (col % 32 == 0) {
+      const float stored = __half2float(__float2half_rn(d));
+      const int64_t nb = k / 32, blk = row * nb + col / 32;
+      float* xd = reinterpret_cast<float*>(xq + batch * k);
+      xd[blk] = stored;
+      xd[batch * nb + blk] = __fmul_rn(static_cast<float>(sum), stored);
+      reinterpret_cast<int*>(xd + 2 * batch * nb)[blk] = sum;
+    }
+  } else {
+    static_cast<float*>(work)[row * k + col] = v;
+  }
+}
+
 }  // namespace
 }  // namespace patcher

@@ -385,9 +385,14 @@ class DecodeStep:
             out = self.ops.decode_attention(q, st.k[index], st.v[index], st.slot, st.pad, layer.scale, st.splits,
                                             st.workspace)  # fmt: skip
         elif isinstance(q, QkvOut):
-            out = self.ops.decode_attention_qkv(q.qkv, st.cos, st.sin, st.slot, st.pad, st.k[index], st.v[index],
-                                                a.num_heads, a.interleaved, layer.scale, st.splits,
-                                                st.workspace)  # fmt: skip
+            args = (q.qkv, st.cos, st.sin, st.slot, st.pad, st.k[index], st.v[index], a.num_heads, a.interleaved,
+                    layer.scale, st.splits, st.workspace)  # fmt: skip
+            into = q.qkv[:, : a.num_heads * a.head_dim]  # the attention's output shape, for the projection's path
+            gguf = a.out_gguf if project and a.head_dim % 32 == 0 else None
+            if gguf is not None and (out_args := gguf.op_args(into)) is not None:
+                # the attention writes the GGUF output projection's input itself (one kernel less)
+                return self.ops.gguf_attention_gemv_cat(*args, *out_args)
+            out = self.ops.decode_attention_qkv(*args)
         else:
             out = self.ops.decode_attention_qkv_acc(q.acc, q.bias_rows, st.cos, st.sin, st.slot, st.pad, st.k[index],
                                                     st.v[index], a.num_heads, a.interleaved, layer.scale, st.splits,

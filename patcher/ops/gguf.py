@@ -138,6 +138,32 @@ define(
 )
 
 
+def gguf_attention_gemv_cat(
+    qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads: int, interleaved: bool, scale: float, splits: int,
+    workspace, blocks: list[torch.Tensor], kinds: str, biases: list[torch.Tensor | None],
+    quantize_activations: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """gguf_gemv_cat(decode_attention_qkv(qkv, ...), ...): the attention over the cache (RoPE and the current token's
+    K/V from the QKV's output qkv) into its GGUF output projection. On CUDA the attention writes the GEMV's input
+    (Q8_1 blocks, or fp32 for W4A16) in place of the input kernel; head_dim 64 or 128."""
+    from .attention import decode_attention_qkv
+
+    out = decode_attention_qkv(qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, interleaved, scale, splits,
+                               workspace)  # fmt: skip
+    return gguf_gemv_cat(out, blocks, kinds, biases, quantize_activations)
+
+
+define(
+    "gguf_attention_gemv_cat(Tensor qkv, Tensor cos, Tensor sin, Tensor slot, Tensor pad, Tensor(a!) k_cache, "
+    "Tensor(b!) v_cache, int num_q_heads, bool interleaved, float scale, int splits, Tensor(c!) workspace, "
+    "Tensor[] blocks, str kinds, Tensor?[] biases, bool quantize_activations=True) -> Tensor",
+    gguf_attention_gemv_cat,
+    lambda qkv, cos, sin, slot, pad, kc, vc, hq, inter, scale, splits, ws, blocks, kinds, biases, qa=True: (
+        qkv.new_empty((qkv.shape[0], sum(w.shape[0] for w in blocks)))
+    ),
+)
+
+
 def gguf_dequantize(blocks: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
     """GGUF rows `blocks` [N, K / block * type size] of `kind` -> W [N, K] in dtype: format.dequantize (bit-identical
     to gguf.quants, fp32), rounded to dtype once."""

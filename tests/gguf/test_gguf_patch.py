@@ -136,9 +136,9 @@ class CountingOps:
 def test_decode_step_norms_write_the_gguf_inputs(tiny_file):
     """Each RMSNorm in front of a GGUF projection (QKV, gate/up, a GGUF head) runs in one op with it
     (gguf_norm_gemv_cat: on CUDA the norm writes the GEMV's Q8_1 input), the down projection's op computes the
-    activation, and the attention ropes the QKV's output and writes the cache (decode_attention_qkv, the QKV op
-    marked as feeding it): no separate norm, activation, RoPE or plain GEMV op in a layer but the output
-    projection's."""
+    activation, and the attention ropes the QKV's output, writes the cache and writes the output projection's input
+    (gguf_attention_gemv_cat, the QKV op marked as feeding it): no separate norm, activation, RoPE or attention op
+    in a layer."""
     model = load(tiny_file, True)
     ids, mask = prompt(1)
     want = hf_greedy(model, ids, mask, 4)
@@ -147,13 +147,13 @@ def test_decode_step_norms_write_the_gguf_inputs(tiny_file):
     runner.decode_step.ops = counting = CountingOps(runner.decode_step.ops)
     assert torch.equal(runner.generate(ids, mask, 4, Sampling(), eos=[], pad_token_id=0), want)
     layers = model.config.num_hidden_layers
-    steps = counting.calls["decode_attention_qkv"] // layers
-    assert steps >= 3 and counting.calls["decode_attention_qkv"] == steps * layers
+    steps = counting.calls["gguf_attention_gemv_cat"] // layers
+    assert steps >= 3 and counting.calls["gguf_attention_gemv_cat"] == steps * layers
     head = runner.decode_step.lm_gguf is not None  # the final norm into a GGUF head: one more a step
     assert counting.calls["gguf_norm_gemv_cat"] == (2 * layers + head) * steps
     assert counting.feeding_attention == steps * layers  # the QKV's, not gate/up's or the head's
     assert counting.calls["gguf_silu_mul_gemv_cat"] == steps * layers
-    separate = {"silu_and_mul", "rms_norm", "rope_qkv_cache", "decode_attention"}
+    separate = {"silu_and_mul", "rms_norm", "rope_qkv_cache", "decode_attention", "decode_attention_qkv"}
     assert not separate & set(counting.calls), counting.calls
 
 

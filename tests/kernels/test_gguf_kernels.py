@@ -31,7 +31,7 @@ import functools
 
 import pytest
 import torch
-from conftest import check_op, max_err, poison_cuda_cache
+from conftest import check_op, max_err, poison_cuda_cache, rope_tables
 
 from patcher import random_models as rm
 from patcher.gguf import GGUFLinear
@@ -286,6 +286,68 @@ def test_gguf_norm_gemv_cat_is_the_norm_then_the_projection(kernels, case, dtype
         assert torch.equal(out, want) and torch.equal(total, want_total), f"x offset {offset}"
         feeding = kernels.gguf_norm_gemv_cat(x, d, norm_weight, 1e-5, blocks, kinds, biases, quantize_activations, True)
         assert torch.equal(feeding[0], out) and torch.equal(feeding[1], total), f"feeds_attention, x offset {offset}"
+
+
+ATTENTION_CASES = {  # q heads, kv heads, head_dim, interleaved; the output projection's modules
+    "llama-3.1-8b": (32, 8, 128, False, [("Q4_0", 96)]),
+    "qwen2-1.5b": (12, 2, 128, False, [("Q4_K", 40), ("Q6_K", 24)]),  # two launches (an unusual split of o_proj)
+    "smollm2": (9, 3, 64, False, [("Q8_0", 33)]),
+    "neox-128": (8, 8, 128, True, [("Q4_1", 16)]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize_activations", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", list(ATTENTION_CASES))
+@pytest.mark.parametrize("length", [1, 129, 1000])
+@pytest.mark.parametrize("batch,splits", [(1, 1), (1, 16), (3, 7)])
+def test_gguf_attention_gemv_cat_is_the_attention_then_the_projection(
+    kernels, batch, splits, length, arch, dtype, quantize_activations
+):
+    """The attention writing the GGUF output projection's input itself (Q8_1 blocks a warp, or fp32) gives what
+    decode_attention_qkv, then gguf_gemv_cat, give, bit for bit (the same attention kernel up to its store, then the
+    input kernel's quantization of the values rounded to the dtype), and the same caches."""
+    from patcher.ops import decode_attention_workspace
+
+    hq, hkv, d, interleaved, parts = ATTENTION_CASES[arch]
+    capacity, width = length + 9, (hq + 2 * hkv) * d
+    blocks, biases, kinds = projection(parts, hq * d)
+    gen = torch.Generator().manual_seed(length * 13 + batch)
+    qkv = torch.randn(batch, width, generator=gen).to(dtype).cuda()
+    cos, sin = rope_tables((capacity, d // 2), dtype)
+    slot = torch.tensor([length - 1], device="cuda")
+    pad = torch.tensor([min(r * 3, length - 1) for r in range(batch)], device="cuda")
+    caches = [torch.randn(batch, hkv, capacity, d, generator=gen).to(dtype).cuda() for _ in range(2)]
+    expected_caches = [c.clone() for c in caches]
+    workspaces = [decode_attention_workspace(batch, hq, hkv, d, splits, "cuda") for _ in range(2)]
+    tail = (hq, interleaved, d**-0.5, splits)
+    got = kernels.gguf_attention_gemv_cat(qkv, cos, sin, slot, pad, *caches, *tail, workspaces[0], blocks, kinds,
+                                          biases, quantize_activations)  # fmt: skip
+    attended = kernels.decode_attention_qkv(qkv, cos, sin, slot, pad, *expected_caches, *tail, workspaces[1])
+    want = kernels.gguf_gemv_cat(attended, blocks, kinds, biases, quantize_activations)
+    assert torch.equal(caches[0], expected_caches[0]) and torch.equal(caches[1], expected_caches[1])
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert int(workspaces[0][: batch * hq].abs().sum()) == 0, "split counters must be left at zero"
+
+
+def test_gguf_attention_gemv_cat_op_schema():
+    """The reference is decode_attention_qkv, then gguf_gemv_cat; schema and fake kernel pass opcheck."""
+    hq, hkv, d = 4, 2, 32
+    blocks, bias = weights("Q4_0", 24, hq * d, True)
+    qkv = torch.randn(2, (hq + 2 * hkv) * d)
+    angles = torch.randn(16, d // 2) * 3
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    caches = [torch.randn(2, hkv, 16, d) for _ in range(2)]
+    before = [c.clone() for c in caches]
+    slot, pad = torch.tensor([5]), torch.tensor([0, 2])
+    tail = (hq, False, d**-0.5, 1, None, [blocks], "Q4_0", [bias], True)
+    torch.library.opcheck(torch.ops.patcher.gguf_attention_gemv_cat.default,
+                          (qkv, cos, sin, slot, pad, *[c.clone() for c in caches], *tail))  # fmt: skip
+    got = KERNELS.gguf_attention_gemv_cat(qkv, cos, sin, slot, pad, *caches, *tail)
+    attended = REFERENCE.decode_attention_qkv(qkv, cos, sin, slot, pad, *before, *tail[:5])
+    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
+    assert torch.equal(got, ref.linear_w4a8(attended, blocks, "Q4_0", bias))
 
 
 def test_gguf_norm_gemv_cat_op_schema():
