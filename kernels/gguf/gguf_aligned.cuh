@@ -62,14 +62,14 @@ __device__ __forceinline__ void parse_aligned(const uint8_t* stage, int b, float
 }
 
 // Block (sub-block) b of the chunk in `stage` as the aligned kernels take it: the 32 integers (Q4_0's nibbles as
-// stored) and, as parse_lane gives them, scale[2] (one value twice but for Q6_K's 16-value halves) and the offset
-// (the K-quants' -(dmin * mn[j]), Q4_1's m).
-template <int KIND>
+// stored; Q6_K's too with STORED) and, as parse_lane gives them, scale[2] (one value twice but for Q6_K's 16-value
+// halves) and the offset (the K-quants' -(dmin * mn[j]), Q4_1's m).
+template <int KIND, bool STORED = false>
 __device__ __forceinline__ void parse_aligned_block(const uint8_t* stage, int b, float (&scale)[2], float& off,
                                                     int (&q)[8]) {
   if constexpr (kKQuant<KIND>) {
     float dm;
-    parse_sub_block<KIND, true>(stage + (b >> 3) * kBlockBytes<KIND>, b & 7, scale, dm, q);
+    parse_sub_block<KIND, true, STORED>(stage + (b >> 3) * kBlockBytes<KIND>, b & 7, scale, dm, q);
     off = -dm;
   } else {
     parse_aligned<KIND>(stage, b, scale[0], off, q);

@@ -160,7 +160,8 @@ __device__ __forceinline__ void parse_block(const uint8_t* blk, float& d, float&
 // scale[0] = scale[1] = d * sc[j], dm = dmin * mn[j]. Q6_K: scale[h] = d * scales[2j + h] for the 16-value half h
 // (elements 16h .. 16h + 15), dm = 0. ALIGNED: Q4_K, Q5_K: sb is 4-byte aligned, and the words load whole; Q6_K
 // (2-byte aligned, in a 4-byte aligned stage): the 4-byte words around them, each pair shifted into place.
-template <int KIND, bool ALIGNED = false>
+// STORED: Q6_K's integers as stored, 0..63, the 32 they are offset by left to the caller (accumulate_x).
+template <int KIND, bool ALIGNED = false, bool STORED = false>
 __device__ __forceinline__ void parse_sub_block(const uint8_t* sb, int j, float (&scale)[2], float& dm, int (&q)[8]) {
   if constexpr (KIND == kGgufQ6_K) {
     // Half h = j / 4 (128 values) reads ql[64h ..] and qh[32h ..]; its group g = j % 4 the low (g < 2) or high
@@ -168,10 +169,14 @@ __device__ __forceinline__ void parse_sub_block(const uint8_t* sb, int j, float 
     const int h = j >> 2, g = j & 3;
     const uint8_t* ql = sb + 64 * h + 32 * (g & 1);
     const uint8_t* qh = sb + 128 + 32 * h;
+    // Word i of ql and of qh shifted right by the group's nibble (4 (g / 2)) and bit pair (2g): each byte's bits
+    // of the group then sit at its bottom.
+    const unsigned low_shift = 4u * static_cast<unsigned>(g >> 1), high_shift = 2u * static_cast<unsigned>(g);
     unsigned lw[8], hw[8];
     if constexpr (ALIGNED) {
       // Words 0..8 from the word at or below each start (the 9th is inside the super-block: ql's 32 bytes are
-      // followed by ql or qh, qh's by qh or the scales).
+      // followed by ql or qh, qh's by qh or the scales), each pair funnel-shifted by the start's offset and the
+      // group's shift at once (the bits that come in from the next word at the top are masked off below).
       const int off = static_cast<int>(reinterpret_cast<uintptr_t>(sb) & 3);  // 0 or 2
       const unsigned shift = 8u * static_cast<unsigned>(off);
       // (offsets from sb itself, so that shared memory stays shared to the compiler)
@@ -182,21 +187,22 @@ __device__ __forceinline__ void parse_sub_block(const uint8_t* sb, int j, float 
       for (int i = 0; i < 9; ++i) lv[i] = l[i], hv[i] = hi[i];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        lw[i] = __funnelshift_rc(lv[i], lv[i + 1], shift);
-        hw[i] = __funnelshift_rc(hv[i], hv[i + 1], shift);
+        lw[i] = __funnelshift_rc(lv[i], lv[i + 1], shift + low_shift);
+        hw[i] = __funnelshift_rc(hv[i], hv[i + 1], shift + high_shift);
       }
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        lw[i] = static_cast<unsigned>(load_word(ql + 4 * i));
-        hw[i] = static_cast<unsigned>(load_word(qh + 4 * i));
+        lw[i] = static_cast<unsigned>(load_word(ql + 4 * i)) >> low_shift;
+        hw[i] = static_cast<unsigned>(load_word(qh + 4 * i)) >> high_shift;
       }
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const unsigned low = (lw[i] >> (4 * (g >> 1))) & 0x0F0F0F0Fu;
-      const unsigned high = ((hw[i] >> (2 * g)) & 0x03030303u) << 4;
-      q[i] = static_cast<int>(__vsub4(low | high, 0x20202020u));  // 0..63 - 32 per byte, no borrow between bytes
+      const unsigned low = lw[i] & 0x0F0F0F0Fu;
+      const unsigned high = (hw[i] & 0x03030303u) << 4;
+      // 0..63 - 32 per byte (no borrow between bytes), or 0..63 as stored
+      q[i] = static_cast<int>(STORED ? low | high : __vsub4(low | high, 0x20202020u));
     }
     const float d = load_fp16(sb + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(sb + 192);

@@ -75,7 +75,7 @@ struct XBlock {
   int sum;
 };
 
-template <int KIND, bool STORED_Q4_0>
+template <int KIND, bool STORED>
 __device__ __forceinline__ XBlock load_x_block(const GgufGemvParams& p, int b, int64_t blk) {
   const int8_t* xq = static_cast<const int8_t*>(p.work);
   const int64_t nb = p.k / 32;
@@ -85,14 +85,16 @@ __device__ __forceinline__ XBlock load_x_block(const GgufGemvParams& p, int b, i
   const int4 lo = qv[0], hi = qv[1];
   XBlock x = {{lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w}, xd[b * nb + blk], 0.f, 0};
   if constexpr (kHasOffset<KIND>) x.s = xd[(p.batch + b) * nb + blk];
-  if constexpr (STORED_Q4_0 && KIND == kGgufQ4_0) x.sum = xsum[b * nb + blk];
+  if constexpr (STORED && KIND == kGgufQ4_0) x.sum = xsum[b * nb + blk];
   return x;
 }
 
-// A lane's parsed block (parse_lane) times one batch row's x block, into that row's sums. STORED_Q4_0: Q4_0's q are
-// its nibbles as stored (0..15, gguf_gemv_aligned.cuh), and the 8 they are offset by comes off the integer sum as
-// 8 * sum(q_a), which the input kernel writes after the blocks' d and s.
-template <int KIND, bool STORED_Q4_0>
+// A lane's parsed block (parse_lane) times one batch row's x block, into that row's sums. STORED: Q4_0's q are its
+// nibbles as stored (0..15, gguf_gemv_aligned.cuh), and the 8 they are offset by comes off the integer sum as
+// 8 * sum(q_a), which the input kernel writes after the blocks' d and s; Q6_K's are its 6 bits as stored (0..63),
+// and the 32 comes off each 16-value half's sum by a dp4a of -32 in every byte against q_a. Either way the same
+// integer sums, exactly.
+template <int KIND, bool STORED>
 __device__ __forceinline__ void accumulate_x(const float (&scale)[2], float off, const int (&q)[8], const XBlock& x,
                                              float& acc, float& acc_m) {
   if constexpr (KIND == kGgufQ6_K) {
@@ -101,6 +103,13 @@ __device__ __forceinline__ void accumulate_x(const float (&scale)[2], float off,
     for (int i = 0; i < 4; ++i) isum0 = __dp4a(q[i], x.qa[i], isum0);
 #pragma unroll
     for (int i = 4; i < 8; ++i) isum1 = __dp4a(q[i], x.qa[i], isum1);
+    if constexpr (STORED) {
+      constexpr int kMinus32 = static_cast<int>(0xE0E0E0E0u);  // -32 in each signed byte
+#pragma unroll
+      for (int i = 0; i < 4; ++i) isum0 = __dp4a(kMinus32, x.qa[i], isum0);
+#pragma unroll
+      for (int i = 4; i < 8; ++i) isum1 = __dp4a(kMinus32, x.qa[i], isum1);
+    }
     const float t0 = __fmul_rn(__fmul_rn(scale[0], x.d), static_cast<float>(isum0));
     const float t1 = __fmul_rn(__fmul_rn(scale[1], x.d), static_cast<float>(isum1));
     acc = __fadd_rn(acc, __fadd_rn(t0, t1));
@@ -108,14 +117,14 @@ __device__ __forceinline__ void accumulate_x(const float (&scale)[2], float off,
     int isum = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) isum = __dp4a(q[i], x.qa[i], isum);
-    if constexpr (STORED_Q4_0 && KIND == kGgufQ4_0) isum -= 8 * x.sum;  // sum((q - 8) q_a), exactly
+    if constexpr (STORED && KIND == kGgufQ4_0) isum -= 8 * x.sum;  // sum((q - 8) q_a), exactly
     acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(scale[0], x.d), static_cast<float>(isum)));
     if constexpr (kHasOffset<KIND>) acc_m = __fadd_rn(acc_m, __fmul_rn(off, x.s));
   }
 }
 
 // A lane's parsed block times x's 32-value block `blk` of every row (from the workspace), into the lane's sums.
-template <typename T, int KIND, bool A8, int BMAX, bool STORED_Q4_0 = false>
+template <typename T, int KIND, bool A8, int BMAX, bool STORED = false>
 __device__ __forceinline__ void accumulate_parsed(const float (&scale)[2], float off, const int (&q)[8],
                                                   const GgufGemvParams& p, int64_t blk, float (&acc)[BMAX],
                                                   float (&acc_m)[BMAX]) {
@@ -123,7 +132,7 @@ __device__ __forceinline__ void accumulate_parsed(const float (&scale)[2], float
 #pragma unroll
     for (int b = 0; b < BMAX; ++b) {
       if (b >= p.batch) break;
-      accumulate_x<KIND, STORED_Q4_0>(scale, off, q, load_x_block<KIND, STORED_Q4_0>(p, b, blk), acc[b], acc_m[b]);
+      accumulate_x<KIND, STORED>(scale, off, q, load_x_block<KIND, STORED>(p, b, blk), acc[b], acc_m[b]);
     }
   } else {
     float wv[32];

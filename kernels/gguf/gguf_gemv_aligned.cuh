@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
     float scale[ROWS][2], off[ROWS];
     int q[ROWS][8];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) parse_aligned_block<KIND>(stage[r], lane, scale[r], off[r], q[r]);
+    for (int r = 0; r < ROWS; ++r) parse_aligned_block<KIND, true>(stage[r], lane, scale[r], off[r], q[r]);
     if constexpr (ROWS == 1) {
       accumulate_parsed<T, KIND, true, BMAX, true>(scale[0], off[0], q[0], p, blk, acc[0], acc_m[0]);
     } else {
