@@ -413,6 +413,14 @@ Tensor decode_attention_qkv_acc(const Tensor& acc, const OptTensor& bias_rows, c
   return out;
 }
 
+// qkv is the QKV projection's output for the caches: contiguous [B, width] in their dtype, on their device.
+void check_qkv_output(const Tensor& qkv, const Tensor& k_cache, int64_t B, int64_t width) {
+  TORCH_CHECK(qkv.is_cuda() && qkv.device() == k_cache.device() && qkv.scalar_type() == k_cache.scalar_type() &&
+                  qkv.is_contiguous() && qkv.dim() == 2 && qkv.size(0) == B && qkv.size(1) == width,
+              "patcher: qkv must be a contiguous [", std::to_string(B), ", ", std::to_string(width), "] tensor of ",
+              "the caches' dtype on ", k_cache.device(), ", got ", qkv.scalar_type(), " ", dims(qkv.sizes()));
+}
+
 // decode_attention with q and the current token's K/V taken from the QKV projection's output qkv [B, (Hq + 2 Hkv) * D]
 // in the caches' dtype, RoPE'd, K/V written into the caches at slot: rope_qkv_cache, then decode_attention, in one
 // kernel. The op before it triggers after its wait (gguf_norm_gemv_cat's feeds_attention).
@@ -424,10 +432,7 @@ Tensor decode_attention_qkv(const Tensor& qkv, const Tensor& cos, const Tensor& 
   TORCH_CHECK(k_cache.dim() == 4, "patcher: k_cache must be [batch, kv_heads, capacity, head_dim]");
   const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), D = k_cache.size(3);
   const int64_t width = (num_q_heads + 2 * Hkv) * D;
-  TORCH_CHECK(qkv.is_cuda() && qkv.device() == k_cache.device() && qkv.scalar_type() == k_cache.scalar_type() &&
-                  qkv.is_contiguous() && qkv.dim() == 2 && qkv.size(0) == B && qkv.size(1) == width,
-              "patcher: qkv must be a contiguous [", std::to_string(B), ", ", std::to_string(width), "] tensor of ",
-              "the caches' dtype on ", k_cache.device(), ", got ", qkv.scalar_type(), " ", dims(qkv.sizes()));
+  check_qkv_output(qkv, k_cache, B, width);
   patcher::DecodeAttentionParams p{};
   Tensor out = attention_params(p, k_cache, B, num_q_heads, D, k_cache, v_cache, slot, pad, scale, splits, workspace,
                                 "decode_attention_qkv");
@@ -438,8 +443,8 @@ Tensor decode_attention_qkv(const Tensor& qkv, const Tensor& cos, const Tensor& 
 }
 
 // gguf_gemv_cat(decode_attention_qkv(...)): the attention writes the output projection's input as its GEMV reads it
-// (Q8_1 blocks, or fp32 for W4A16), in place of the GEMV's input kernel; head_dim 64 or 128 (a Q8_1 block within a
-// head). Returns the projection's output [B, sum of the modules' out_features].
+// (Q8_1 blocks, or fp32 for W4A16), in place of the GEMV's input kernel; head_dim a multiple of 32 (a Q8_1 block
+// within a head). Returns the projection's output [B, sum of the modules' out_features].
 Tensor gguf_attention_gemv_cat(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const Tensor& slot,
                                const Tensor& pad, Tensor& k_cache, Tensor& v_cache, int64_t num_q_heads,
                                bool interleaved, double scale, int64_t splits, Tensor& workspace, TensorList blocks,
@@ -448,12 +453,10 @@ Tensor gguf_attention_gemv_cat(const Tensor& qkv, const Tensor& cos, const Tenso
   const c10::cuda::CUDAGuard guard(k_cache.device());
   TORCH_CHECK(k_cache.dim() == 4, "patcher: k_cache must be [batch, kv_heads, capacity, head_dim]");
   const int64_t B = k_cache.size(0), Hkv = k_cache.size(1), D = k_cache.size(3);
-  TORCH_CHECK(D % 32 == 0, "patcher: gguf_attention_gemv_cat needs head_dim 64 or 128, got ", std::to_string(D));
+  TORCH_CHECK(D % 32 == 0, "patcher: gguf_attention_gemv_cat needs a head_dim that is a multiple of 32, got ",
+              std::to_string(D));
   const int64_t width = (num_q_heads + 2 * Hkv) * D;
-  TORCH_CHECK(qkv.is_cuda() && qkv.device() == k_cache.device() && qkv.scalar_type() == k_cache.scalar_type() &&
-                  qkv.is_contiguous() && qkv.dim() == 2 && qkv.size(0) == B && qkv.size(1) == width,
-              "patcher: qkv must be a contiguous [", std::to_string(B), ", ", std::to_string(width), "] tensor of ",
-              "the caches' dtype on ", k_cache.device(), ", got ", qkv.scalar_type(), " ", dims(qkv.sizes()));
+  check_qkv_output(qkv, k_cache, B, width);
   patcher::DecodeAttentionParams p{};
   const Tensor attended = attention_params(p, k_cache, B, num_q_heads, D, k_cache, v_cache, slot, pad, scale, splits,
                                            workspace, "gguf_attention_gemv_cat");

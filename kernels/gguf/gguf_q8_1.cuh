@@ -61,6 +61,16 @@ __device__ __forceinline__ float quantize_q8_1_part(const float (&v)[8], int (&q
   return __half2float(__float2half_rn(d));
 }
 
+// A Q8_1 block's d, s = d * sum(q) and sum(q), for the block at (row, col) of the workspace's [batch, k] (gguf/params.h).
+__device__ __forceinline__ void store_q8_1_scales(void* work, int64_t batch, int64_t k, int64_t row, int64_t col,
+                                                  float d, int sum) {
+  const int64_t nb = k / 32, blk = row * nb + col / 32;
+  float* xd = reinterpret_cast<float*>(static_cast<int8_t*>(work) + batch * k);
+  xd[blk] = d;
+  xd[batch * nb + blk] = __fmul_rn(static_cast<float>(sum), d);
+  reinterpret_cast<int*>(xd + 2 * batch * nb)[blk] = sum;
+}
+
 // A thread's 8 values of x [batch, k] (row `row`, columns col .. col + 7) into the GGUF GEMV's workspace
 // (gguf/params.h), as the GEMV reads them: W4A8 Q8_1 (int8 q; the block's first thread its d, s = d * sum(q) and
 // sum(q)), W4A16 fp32. Every thread of the warp must reach the W4A8 shuffles; `live` false: a thread that only
@@ -82,13 +92,7 @@ __device__ __forceinline__ void store_gguf_input(void* work, int64_t batch, int6
     for (int i = 0; i < 8; ++i) packed[i / 4] |= (static_cast<uint32_t>(q[i]) & 0xFFu) << (8 * (i % 4));
     int8_t* xq = static_cast<int8_t*>(work);
     *reinterpret_cast<uint2*>(xq + row * k + col) = make_uint2(packed[0], packed[1]);
-    if (col % 32 == 0) {  // the block's first thread
-      const int64_t nb = k / 32, blk = row * nb + col / 32;
-      float* xd = reinterpret_cast<float*>(xq + batch * k);
-      xd[blk] = d;
-      xd[batch * nb + blk] = __fmul_rn(static_cast<float>(sum), d);
-      reinterpret_cast<int*>(xd + 2 * batch * nb)[blk] = sum;
-    }
+    if (col % 32 == 0) store_q8_1_scales(work, batch, k, row, col, d, sum);  // the block's first thread
   } else {
     if (!live) return;
     float* xf = static_cast<float*>(work) + row * k + col;
@@ -113,16 +117,8 @@ __device__ __forceinline__ void store_gguf_input_warp(void* work, int64_t batch,
     int sum = q;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    int8_t* xq = static_cast<int8_t*>(work);
-    xq[row * k + col] = static_cast<int8_t>(q);
-    if (col % 32 == 0) {
-      const float stored = __half2float(__float2half_rn(d));
-      const int64_t nb = k / 32, blk = row * nb + col / 32;
-      float* xd = reinterpret_cast<float*>(xq + batch * k);
-      xd[blk] = stored;
-      xd[batch * nb + blk] = __fmul_rn(static_cast<float>(sum), stored);
-      reinterpret_cast<int*>(xd + 2 * batch * nb)[blk] = sum;
-    }
+    static_cast<int8_t*>(work)[row * k + col] = static_cast<int8_t>(q);
+    if (col % 32 == 0) store_q8_1_scales(work, batch, k, row, col, __half2float(__float2half_rn(d)), sum);
   } else {
     static_cast<float*>(work)[row * k + col] = v;
   }

@@ -145,7 +145,7 @@ def gguf_attention_gemv_cat(
 ) -> torch.Tensor:  # fmt: skip
     """gguf_gemv_cat(decode_attention_qkv(qkv, ...), ...): the attention over the cache (RoPE and the current token's
     K/V from the QKV's output qkv) into its GGUF output projection. On CUDA the attention writes the GEMV's input
-    (Q8_1 blocks, or fp32 for W4A16) in place of the input kernel; head_dim 64 or 128."""
+    (Q8_1 blocks, or fp32 for W4A16) in place of the input kernel; head_dim a multiple of 32."""
     from .attention import decode_attention_qkv
 
     out = decode_attention_qkv(qkv, cos, sin, slot, pad, k_cache, v_cache, num_q_heads, interleaved, scale, splits,
