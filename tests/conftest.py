@@ -141,6 +141,16 @@ def norm_args(op: str, x, d, d2, w, b, w2, b2) -> tuple:
     }[op]
 
 
+# The attention heads of the four model shapes, for the ops that make q and the current token's K/V from a QKV
+# projection's output or accumulator: q heads, kv heads, head_dim, rotary dims, interleaved.
+QKV_HEADS = {
+    "pythia-2.8b": (32, 32, 80, 20, True),  # partial rotary: partner dims 10 apart, across a lane's 8
+    "llama-3.1-8b": (32, 8, 128, 128, False),
+    "qwen2-1.5b": (12, 2, 128, 128, False),
+    "smollm2": (9, 3, 64, 64, False),
+}
+
+
 # The norm prologues of the decode GEMVs (norm_gemv, norm_gemv_rope_cache, int4_gemv, int4_qkv_rope_cache).
 PROLOGUES = ["none", "rms", "add_rms", "layer", "add2_dual_layer"]
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import (
     PROLOGUES,
+    QKV_HEADS,
     assert_within_torch_error,
     check_op,
     max_err,
@@ -287,17 +288,9 @@ def test_int4_norm_gemv_acc(prologue, batch, dtype):
     assert int(workspace[: int4_ops.COUNTERS].abs().sum()) == 0, "the tile counters must be left at zero"
 
 
-QKV_ACC_ARCHS = {  # q heads, kv heads, head_dim, rotary dims, interleaved
-    "pythia-2.8b": (32, 32, 80, 20, True),  # partial rotary: partner dims 10 apart, across a lane's 8
-    "llama-3.1-8b": (32, 8, 128, 128, False),
-    "qwen2-1.5b": (12, 2, 128, 128, False),
-    "smollm2": (9, 3, 64, 64, False),
-}
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("arch", list(QKV_ACC_ARCHS))
+@pytest.mark.parametrize("arch", list(QKV_HEADS))
 @pytest.mark.parametrize("length", [1, 7, 129, 1000])
 @pytest.mark.parametrize("batch,splits", [(1, 1), (1, 16), (3, 7)])
 def test_decode_attention_qkv_acc(batch, splits, length, arch, bias, dtype):
@@ -307,7 +300,7 @@ def test_decode_attention_qkv_acc(batch, splits, length, arch, bias, dtype):
     but for the compiler's FMA contraction in a different instantiation (within 2 ulps of the dtype at 1)."""
     from patcher.ops import KERNELS, decode_attention_workspace, reference
 
-    hq, hkv, d, rot, interleaved = QKV_ACC_ARCHS[arch]
+    hq, hkv, d, rot, interleaved = QKV_HEADS[arch]
     capacity, width = length + 9, (hq + 2 * hkv) * d
     acc = reference.to_fixed(torch.randn(batch, width, device="cuda") * 2)
     rows = (torch.randn(width, device="cuda") * 0.5).to(dtype).expand(batch, width).contiguous() if bias else None

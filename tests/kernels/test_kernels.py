@@ -12,6 +12,7 @@ import torch
 from conftest import (
     NORM_OPS,
     PROLOGUES,
+    QKV_HEADS,
     assert_within_torch_error,
     check_op,
     max_err,
@@ -346,16 +347,8 @@ def test_decode_attention(batch, splits, length, heads, head_dim, dtype):
     assert int(workspace[: batch * hq].abs().sum()) == 0, "split counters must be left at zero"
 
 
-QKV_ARCHS = {  # q heads, kv heads, head_dim, rotary dims, interleaved
-    "pythia-2.8b": (32, 32, 80, 20, True),  # partial rotary: partner dims 10 apart, across a lane's 8
-    "llama-3.1-8b": (32, 8, 128, 128, False),
-    "qwen2-1.5b": (12, 2, 128, 128, False),
-    "smollm2": (9, 3, 64, 64, False),
-}
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("arch", list(QKV_ARCHS))
+@pytest.mark.parametrize("arch", list(QKV_HEADS))
 @pytest.mark.parametrize("length", [1, 7, 129, 1000])
 @pytest.mark.parametrize("batch,splits", [(1, 1), (1, 16), (3, 7)])
 def test_decode_attention_qkv(batch, splits, length, arch, dtype):
@@ -365,7 +358,7 @@ def test_decode_attention_qkv(batch, splits, length, arch, dtype):
     of the dtype at 1)."""
     from patcher.ops import KERNELS, decode_attention_workspace
 
-    hq, hkv, d, rot, interleaved = QKV_ARCHS[arch]
+    hq, hkv, d, rot, interleaved = QKV_HEADS[arch]
     capacity, width = length + 9, (hq + 2 * hkv) * d
     qkv = make((batch, width), dtype)
     cos, sin = rope_tables((capacity, rot // 2), dtype)
