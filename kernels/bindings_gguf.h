@@ -181,19 +181,25 @@ Tensor gguf_dequantize(const Tensor& blocks, c10::string_view kind, at::ScalarTy
   return out;
 }
 
-// x [..., K] rounded through Q8_1 blocks of 32 (q * d in x's dtype): the prefill path's W4A8 activations.
-Tensor round_q8_1(const Tensor& x) {
+// x [..., K] rounded through Q8_1 blocks of 32 (q * d in x's dtype): the prefill path's W4A8 activations. silu_mul:
+// x is [gate | up] [..., 2K], and the values rounded are silu_and_mul(x) [..., K].
+Tensor round_q8_1(const Tensor& x, bool silu_mul) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   patcher::Q8_1RoundParams p{};
   p.dtype = dtype_of(x);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 32 == 0, "patcher: round_q8_1 needs a multiple of 32 values a row, got ",
-              dims(x.sizes()));
-  p.k = x.size(-1);
-  p.rows = p.k ? x.numel() / p.k : 0;
+  const int64_t per_block = silu_mul ? 64 : 32;  // values of x a Q8_1 block of the output takes
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % per_block == 0, "patcher: round_q8_1 needs a multiple of ",
+              std::to_string(per_block), " values a row", silu_mul ? " ([gate | up] halves of a multiple of 32)" : "",
+              ", got ", dims(x.sizes()));
+  p.k = silu_mul ? x.size(-1) / 2 : x.size(-1);
+  p.rows = p.k ? x.numel() / x.size(-1) : 0;
   p.x = x.data_ptr();
   p.x_stride = row_stride(x, "x");
-  Tensor out = at::empty(x.sizes(), x.options());
+  p.silu_mul_input = silu_mul;
+  auto sizes = x.sizes().vec();
+  sizes.back() = p.k;
+  Tensor out = at::empty(sizes, x.options());
   p.out = out.data_ptr();
   check_launch(patcher::launch_round_q8_1(p, c10::cuda::getCurrentCUDAStream()), "round_q8_1");
   return out;

@@ -126,12 +126,13 @@ constexpr int kRoundThreads = 256;
 
 // 8 consecutive values a thread, 4 threads a 32-value block (gguf_q8_1.cuh); every thread of a warp reaches the
 // shuffles (a thread past the end works on a clamped copy and stores nothing). The output is contiguous with rows of
-// a multiple of 32 values, so its stores are always whole vectors.
-template <typename T, bool VEC>
+// a multiple of 32 values, so its stores are always whole vectors. SILU: the values are the gated MLP's activation
+// (Q8_1RoundParams::silu_mul_input).
+template <typename T, bool VEC, bool SILU>
 __global__ void __launch_bounds__(kRoundThreads) round_q8_1_kernel(const Q8_1RoundParams p) {
   const Part8 t = part8(p.rows, p.k, kRoundThreads);
   float v[8];
-  load8<T, VEC>(v, p.x, p.x_stride, t.row, t.col);
+  load8_input<T, VEC, SILU>(v, p.x, p.x_stride, t.row, t.col, p.k);
   int q[8];
   const float d = quantize_q8_1_part(v, q);
   float y[8];
@@ -145,10 +146,13 @@ template <typename T>
 cudaError_t launch_round_q8_1_typed(const Q8_1RoundParams& p, cudaStream_t stream) {
   const int64_t threads = p.rows * (p.k / 8);
   const unsigned grid = static_cast<unsigned>((threads + kRoundThreads - 1) / kRoundThreads);
-  if (rows_aligned16<T>(p.x, p.x_stride)) {
-    round_q8_1_kernel<T, true><<<grid, kRoundThreads, 0, stream>>>(p);
+  const bool vec = rows_aligned16<T>(p.x, p.x_stride);  // (with the up half k values on: k a multiple of 32)
+  if (p.silu_mul_input) {
+    if (vec) round_q8_1_kernel<T, true, true><<<grid, kRoundThreads, 0, stream>>>(p);
+    else round_q8_1_kernel<T, false, true><<<grid, kRoundThreads, 0, stream>>>(p);
   } else {
-    round_q8_1_kernel<T, false><<<grid, kRoundThreads, 0, stream>>>(p);
+    if (vec) round_q8_1_kernel<T, true, false><<<grid, kRoundThreads, 0, stream>>>(p);
+    else round_q8_1_kernel<T, false, false><<<grid, kRoundThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }

@@ -57,13 +57,7 @@ __global__ void __launch_bounds__(kInputThreads) gguf_input_kernel(const GgufGem
   griddep_wait();
   const Part8 t = part8(p.batch, p.k, kInputThreads);
   float v[8];
-  load8<T, VEC>(v, p.x, p.x_stride, t.row, t.col);
-  if constexpr (SILU) {
-    float up[8];
-    load8<T, VEC>(up, p.x, p.x_stride, t.row, t.col + p.k);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = round_to<T>(round_to<T>(silu(v[i])) * up[i]);
-  }
+  load8_input<T, VEC, SILU>(v, p.x, p.x_stride, t.row, t.col, p.k);
   store_gguf_input<A8>(p.work, p.batch, p.k, t.row, t.col, v, t.live);
 }
 

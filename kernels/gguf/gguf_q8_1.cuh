@@ -45,6 +45,21 @@ bool rows_aligned16(const void* x, int64_t x_stride) {
   return (reinterpret_cast<uintptr_t>(x) & 15) == 0 && (x_stride * static_cast<int64_t>(sizeof(T))) % 16 == 0;
 }
 
+// A thread's 8 values of x as a GGUF product takes them: x's own (load8), or with SILU the gated MLP's
+// silu(gate) * up from x = [gate | up] (up k values after gate), rounded as silu_and_mul rounds it
+// (kernels/activation/activation.cu).
+template <typename T, bool VEC, bool SILU>
+__device__ __forceinline__ void load8_input(float (&v)[8], const void* x, int64_t x_stride, int64_t row, int64_t col,
+                                            int64_t k) {
+  load8<T, VEC>(v, x, x_stride, row, col);
+  if constexpr (SILU) {
+    float up[8];
+    load8<T, VEC>(up, x, x_stride, row, col + k);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = round_to<T>(round_to<T>(silu(v[i])) * up[i]);
+  }
+}
+
 // The thread's 8 values quantized with its block's scale: d = max|x| / 127 (max over the four threads by two
 // shuffles, so every thread of the warp must reach this), q = roundf(x * (1 / d)) (halves away from zero, as
 // llama.cpp; 0 where d = 0). Returns d's fp16 value, the scale the block stores.

@@ -119,6 +119,9 @@ struct Q8_1RoundParams {
   const void* x;  // [rows, k], row stride x_stride, last dimension contiguous
   int64_t x_stride;
   void* out;  // [rows, k] contiguous
+  // x is a gated MLP's [gate | up] [rows, 2k] (row stride x_stride, x pointing at the gate half): the values
+  // rounded are silu(gate) * up as silu_and_mul rounds it (the down projection's prefill input).
+  bool silu_mul_input;
 };
 cudaError_t launch_round_q8_1(const Q8_1RoundParams& p, cudaStream_t stream);
 

@@ -89,9 +89,10 @@ def undo_mlp_plan(module: nn.Module) -> None:
 
 def gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     plan: MlpPlan = self._patcher
-    h = plan.ops.silu_and_mul(
-        weights.project(plan.ops, x, plan.in_weight, plan.in_bias, plan.in_int4, gguf=plan.in_gguf)
-    )
+    y = weights.project(plan.ops, x, plan.in_weight, plan.in_bias, plan.in_int4, gguf=plan.in_gguf)
+    if plan.out_gguf is not None and (out := plan.out_gguf.silu_mul_gemm(y)) is not None:
+        return out  # a GGUF W4A8 down projection's prefill: the activation rounded through Q8_1 as it is made
+    h = plan.ops.silu_and_mul(y)
     return weights.project(plan.ops, h, plan.out_weight, plan.out_bias, plan.out_int4, plan.group, plan.out_gguf)
 
 

@@ -182,16 +182,22 @@ def _gguf_dequantize_fake(blocks, kind, dtype):
 define("gguf_dequantize(Tensor blocks, str kind, ScalarType dtype) -> Tensor", gguf_dequantize, _gguf_dequantize_fake)
 
 
-def round_q8_1(x: torch.Tensor) -> torch.Tensor:
+def round_q8_1(x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
     """x [..., K] (K a multiple of 32) rounded through Q8_1 blocks as the W4A8 GEMV quantizes it: q * d, exact in
     fp32, rounded to x's dtype. A GEMM of these values with gguf_dequantize's weights is the W4A8 product (reference.
-    linear_w4a8) up to the dtype's rounding of q * d and the GEMM's summation order."""
+    linear_w4a8) up to the dtype's rounding of q * d and the GEMM's summation order. silu_mul: x is a gated MLP's
+    [gate | up] [..., 2K], and the values rounded are silu_and_mul(x), in one kernel on CUDA."""
     from ..gguf import reference
+    from .activation import silu_and_mul
 
+    if silu_mul:
+        x = silu_and_mul(x)
     q, d, _ = reference.quantize_q8_1(x)
     return (q.float() * d.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
 
 
 define(
-    "round_q8_1(Tensor x) -> Tensor", round_q8_1, lambda x: torch.empty_like(x, memory_format=torch.contiguous_format)
+    "round_q8_1(Tensor x, bool silu_mul=False) -> Tensor",
+    round_q8_1,
+    lambda x, silu_mul=False: x.new_empty((*x.shape[:-1], x.shape[-1] // 2 if silu_mul else x.shape[-1])),
 )

@@ -157,6 +157,38 @@ def test_decode_step_norms_write_the_gguf_inputs(tiny_file):
     assert not separate & set(counting.calls), counting.calls
 
 
+@pytest.mark.parametrize("quantize_activations", [False, True], ids=["w4a16", "w4a8"])
+def test_prefill_rounds_the_activation_as_it_is_made(tiny_file, monkeypatch, quantize_activations):
+    """Prefill (more than 8 rows) in W4A8: each gated MLP makes its GGUF down projection's input in one op, the
+    activation rounded through Q8_1 as it is formed (round_q8_1 with silu_mul), with no silu_and_mul, and the
+    logits are those of the activation and the rounding apart, bit for bit. W4A16 keeps silu_and_mul."""
+    from patcher.ops import REFERENCE
+
+    model = load(tiny_file, quantize_activations)
+    patch_model(model)
+    calls = {"silu_mul": 0, "silu_and_mul": 0}
+    rounding, activation = REFERENCE.round_q8_1, REFERENCE.silu_and_mul
+
+    def round_q8_1(x, silu_mul=False):
+        calls["silu_mul"] += silu_mul
+        return rounding(x, silu_mul)
+
+    def silu_and_mul(x):
+        calls["silu_and_mul"] += 1
+        return activation(x)
+
+    monkeypatch.setattr(REFERENCE, "round_q8_1", round_q8_1)
+    monkeypatch.setattr(REFERENCE, "silu_and_mul", silu_and_mul)
+    with torch.no_grad():
+        got = model(TOKENS).logits
+        layers = model.config.num_hidden_layers
+        assert calls == ({"silu_mul": layers, "silu_and_mul": 0} if quantize_activations else
+                         {"silu_mul": 0, "silu_and_mul": layers})  # fmt: skip
+        monkeypatch.setattr(GGUFProjection, "silu_mul_gemm", lambda self, y: None)
+        apart = model(TOKENS).logits
+    assert torch.equal(got, apart)
+
+
 def test_gguf_model_generates_past_eight_rows(tiny_file, monkeypatch):
     """generate takes the runner for a batch of 9 (chunks of 8 and 1 rows) and gives HF's tokens (the CPU model
     stands in for a CUDA one: its runner runs eagerly)."""

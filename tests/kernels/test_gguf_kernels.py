@@ -489,7 +489,8 @@ def test_gguf_dequantize(kernels, kind, dtype):
 def test_round_q8_1(kernels, dtype):
     """Activations rounded through Q8_1 equal the reference (reference.quantize_q8_1's q * d, rounded to the dtype)
     bit for bit: rows of one block and of 448, leading dimensions, strided rows (16-byte aligned or not), a block of
-    zeros, and values on rounding edges (halves of d, which roundf takes away from zero)."""
+    zeros, and values on rounding edges (halves of d, which roundf takes away from zero); with silu_mul, the rows of
+    a multiple of 64 as [gate | up] give the activation kernel's values rounded, bit for bit."""
     gen = torch.Generator().manual_seed(5)
     wide = torch.randn(7, 14336 + 40, generator=gen).to(dtype).cuda()
     edges = torch.arange(-64, 64, dtype=torch.float32).repeat(2) / 2 * (127 / 63.5)  # k + 0.5 steps of d = 1
@@ -507,6 +508,14 @@ def test_round_q8_1(kernels, dtype):
         poison_cuda_cache()
         got = kernels.round_q8_1(x)
         assert got.shape == x.shape and got.is_contiguous() and torch.equal(got, expected), what
+        if x.shape[-1] % 64:
+            continue
+        # x as a gated MLP's [gate | up]: silu_and_mul's values, rounded: the activation kernel, then the rounding
+        expected = kernels.round_q8_1(kernels.silu_and_mul(x))
+        assert torch.equal(expected, REFERENCE.round_q8_1(x, True)), f"{what}, silu_mul: the reference"
+        poison_cuda_cache()
+        got = kernels.round_q8_1(x, True)
+        assert got.shape == expected.shape and got.is_contiguous() and torch.equal(got, expected), f"{what}, silu_mul"
 
 
 @pytest.mark.gpu
@@ -679,6 +688,10 @@ def test_prefill_ops_reference_and_schema(kind):
     assert bool(((rounded - x).abs().reshape(3, 16, 32) <= d.unsqueeze(-1) * (0.5 + 127 / 2048)).all())
     torch.library.opcheck(torch.ops.patcher.gguf_dequantize.default, (blocks, kind, torch.float16))
     torch.library.opcheck(torch.ops.patcher.round_q8_1.default, (x.bfloat16(),))
+    gate_up = torch.randn(3, 1024, generator=torch.Generator().manual_seed(8))
+    activated = REFERENCE.round_q8_1(gate_up, True)
+    assert torch.equal(activated, REFERENCE.round_q8_1(REFERENCE.silu_and_mul(gate_up)))
+    torch.library.opcheck(torch.ops.patcher.round_q8_1.default, (gate_up.bfloat16(), True))
 
 
 @pytest.mark.parametrize("rows", [1, 8, 9])
