@@ -551,6 +551,7 @@ TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("gguf_norm_gemv_cat", &gguf_norm_gemv_cat);
   m.impl("gguf_silu_mul_gemv_cat", &gguf_silu_mul_gemv_cat);
   m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_dequantize_cat", &gguf_dequantize_cat);
   m.impl("round_q8_1", &round_q8_1);
   m.impl("rank_sum", &rank_sum);
 }

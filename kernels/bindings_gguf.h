@@ -68,6 +68,18 @@ patcher::GgufSegment gguf_segment(const Tensor& x, const Tensor& blocks, c10::st
   return g;
 }
 
+// The block types of a comma-separated `kinds` ("Q4_K,Q4_K,Q6_K"), in order.
+std::vector<c10::string_view> split_kinds(c10::string_view kinds) {
+  std::vector<c10::string_view> kind;
+  for (size_t at = 0;;) {
+    const size_t comma = kinds.find(',', at);
+    kind.push_back(kinds.substr(at, comma == c10::string_view::npos ? c10::string_view::npos : comma - at));
+    if (comma == c10::string_view::npos) break;
+    at = comma + 1;
+  }
+  return kind;
+}
+
 // A checked gguf_gemv_cat launch: its parameters, output and workspace (on x's device: the caller holds its guard).
 struct GgufLaunch {
   patcher::GgufGemvParams p;
@@ -81,13 +93,7 @@ GgufLaunch gguf_launch(const Tensor& x, TensorList blocks, c10::string_view kind
   const int64_t count = static_cast<int64_t>(blocks.size());
   TORCH_CHECK(count >= 1 && count <= patcher::kGgufMaxSegments, "patcher: gguf_gemv_cat takes 1 to ",
               std::to_string(patcher::kGgufMaxSegments), " weights, got ", std::to_string(count));
-  std::vector<c10::string_view> kind;
-  for (size_t at = 0;;) {
-    const size_t comma = kinds.find(',', at);
-    kind.push_back(kinds.substr(at, comma == c10::string_view::npos ? c10::string_view::npos : comma - at));
-    if (comma == c10::string_view::npos) break;
-    at = comma + 1;
-  }
+  const std::vector<c10::string_view> kind = split_kinds(kinds);
   TORCH_CHECK(static_cast<int64_t>(kind.size()) == count && static_cast<int64_t>(biases.size()) == count,
               "patcher: gguf_gemv_cat needs a kind (comma-separated) and a bias (or None) for each of its ",
               std::to_string(count), " weights, got '", std::string(kinds), "' and ", std::to_string(biases.size()),
@@ -155,12 +161,8 @@ Tensor gguf_gemv(const Tensor& x, const Tensor& blocks, c10::string_view kind, c
   return gguf_gemv_cat(x, one, kind, biases, quantize_activations);
 }
 
-// The GGUF rows `blocks` [N, K / block values * block bytes] dequantized to dtype [N, K]: the prefill path's
-// weights for a GEMM.
-Tensor gguf_dequantize(const Tensor& blocks, c10::string_view kind, at::ScalarType dtype) {
-  TORCH_CHECK(blocks.is_cuda(), "patcher: blocks must be a CUDA tensor, got ", blocks.device());
-  const c10::cuda::CUDAGuard guard(blocks.device());
-  patcher::GgufDequantizeParams p{};
+// p's kind, n, k, blocks and row_bytes for the GGUF rows `blocks` [N, K / block values * block bytes] of `kind`.
+void dequantize_params(patcher::GgufDequantizeParams& p, const Tensor& blocks, c10::string_view kind) {
   p.kind = gguf_kind(kind, "gguf_dequantize");
   const int64_t bytes = patcher::gguf_block_bytes(p.kind), values = patcher::gguf_block_values(p.kind);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
@@ -174,11 +176,44 @@ Tensor gguf_dequantize(const Tensor& blocks, c10::string_view kind, at::ScalarTy
   p.k = blocks.size(1) / bytes * values;
   p.blocks = static_cast<const uint8_t*>(blocks.data_ptr());
   p.row_bytes = blocks.size(1);
-  Tensor out = at::empty({p.n, p.k}, blocks.options().dtype(dtype));
-  p.dtype = dtype_of(out);
-  p.out = out.data_ptr();
-  check_launch(patcher::launch_gguf_dequantize(p, c10::cuda::getCurrentCUDAStream()), "gguf_dequantize");
+}
+
+// Several GGUF weights of one K (a projection's modules, each of its own type; `kinds` comma-separated) dequantized
+// to dtype into one [sum of their N, K], one after another along the rows: the prefill path's weight for one GEMM.
+Tensor gguf_dequantize_cat(TensorList blocks, c10::string_view kinds, at::ScalarType dtype) {
+  TORCH_CHECK(!blocks.empty(), "patcher: gguf_dequantize_cat needs at least one weight");
+  TORCH_CHECK(blocks[0].is_cuda(), "patcher: blocks must be CUDA tensors, got ", blocks[0].device());
+  const c10::cuda::CUDAGuard guard(blocks[0].device());
+  const std::vector<c10::string_view> kind = split_kinds(kinds);
+  TORCH_CHECK(kind.size() == blocks.size(), "patcher: gguf_dequantize_cat needs a kind (comma-separated) for each of ",
+              "its ", std::to_string(blocks.size()), " weights, got '", std::string(kinds), "'");
+  std::vector<patcher::GgufDequantizeParams> parts(blocks.size());
+  int64_t rows = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    TORCH_CHECK(blocks[i].device() == blocks[0].device(), "patcher: blocks must be on one device, got ",
+                blocks[i].device(), " and ", blocks[0].device());
+    dequantize_params(parts[i], blocks[i], kind[i]);
+    TORCH_CHECK(parts[i].k == parts[0].k, "patcher: gguf_dequantize_cat's weights must share K, got ",
+                std::to_string(parts[i].k), " and ", std::to_string(parts[0].k));
+    rows += parts[i].n;
+  }
+  Tensor out = at::empty({rows, parts[0].k}, blocks[0].options().dtype(dtype));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  int64_t row = 0;
+  for (patcher::GgufDequantizeParams& p : parts) {
+    p.dtype = dtype_of(out);
+    p.out = static_cast<char*>(out.data_ptr()) + row * p.k * static_cast<int64_t>(out.element_size());
+    check_launch(patcher::launch_gguf_dequantize(p, stream), "gguf_dequantize");
+    row += p.n;
+  }
   return out;
+}
+
+// The GGUF rows `blocks` [N, K / block values * block bytes] dequantized to dtype [N, K]: the prefill path's
+// weights for a GEMM.
+Tensor gguf_dequantize(const Tensor& blocks, c10::string_view kind, at::ScalarType dtype) {
+  const std::vector<Tensor> one{blocks};
+  return gguf_dequantize_cat(one, kind, dtype);
 }
 
 // x [..., K] rounded through Q8_1 blocks of 32 (q * d in x's dtype): the prefill path's W4A8 activations. silu_mul:

@@ -103,13 +103,27 @@ class GGUFProjection:
                 first.quantize_activations,
             )
         if path == "gemm":
-            # Prefill on a GPU: the modules share x, so W4A8 rounds it through Q8_1 once, not once a module.
+            # Prefill: the modules share x, so W4A8 rounds it through Q8_1 once, not once a module, and their
+            # weights are dequantized side by side into one GEMM, whose output needs no concatenation.
             from .. import ops
 
             backend = ops.backend_for(x.device)
             rounded = backend.round_q8_1(x) if self.modules[0].quantize_activations else x
-            return torch.cat([m.gemm(rounded, backend) for m in self.modules], -1)
+            weight = backend.gguf_dequantize_cat([m.qweight for m in self.modules], ",".join(self.kinds), x.dtype)
+            return torch.nn.functional.linear(rounded, weight, self._bias(x.dtype))
         return torch.cat([m(x) for m in self.modules], -1)
+
+    def _bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The modules' biases side by side in dtype (zeros for a module without one), or None where none has one."""
+        if all(m.bias is None for m in self.modules):
+            return None
+        parts = [
+            m.bias.to(dtype)
+            if m.bias is not None
+            else torch.zeros(m.out_features, dtype=dtype, device=m.qweight.device)
+            for m in self.modules
+        ]
+        return torch.cat(parts)
 
     def silu_mul_gemm(self, y: torch.Tensor) -> torch.Tensor | None:
         """This projection of silu_and_mul(y), y a gated MLP's [gate | up], where each module takes it as a prefill

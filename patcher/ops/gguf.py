@@ -182,6 +182,25 @@ def _gguf_dequantize_fake(blocks, kind, dtype):
 define("gguf_dequantize(Tensor blocks, str kind, ScalarType dtype) -> Tensor", gguf_dequantize, _gguf_dequantize_fake)
 
 
+def gguf_dequantize_cat(blocks: list[torch.Tensor], kinds: str, dtype: torch.dtype) -> torch.Tensor:
+    """Several GGUF weights of one K (a projection's modules; `kinds` comma-separated, one a weight) -> one
+    [sum of their N, K] in dtype: each one's gguf_dequantize, one after another along the rows (on CUDA written in
+    place, no concatenation)."""
+    return torch.cat([gguf_dequantize(b, kind, dtype) for b, kind in zip(blocks, kinds.split(","), strict=True)])
+
+
+def _gguf_dequantize_cat_fake(blocks, kinds, dtype):
+    parts = [_gguf_dequantize_fake(b, kind, dtype) for b, kind in zip(blocks, kinds.split(","), strict=True)]
+    return parts[0].new_empty((sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+
+define(
+    "gguf_dequantize_cat(Tensor[] blocks, str kinds, ScalarType dtype) -> Tensor",
+    gguf_dequantize_cat,
+    _gguf_dequantize_cat_fake,
+)
+
+
 def round_q8_1(x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
     """x [..., K] (K a multiple of 32) rounded through Q8_1 blocks as the W4A8 GEMV quantizes it: q * d, exact in
     fp32, rounded to x's dtype. A GEMM of these values with gguf_dequantize's weights is the W4A8 product (reference.

@@ -486,6 +486,26 @@ def test_gguf_dequantize(kernels, kind, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gguf_dequantize_cat(kernels, dtype):
+    """Weights of different types and row counts, one K, dequantized side by side into one tensor equal each one's
+    gguf_dequantize concatenated along the rows, bit for bit (a Q4_K_M file's q, k and v; odd row counts); weights
+    that differ in K or lack a kind are refused."""
+    k = 2048
+    parts = [("Q4_K", 65), ("Q4_K", 33), ("Q6_K", 33), ("Q4_0", 1), ("Q8_0", 7)]
+    blocks = [weights(kind, n, k, False)[0].cuda() for kind, n in parts]
+    kinds = ",".join(kind for kind, _ in parts)
+    expected = torch.cat([kernels.gguf_dequantize(b, kind, dtype) for b, (kind, _) in zip(blocks, parts)])
+    poison_cuda_cache()
+    got = kernels.gguf_dequantize_cat(blocks, kinds, dtype)
+    assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="share K"):
+        kernels.gguf_dequantize_cat([blocks[0], weights("Q4_K", 8, 256, False)[0].cuda()], "Q4_K,Q4_K", dtype)
+    with pytest.raises(RuntimeError, match="a kind"):
+        kernels.gguf_dequantize_cat(blocks[:2], "Q4_K", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_round_q8_1(kernels, dtype):
     """Activations rounded through Q8_1 equal the reference (reference.quantize_q8_1's q * d, rounded to the dtype)
     bit for bit: rows of one block and of 448, leading dimensions, strided rows (16-byte aligned or not), a block of
@@ -544,9 +564,11 @@ def test_gguf_linear_prefill_on_cuda(kernels, kind, dtype, quantize_activations)
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_gguf_projection_rounds_its_input_once(device, monkeypatch):
-    """A GGUFProjection's modules (q/k/v of three types) share their prefill input: W4A8 rounds it through Q8_1 once,
-    with the outputs of the modules run one by one, bit for bit; a caller's hook on one module makes each run its
-    own forward again, so the hook sees its call. A decode step's rows run one gguf_gemv_cat for the three."""
+    """A GGUFProjection's modules (q/k/v of three types) share their prefill input: W4A8 rounds it through Q8_1 once
+    and one GEMM takes their weights dequantized side by side (gguf_dequantize_cat) with their biases (zeros where a
+    module has none), bit for bit, within fp32 rounding of the modules run one by one; a caller's hook on one module
+    makes each run its own forward again, so the hook sees its call. A decode step's rows run one gguf_gemv_cat for
+    the three."""
     from patcher.layers.weights import GGUFProjection
     from patcher.ops import backend_for
 
@@ -565,14 +587,20 @@ def test_gguf_projection_rounds_its_input_once(device, monkeypatch):
     op = backend.round_q8_1
     monkeypatch.setattr(backend, "round_q8_1", lambda t: calls.append(t) or op(t))
     with torch.no_grad():
-        expected = torch.cat([m(x) for m in layers], -1)
+        apart = torch.cat([m(x) for m in layers], -1)
         assert len(calls) == 3
         calls.clear()
-        assert torch.equal(projection(x), expected) and len(calls) == 1
+        got = projection(x)
+        assert len(calls) == 1
+        weight = torch.cat([backend.gguf_dequantize(m.qweight, m.kind, x.dtype) for m in layers])
+        bias = torch.cat([torch.zeros(96, device=device), layers[2].bias])
+        rounded = op(x)  # (the unpatched op: not counted)
+        assert torch.equal(got, torch.nn.functional.linear(rounded, weight, bias))
+        assert max_err(got, apart) <= 1e-5 * (rounded.abs() @ weight.abs().T).max().item()
         calls.clear()
         seen = []
         handle = layers[1].register_forward_hook(lambda m, args, out: seen.append(out))
-        assert torch.equal(projection(x), expected) and len(calls) == 3 and len(seen) == 1
+        assert torch.equal(projection(x), apart) and len(calls) == 3 and len(seen) == 1
         handle.remove()
     # A decode step's rows: one gguf_gemv_cat for the three, each module's gguf_gemv bit for bit.
     cats = []
@@ -674,9 +702,9 @@ def test_gguf_gemv_cat_reference_and_schema(quantize_activations):
 
 @pytest.mark.parametrize("kind", GEMV_KINDS)
 def test_prefill_ops_reference_and_schema(kind):
-    """The prefill ops' references: gguf_dequantize is format.dequantize rounded to the dtype, round_q8_1 the q * d
-    of quantize_q8_1 (|x - q * d| <= d / 2 plus |q| <= 127 times d's fp16 rounding, d / 2048); opcheck tests the
-    schemas and fake kernels."""
+    """The prefill ops' references: gguf_dequantize is format.dequantize rounded to the dtype (gguf_dequantize_cat
+    several of them along the rows), round_q8_1 the q * d of quantize_q8_1 (|x - q * d| <= d / 2 plus |q| <= 127
+    times d's fp16 rounding, d / 2048); opcheck tests the schemas and fake kernels."""
     blocks = weights(kind, 24, 512, False)[0]
     for dtype in DTYPES:
         got = REFERENCE.gguf_dequantize(blocks, kind, dtype)
@@ -687,6 +715,11 @@ def test_prefill_ops_reference_and_schema(kind):
     assert torch.equal(rounded.reshape(3, 16, 32), q.float() * d.unsqueeze(-1))
     assert bool(((rounded - x).abs().reshape(3, 16, 32) <= d.unsqueeze(-1) * (0.5 + 127 / 2048)).all())
     torch.library.opcheck(torch.ops.patcher.gguf_dequantize.default, (blocks, kind, torch.float16))
+    pair = [blocks, weights("Q8_0", 8, 512, False)[0]]
+    both = REFERENCE.gguf_dequantize_cat(pair, f"{kind},Q8_0", torch.float16)
+    assert torch.equal(both, torch.cat([REFERENCE.gguf_dequantize(pair[0], kind, torch.float16),
+                                        REFERENCE.gguf_dequantize(pair[1], "Q8_0", torch.float16)]))  # fmt: skip
+    torch.library.opcheck(torch.ops.patcher.gguf_dequantize_cat.default, (pair, f"{kind},Q8_0", torch.float16))
     torch.library.opcheck(torch.ops.patcher.round_q8_1.default, (x.bfloat16(),))
     gate_up = torch.randn(3, 1024, generator=torch.Generator().manual_seed(8))
     activated = REFERENCE.round_q8_1(gate_up, True)
