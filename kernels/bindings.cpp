@@ -36,9 +36,10 @@ struct NormResult {
 };
 
 // gguf: the output goes to that GGUF GEMV launch's workspace instead (NormParams::gguf_work; out stays undefined).
+// round: out is rounded through Q8_1 (NormParams::round_q8_1).
 NormResult run_norm(const Tensor& x, const Tensor* delta, const OptTensor& delta2, const Tensor& weight,
                     const OptTensor& bias, const Tensor* weight2, const OptTensor& bias2, double eps, bool rms,
-                    const patcher::GgufGemvParams* gguf = nullptr) {
+                    const patcher::GgufGemvParams* gguf = nullptr, bool round = false) {
   TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t hidden = x.size(-1);
@@ -82,6 +83,7 @@ NormResult run_norm(const Tensor& x, const Tensor* delta, const OptTensor& delta
   }
   p.eps = static_cast<float>(eps);
   p.rms = rms;
+  p.round_q8_1 = round;
   check_launch(patcher::launch_norm(p, c10::cuda::getCurrentCUDAStream()), "norm");
   return r;
 }
@@ -152,6 +154,18 @@ std::tuple<Tensor, Tensor> gguf_norm_gemv_cat(const Tensor& x, const OptTensor& 
   }
   check_launch(patcher::launch_gguf_gemv(l.p, c10::cuda::getCurrentCUDAStream()), "gguf_gemv");
   return {l.out, d ? r.sum : at::empty({0}, x.options())};
+}
+
+// round_q8_1(rms_norm(x [+ delta])): a GGUF W4A8 projection's prefill input, (out, sum) with sum = x + delta (an
+// empty tensor where delta is None). The norm kernel rounds its output itself where it can (norm_writes_gguf);
+// otherwise the norm, then round_q8_1.
+std::tuple<Tensor, Tensor> rms_norm_q8_1(const Tensor& x, const OptTensor& delta, const Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_cuda(), "patcher: x must be a CUDA tensor, got ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const Tensor* d = delta.has_value() ? &*delta : nullptr;
+  const bool fused = norm_writes_gguf(x, d, weight);
+  NormResult r = run_norm(x, d, std::nullopt, weight, std::nullopt, nullptr, std::nullopt, eps, true, nullptr, fused);
+  return {fused ? r.out : round_q8_1(r.out, false), d ? r.sum : at::empty({0}, x.options())};
 }
 
 // ---- attention prologue -----------------------------------------------------------------------------------
@@ -520,6 +534,7 @@ Tensor rank_sum(const Tensor& x, const Tensor& inbox, const Tensor& epochs, int6
 TORCH_LIBRARY_IMPL(patcher, CUDA, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rms_norm_q8_1", &rms_norm_q8_1);
   m.impl("layer_norm", &layer_norm);
   m.impl("dual_layer_norm", &dual_layer_norm);
   m.impl("add_layer_norm", &add_layer_norm);

@@ -21,8 +21,9 @@
 namespace patcher {
 namespace {
 
-// Where the output goes: `out` (and `out2`), or the GGUF GEMV's workspace as Q8_1 blocks or fp32 (gguf_work).
-enum NormOutput { kToOut, kToGgufQ8_1, kToGgufF32 };
+// Where the output goes: `out` (and `out2`), or the GGUF GEMV's workspace as Q8_1 blocks or fp32 (gguf_work), or
+// `out` rounded through Q8_1 (round_q8_1).
+enum NormOutput { kToOut, kToGgufQ8_1, kToGgufF32, kToOutRoundedQ8_1 };
 
 template <typename T, int VEC, bool RMS, int OUTPUT = kToOut, bool RESIDENT = false>
 __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
@@ -101,6 +102,17 @@ __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
     }
 #pragma unroll
     for (int k = 0; k < VEC; ++k) y[k] = norm_value<T>(s[k], mean, rstd, w.data[k], b.data[k], RMS);
+    if constexpr (OUTPUT == kToOutRoundedQ8_1) {
+      static_assert(VEC == 8, "four threads a 32-value block");
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) y[k] = round_to<T>(y[k]);  // the values `out` would hold
+      int q[8];
+      const float d = quantize_q8_1_part(y, q);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) y[k] = __fmul_rn(static_cast<float>(q[k]), d);  // exact: |q| <= 127, d fp16
+      store_vec<T, VEC>(out + i * VEC, y);
+      continue;
+    }
     if constexpr (OUTPUT != kToOut) {
       static_assert(VEC == 8, "four threads a 32-value block");
 #pragma unroll
@@ -125,6 +137,9 @@ cudaError_t launch_typed(const NormParams& p, cudaStream_t stream) {
   const int threads = static_cast<int>(nvec >= 1024 ? 1024 : round_up(nvec, 32));
   const dim3 grid(static_cast<unsigned>(p.rows));
   if constexpr (VEC == 8) {
+    if (p.round_q8_1) {
+      return launch_pdl(norm_kernel<T, VEC, true, kToOutRoundedQ8_1, RESIDENT>, grid, dim3(threads), 0, stream, p);
+    }
     if (p.gguf_work) {
       const auto kernel = p.gguf_a8 ? norm_kernel<T, VEC, true, kToGgufQ8_1, RESIDENT>
                                     : norm_kernel<T, VEC, true, kToGgufF32, RESIDENT>;
@@ -159,9 +174,9 @@ bool can_vectorize(const NormParams& p) {
 cudaError_t launch_norm(const NormParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.hidden == 0) return cudaSuccess;
   if (p.rows > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  if (p.gguf_work) {  // (NormParams::gguf_work)
+  if (p.gguf_work || p.round_q8_1) {  // (NormParams::gguf_work, round_q8_1)
     if (!p.rms || p.weight2 || p.bias || p.delta2 || p.hidden % 256 || p.dtype == DType::kFloat32 ||
-        (reinterpret_cast<uintptr_t>(p.gguf_work) & 15))
+        (reinterpret_cast<uintptr_t>(p.gguf_work) & 15) || (p.gguf_work && p.round_q8_1))
       return cudaErrorInvalidValue;
     PATCHER_DISPATCH_DTYPE(p.dtype, T, {
       if (!can_vectorize<T>(p)) return cudaErrorInvalidValue;

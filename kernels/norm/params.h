@@ -41,6 +41,9 @@ struct NormParams {
   // launch_norm returns cudaErrorInvalidValue otherwise.
   void* gguf_work;
   bool gguf_a8;
+  // `out` holds the normalized values rounded through Q8_1 blocks of 32 (as round_q8_1 rounds them: a GGUF W4A8
+  // projection's prefill input). The same conditions as gguf_work.
+  bool round_q8_1;
 };
 cudaError_t launch_norm(const NormParams& p, cudaStream_t stream);
 

@@ -51,6 +51,11 @@ class AttentionPlan:
     out_gguf: weights.GGUFProjection | None = None
     group: object = None  # tensor parallel: the process group summing the output projection's partial products
 
+    @property
+    def gguf_input(self) -> weights.GGUFProjection | None:
+        """The GGUF projection that takes the attention's input (LayerPlan.rounds)."""
+        return self.qkv_gguf
+
 
 def check_attention(module: nn.Module, spec: ArchSpec, config) -> str | None:
     projections = [getattr(module, name, None) for name in (*spec.qkv, spec.out_proj)]
@@ -134,7 +139,9 @@ def attention_forward(
     cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
     if cache is None:  # under a name this code does not know (it was renamed once): a cache must never be dropped
         cache = next((v for v in kwargs.values() if isinstance(v, Cache)), None)
-    bsz, q_len = hidden_states.shape[:2]
+    # (a Q8_1Rounded input: the GGUF QKV's prefill input, rounded by the layer's norm; LayerPlan.rounds)
+    x = hidden_states.values if isinstance(hidden_states, weights.Q8_1Rounded) else hidden_states
+    bsz, q_len = x.shape[:2]
     qkv = weights.project(plan.ops, hidden_states, plan.qkv_weight, plan.qkv_bias, plan.qkv_int4, gguf=plan.qkv_gguf)
     cos, sin = position_embeddings
     q, k, v = plan.ops.rope_qkv(qkv, cos, sin, plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.interleaved)

@@ -23,6 +23,7 @@ from torch import nn
 from ..ops.int4 import Int4Linear
 from .guard import user_hooks
 from .stream import ResidualStream, as_stream, materialize, recording_hidden_states
+from .weights import Q8_1Rounded
 
 
 @dataclass
@@ -37,6 +38,17 @@ class LayerPlan:
     dual_norm: Callable | None = None  # parallel: both norms, no add (first layer)
     add_dual_norm: Callable | None = None  # parallel: add + both norms
     out_pair: Int4Linear | None = None  # parallel, GPTQ int4: both output projections stacked along k (out_pair.py)
+    norm_q8_1: Callable | None = None  # sequential RMSNorm: the input norm, its output rounded through Q8_1
+    post_norm_q8_1: Callable | None = None  # the same for the norm before the MLP
+
+    def rounds(self, module: nn.Module, norm_q8_1: Callable | None, x) -> bool:
+        """Whether the norm in front of `module` (the attention or the MLP) rounds its output through Q8_1 for x's
+        rows: the module's first projection is GGUF and would round it itself (W4A8 prefill: GGUFProjection.
+        rounds_input), and no hook of the caller's on the module could see the rounded tensor."""
+        projection = getattr(getattr(module, "_patcher", None), "gguf_input", None)
+        return (
+            norm_q8_1 is not None and projection is not None and projection.rounds_input(x) and not user_hooks(module)
+        )
 
     def emit(self, layer: nn.Module, residual, delta, delta2=None):
         """What the layer hands on: the stream where the next module takes it and nothing outside looks at it;
@@ -56,7 +68,11 @@ def sequential_layer_forward(
 ):
     plan: LayerPlan = self._patcher
     residual, delta, delta2 = as_stream(hidden_states)
-    if delta is None:
+    if plan.rounds(plan.attention, plan.norm_q8_1, residual):
+        # a GGUF W4A8 QKV's prefill: the norm rounds its input through Q8_1 (delta2: GPT-NeoX only, no RMSNorm)
+        h, summed = plan.norm_q8_1(residual, delta)
+        residual, h = (residual if delta is None else summed), Q8_1Rounded(h)
+    elif delta is None:
         h = plan.norm(residual)
     else:
         h, residual = plan.add_norm(residual, delta, delta2)
@@ -68,6 +84,9 @@ def sequential_layer_forward(
         position_embeddings=position_embeddings,
         **kwargs,
     )
+    if plan.rounds(plan.mlp, plan.post_norm_q8_1, residual):
+        h, residual = plan.post_norm_q8_1(residual, attn)
+        return plan.emit(self, residual, plan.mlp(Q8_1Rounded(h)))
     h, residual = plan.post_add_norm(residual, attn, None)
     return plan.emit(self, residual, plan.mlp(h))
 

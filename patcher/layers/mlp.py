@@ -40,6 +40,11 @@ class MlpPlan:
     out_gguf: weights.GGUFProjection | None = None
     group: object = None  # tensor parallel: the process group summing the output projection's partial products
 
+    @property
+    def gguf_input(self) -> weights.GGUFProjection | None:
+        """The GGUF projection that takes the MLP's input (LayerPlan.rounds)."""
+        return self.in_gguf
+
 
 def check_mlp(module: nn.Module, spec: ArchSpec, config) -> str | None:
     reason = weights.projection_reason([getattr(module, n, None) for n in spec.mlp_in], spec.mlp_in)

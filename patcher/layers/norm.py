@@ -16,6 +16,8 @@ from .stream import ResidualStream
 class NormPlan:
     norm: Callable  # x -> norm(x)
     add_norm: Callable  # (x, delta, delta2) -> (norm(sum), sum)
+    # RMSNorm: (x, delta or None) -> (norm(sum) rounded through Q8_1, sum): the input of a GGUF W4A8 prefill
+    norm_q8_1: Callable | None = None
 
 
 def norm_plan(module: nn.Module, spec: ArchSpec, ops: Backend) -> NormPlan:
@@ -26,6 +28,7 @@ def norm_plan(module: nn.Module, spec: ArchSpec, ops: Backend) -> NormPlan:
         return NormPlan(
             norm=lambda x: ops.rms_norm(x, weight, eps),
             add_norm=lambda x, d, d2=None: ops.add_rms_norm(x, d, weight, eps),
+            norm_q8_1=lambda x, d: ops.rms_norm_q8_1(x, d, weight, eps),
         )
     bias = module.bias
     return NormPlan(

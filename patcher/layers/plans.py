@@ -162,9 +162,9 @@ class Planner:
                 modules = getattr(attn, spec.out_proj), getattr(mlp, spec.mlp_out)
                 plan.out_pair = fuse_out_pair(layer, *modules, dense.group_size, dense.zero_offset)
         else:
-            first = norm_plan(in_norm, spec, ops)
-            plan.norm, plan.add_norm = first.norm, first.add_norm
-            plan.post_add_norm = norm_plan(post_norm, spec, ops).add_norm
+            first, second = norm_plan(in_norm, spec, ops), norm_plan(post_norm, spec, ops)
+            plan.norm, plan.add_norm, plan.norm_q8_1 = first.norm, first.add_norm, first.norm_q8_1
+            plan.post_add_norm, plan.post_norm_q8_1 = second.add_norm, second.norm_q8_1
         return plan
 
     def owners(self, kind: str, module: nn.Module) -> list[nn.Module]:

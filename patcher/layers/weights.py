@@ -8,6 +8,8 @@ so it is not in `state_dict`), which makes `model.to()` and `model.half()` move 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -73,6 +75,14 @@ def is_gguf(module: nn.Module) -> bool:
     return type(module).__name__ == "GGUFLinear"
 
 
+class Q8_1Rounded(NamedTuple):
+    """A GGUF W4A8 projection's prefill input, already rounded through Q8_1 by the norm in front of it
+    (rms_norm_q8_1): a patched layer hands it to its attention or MLP, whose projection then does not round it again
+    (LayerPlan.rounds)."""
+
+    values: torch.Tensor
+
+
 class GGUFProjection:
     """GGUF linears read as one projection (q/k/v, gate/up, or a single one): each module runs its own forward and
     the outputs are concatenated along the last dimension, as the fused dense weight's output would be. The blocks
@@ -86,8 +96,13 @@ class GGUFProjection:
     def kinds(self) -> tuple[str, ...]:
         return tuple(m.kind for m in self.modules)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if len(self.modules) == 1:
+    def __call__(self, x: torch.Tensor | Q8_1Rounded) -> torch.Tensor:
+        rounded = isinstance(x, Q8_1Rounded)
+        if rounded:
+            x = x.values
+            if not self.rounds_input(x):
+                raise RuntimeError("patcher: a GGUF projection took a Q8_1-rounded input it would not round itself")
+        if len(self.modules) == 1 and not rounded:
             return self.modules[0](x)
         path = self._shared_path(x)
         if path == "gemv":
@@ -108,9 +123,12 @@ class GGUFProjection:
             from .. import ops
 
             backend = ops.backend_for(x.device)
-            rounded = backend.round_q8_1(x) if self.modules[0].quantize_activations else x
+            if self.modules[0].quantize_activations and not rounded:
+                x = backend.round_q8_1(x)
+            if len(self.modules) == 1:
+                return self.modules[0].gemm(x, backend)
             weight = backend.gguf_dequantize_cat([m.qweight for m in self.modules], ",".join(self.kinds), x.dtype)
-            return torch.nn.functional.linear(rounded, weight, self._bias(x.dtype))
+            return torch.nn.functional.linear(x, weight, self._bias(x.dtype))
         return torch.cat([m(x) for m in self.modules], -1)
 
     def _bias(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -124,6 +142,11 @@ class GGUFProjection:
             for m in self.modules
         ]
         return torch.cat(parts)
+
+    def rounds_input(self, x: torch.Tensor) -> bool:
+        """Whether this projection's op for x begins by rounding x through Q8_1 (W4A8 prefill, one op for every
+        module), which the norm in front of it may do instead (Q8_1Rounded)."""
+        return self.modules[0].quantize_activations and self._shared_path(x) == "gemm"
 
     def silu_mul_gemm(self, y: torch.Tensor) -> torch.Tensor | None:
         """This projection of silu_and_mul(y), y a gated MLP's [gate | up], where each module takes it as a prefill

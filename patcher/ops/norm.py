@@ -68,6 +68,25 @@ define(
     add_rms_norm,
     lambda x, d, w, eps: (like(x), like(x)),
 )
+
+
+def rms_norm_q8_1(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(round_q8_1(rms_norm(s)), s) with s = x + delta, or (round_q8_1(rms_norm(x)), an empty tensor) where delta is
+    None: the norm in front of a GGUF W4A8 projection's prefill, its output rounded through Q8_1 as the projection
+    would round it (on CUDA by the norm kernel itself, one pass over the output less)."""
+    from .gguf import round_q8_1
+
+    if delta is None:
+        return round_q8_1(rms_norm(x, weight, eps)), x.new_empty(0)
+    h, s = add_rms_norm(x, delta, weight, eps)
+    return round_q8_1(h), s
+
+
+define(
+    "rms_norm_q8_1(Tensor x, Tensor? delta, Tensor weight, float eps) -> (Tensor, Tensor)",
+    rms_norm_q8_1,
+    lambda x, d, w, eps: (like(x), x.new_empty(0) if d is None else like(x)),
+)
 define(
     "layer_norm(Tensor x, Tensor weight, Tensor? bias, float eps) -> Tensor",
     layer_norm,

@@ -189,6 +189,39 @@ def test_prefill_rounds_the_activation_as_it_is_made(tiny_file, monkeypatch, qua
     assert torch.equal(got, apart)
 
 
+@pytest.mark.parametrize("quantize_activations", [False, True], ids=["w4a16", "w4a8"])
+def test_prefill_norms_round_the_gguf_inputs(tiny_file, monkeypatch, quantize_activations):
+    """Prefill in W4A8: each RMSNorm in front of a GGUF projection (QKV, gate/up) rounds its output through Q8_1
+    itself (rms_norm_q8_1) and the projection takes it as it is: the logits of the norm and the rounding apart, bit
+    for bit. A hook on the attention sees the norm's plain output, rounded by the projection as before. W4A16 keeps
+    the plain norms."""
+    from patcher.layers.decoder import LayerPlan
+    from patcher.ops import REFERENCE
+
+    model = load(tiny_file, quantize_activations)
+    patch_model(model)
+    calls = []
+    norm = REFERENCE.rms_norm_q8_1
+    monkeypatch.setattr(REFERENCE, "rms_norm_q8_1", lambda *args: calls.append(args[1] is None) or norm(*args))
+    layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        got = model(TOKENS).logits
+        # the first layer's input norm has no residual to add; every other norm has one
+        assert calls == ([True] + [False] * (2 * layers - 1) if quantize_activations else [])
+        calls.clear()
+        seen = []
+        handle = model.model.layers[1].self_attn.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append(kwargs["hidden_states"]), with_kwargs=True
+        )
+        hooked = model(TOKENS).logits
+        handle.remove()
+        assert isinstance(seen[0], torch.Tensor) and len(calls) == (2 * layers - 1 if quantize_activations else 0)
+        with monkeypatch.context() as m:
+            m.setattr(LayerPlan, "rounds", lambda self, module, norm_q8_1, x: False)
+            apart = model(TOKENS).logits
+    assert torch.equal(got, apart) and torch.equal(hooked, apart)
+
+
 def test_gguf_model_generates_past_eight_rows(tiny_file, monkeypatch):
     """generate takes the runner for a batch of 9 (chunks of 8 and 1 rows) and gives HF's tokens (the CPU model
     stands in for a CUDA one: its runner runs eagerly)."""

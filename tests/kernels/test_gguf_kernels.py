@@ -539,6 +539,37 @@ def test_round_q8_1(kernels, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("delta", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_q8_1(kernels, dtype, delta):
+    """The norm rounding its output through Q8_1 gives rms_norm (or add_rms_norm) then round_q8_1, bit for bit, and
+    the same residual sum: in the norm kernel itself for 16-bit rows of a multiple of 256 values, 16-byte aligned
+    (held in registers up to 8192 values, re-read beyond), and through the two ops otherwise (fp32, 4096 + 32
+    values, rows 8 bytes off alignment); within one step of each block's scale of the reference."""
+    gen = torch.Generator().manual_seed(9)
+    for rows, hidden, offset in ((7, 4096, 0), (3, 8448, 0), (2048, 2048, 0), (5, 4128, 0), (4, 4096, 4)):
+        buffer = torch.randn(rows * hidden + offset, generator=gen).to(dtype).cuda()
+        x = buffer[offset:].view(rows, hidden)
+        d = torch.randn(rows, hidden, generator=gen).to(dtype).cuda() if delta else None
+        w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).cuda()
+        if delta:
+            h, want_sum = kernels.add_rms_norm(x, d, w, 1e-5)
+        else:
+            h, want_sum = kernels.rms_norm(x, w, 1e-5), x.new_empty(0)
+        expected = kernels.round_q8_1(h)
+        poison_cuda_cache()
+        got, total = kernels.rms_norm_q8_1(x, d, w, 1e-5)
+        where = f"{rows}x{hidden} offset {offset}"
+        assert torch.equal(got, expected) and torch.equal(total, want_sum), where
+        # The reference normalizes with torch's reduction order, a last bit away from the kernel's at times, which
+        # the rounding turns into at most one step of the block's scale (max|x| / 127), plus the dtype's rounding.
+        want = REFERENCE.rms_norm_q8_1(x, d, w, 1e-5)[0].float().view(rows, -1, 32)
+        amax = want.abs().amax(-1, keepdim=True)
+        bound = amax / 127 + 2 * torch.finfo(dtype).eps * amax
+        assert ((got.float().view(rows, -1, 32) - want).abs() <= bound).all(), f"{where}: the reference"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("quantize_activations", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K"])
@@ -721,6 +752,14 @@ def test_prefill_ops_reference_and_schema(kind):
                                         REFERENCE.gguf_dequantize(pair[1], "Q8_0", torch.float16)]))  # fmt: skip
     torch.library.opcheck(torch.ops.patcher.gguf_dequantize_cat.default, (pair, f"{kind},Q8_0", torch.float16))
     torch.library.opcheck(torch.ops.patcher.round_q8_1.default, (x.bfloat16(),))
+    w, d = torch.rand(512) + 0.5, torch.randn(3, 512)
+    norm, _ = REFERENCE.rms_norm_q8_1(x, None, w, 1e-5)
+    assert torch.equal(norm, REFERENCE.round_q8_1(REFERENCE.rms_norm(x, w, 1e-5)))
+    added, total = REFERENCE.rms_norm_q8_1(x, d, w, 1e-5)
+    h, s = REFERENCE.add_rms_norm(x, d, w, 1e-5)
+    assert torch.equal(added, REFERENCE.round_q8_1(h)) and torch.equal(total, s)
+    for delta in (None, d.bfloat16()):
+        torch.library.opcheck(torch.ops.patcher.rms_norm_q8_1.default, (x.bfloat16(), delta, w.bfloat16(), 1e-5))
     gate_up = torch.randn(3, 1024, generator=torch.Generator().manual_seed(8))
     activated = REFERENCE.round_q8_1(gate_up, True)
     assert torch.equal(activated, REFERENCE.round_q8_1(REFERENCE.silu_and_mul(gate_up)))
