@@ -28,7 +28,8 @@ template <int ROWS>
 constexpr int kAlignedRing = ROWS == 1 ? 4 : 2;  // (four rows of four stages would pass 48 KB of static shared memory)
 // Q4_0 and Q4_1 at batch 1 over rows of at least kAlignedLongK values (Llama-3.1-8B's down projection: 14 chunks a
 // row, 4096 rows) take the registers' path (IN_REGISTERS) instead: Q4_0's down projection measured 12.3 us against
-// 16.8 through the ring, Q4_1's the same either way; a ring eight deep did not close the gap (docs/gguf.md).
+// 16.8 through the ring, Q4_1's the same either way; a ring eight deep did not close the gap (docs/gguf.md). Where
+// every segment's rows are even, two rows a warp (each x block a lane loads serving both dot products).
 constexpr int64_t kAlignedLongK = 8192;
 
 // Output rows a warp takes: four for Q4_0 and Q4_1 at batch 1 in a launch of at least kAlignedWideRows rows, every
@@ -42,7 +43,8 @@ constexpr int64_t kAlignedWideRows = 16384;
 
 template <typename T, int KIND, int BMAX, int ROWS, bool IN_REGISTERS = kKQuant<KIND>>
 __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(const __grid_constant__ GgufGemvParams p) {
-  static_assert(ROWS == 1 || (ROWS == 4 && kAlignedWideKind<KIND>), "four rows a warp for Q4_0 and Q4_1 only");
+  static_assert(ROWS == 1 || (kAlignedWideKind<KIND> && (IN_REGISTERS ? ROWS == 2 : ROWS == 4)),
+                "Q4_0 and Q4_1 only: four rows a warp through the ring, two in registers");
   using Vec = AlignedVec<KIND>;
   __shared__ __align__(16) uint8_t stages[kGgufWarps][IN_REGISTERS ? 1 : kAlignedRing<ROWS>][ROWS][kChunkBytes<KIND>];
   constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
@@ -52,7 +54,7 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
   const WarpRow wr = warp_row(p, warp, ROWS);
   const int64_t n = wr.n;
   const GgufSegment& g = p.seg[wr.s];
-  if (n >= g.n) return;  // a warp past the last row (no barrier waits for it); with four rows, n + 3 < g.n
+  if (n >= g.n) return;  // a warp past the last row (no barrier waits for it); its ROWS rows are all in g
   // Chunk, block and vector indices in 32 bits (gguf_rows_aligned admits k < 2^30); the row's offset in 64.
   const int nb = static_cast<int>(p.k / 32);                  // 32-value blocks (sub-blocks) a row, and of x
   const int units = static_cast<int>(p.k / kBlockValues<KIND>);  // blocks (super-blocks) a row
@@ -122,16 +124,18 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
     }
   } else {
     constexpr int kDepth = kGgufDepth<KIND>;
-    static_assert(ROWS == 1, "the register path takes one row a warp");
-    Vec* stage = reinterpret_cast<Vec*>(stages[warp][0][0]);
-    auto fetch = [&](AlignedChunk<KIND>& w, int c) {
+    // Chunk c of each of the warp's rows into the registers w[r].
+    auto fetch = [&](AlignedChunk<KIND> (&w)[ROWS], int c) {
 #pragma unroll
-      for (int j = 0; j < kAlignedVecs<KIND>; ++j) {
-        const int i = lane + 32 * j;
-        if (i < vectors_of(c)) w.v[j] = __ldcs(row + c * kFullVectors + i);
+      for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int j = 0; j < kAlignedVecs<KIND>; ++j) {
+          const int i = lane + 32 * j;
+          if (i < vectors_of(c)) w[r].v[j] = __ldcs(row + r * row_vectors + c * kFullVectors + i);
+        }
       }
     };
-    AlignedChunk<KIND> w[kDepth];
+    AlignedChunk<KIND> w[kDepth][ROWS];
 #pragma unroll
     for (int i = 0; i < kDepth; ++i) {
       if (i < chunks) fetch(w[i], i);
@@ -144,8 +148,12 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
         const int c = c0 + i;
         if (c >= chunks) break;
 #pragma unroll
-        for (int j = 0; j < kAlignedVecs<KIND>; ++j) {
-          if (lane + 32 * j < vectors_of(c)) stage[lane + 32 * j] = w[i].v[j];
+        for (int r = 0; r < ROWS; ++r) {
+          Vec* stage = reinterpret_cast<Vec*>(stages[warp][0][r]);
+#pragma unroll
+          for (int j = 0; j < kAlignedVecs<KIND>; ++j) {
+            if (lane + 32 * j < vectors_of(c)) stage[lane + 32 * j] = w[i][r].v[j];
+          }
         }
         if (c + kDepth < chunks) fetch(w[i], c + kDepth);
         __syncwarp();

@@ -19,6 +19,13 @@ cudaError_t launch_gguf(const GgufGemvParams& p, cudaStream_t stream) {
         return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 4>, quads, dim3(kGgufWarps * 32), 0, stream, p);
       }
       if (p.k >= kAlignedLongK) {
+        bool even = true;
+        for (int i = 0; i < p.segments; ++i) even = even && p.seg[i].n % 2 == 0;
+        if (even) {
+          const dim3 pairs(static_cast<unsigned>((rows + 2 * kGgufWarps - 1) / (2 * kGgufWarps)));
+          return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 2, true>, pairs, dim3(kGgufWarps * 32), 0, stream,
+                            p);
+        }
         const auto kernel = gguf_gemv_aligned_kernel<T, KIND, BMAX, 1, true>;
         return launch_pdl(kernel, grid, dim3(kGgufWarps * 32), 0, stream, p);
       }
