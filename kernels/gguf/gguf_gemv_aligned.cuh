@@ -33,10 +33,11 @@ constexpr int kAlignedRing = ROWS == 1 ? 4 : 2;  // (four rows of four stages wo
 constexpr int64_t kAlignedLongK = 8192;
 
 // Output rows a warp takes: four for Q4_0 and Q4_1 at batch 1 in a launch of at least kAlignedWideRows rows, every
-// segment's row count a multiple of 4 (gguf_aligned_rows), their chunks in a ring two deep; one otherwise. Each
-// row's terms are summed as with one row a warp. Four rows a warp measured faster for Llama-3.1-8B's gate/up (28672
-// rows) and slower for its QKV (6144) and down (4096) projections, whose rows then leave the SMs short of warps, as
-// two rows a warp measured for all three (docs/gguf.md).
+// segment's row count a multiple of 4 (gguf_aligned_rows), their chunks in a ring two deep; two over long rows
+// (kAlignedLongK, in registers); one otherwise. Each row's terms are summed as with one row a warp. Four rows a warp
+// measured faster for Llama-3.1-8B's gate/up (28672 rows) and slower for its QKV (6144) and down (4096) projections,
+// whose rows then leave the SMs short of warps, as two rows a warp through the ring measured for all three
+// (docs/gguf.md).
 template <int KIND>
 constexpr bool kAlignedWideKind = KIND == kGgufQ4_0 || KIND == kGgufQ4_1;
 constexpr int64_t kAlignedWideRows = 16384;
@@ -166,16 +167,17 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
   for (int r = 0; r < ROWS; ++r) store_row<T, KIND, true, BMAX>(p, g, n + r, lane, acc[r], acc_m[r]);
 }
 
-// Output rows a warp of the aligned kernel takes for `p` at batch 1 (kAlignedWideKind above).
+// Output rows a warp of the aligned kernel takes for `p` at batch 1 (kAlignedWideKind above), `rows` the launch's
+// over all segments: four through the ring in a launch of at least kAlignedWideRows rows, two in registers over rows
+// of at least kAlignedLongK values, where every segment's rows are a multiple of that; one otherwise.
 template <int KIND>
-int gguf_aligned_rows(const GgufGemvParams& p) {
+int gguf_aligned_rows(const GgufGemvParams& p, int64_t rows) {
   if (!kAlignedWideKind<KIND>) return 1;
-  int64_t rows = 0;
+  const int per_warp = rows >= kAlignedWideRows ? 4 : p.k >= kAlignedLongK ? 2 : 1;
   for (int i = 0; i < p.segments; ++i) {
-    if (p.seg[i].n % 4) return 1;
-    rows += p.seg[i].n;
+    if (p.seg[i].n % per_warp) return 1;
   }
-  return rows >= kAlignedWideRows ? 4 : 1;
+  return per_warp;
 }
 
 // Whether every segment of `p` (all of type KIND) meets the aligned kernel's layout: blocks aligned to its vectors,

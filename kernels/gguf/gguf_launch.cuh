@@ -14,20 +14,16 @@ cudaError_t launch_gguf(const GgufGemvParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((rows + kGgufWarps - 1) / kGgufWarps));
   if constexpr (ALIGNED) {
     if constexpr (kAlignedWideKind<KIND> && BMAX == 1) {
-      if (gguf_aligned_rows<KIND>(p) == 4) {
-        const dim3 quads(static_cast<unsigned>((rows + 4 * kGgufWarps - 1) / (4 * kGgufWarps)));
-        return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 4>, quads, dim3(kGgufWarps * 32), 0, stream, p);
+      const int per_warp = gguf_aligned_rows<KIND>(p, rows);
+      const dim3 wide(static_cast<unsigned>((rows + per_warp * kGgufWarps - 1) / (per_warp * kGgufWarps)));
+      if (per_warp == 4) {
+        return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 4>, wide, dim3(kGgufWarps * 32), 0, stream, p);
+      }
+      if (per_warp == 2) {
+        return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 2, true>, wide, dim3(kGgufWarps * 32), 0, stream, p);
       }
       if (p.k >= kAlignedLongK) {
-        bool even = true;
-        for (int i = 0; i < p.segments; ++i) even = even && p.seg[i].n % 2 == 0;
-        if (even) {
-          const dim3 pairs(static_cast<unsigned>((rows + 2 * kGgufWarps - 1) / (2 * kGgufWarps)));
-          return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 2, true>, pairs, dim3(kGgufWarps * 32), 0, stream,
-                            p);
-        }
-        const auto kernel = gguf_gemv_aligned_kernel<T, KIND, BMAX, 1, true>;
-        return launch_pdl(kernel, grid, dim3(kGgufWarps * 32), 0, stream, p);
+        return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 1, true>, grid, dim3(kGgufWarps * 32), 0, stream, p);
       }
     }
     return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 1>, grid, dim3(kGgufWarps * 32), 0, stream, p);
