@@ -84,10 +84,12 @@ class Q8_1Rounded(NamedTuple):
 
 
 class GGUFProjection:
-    """GGUF linears read as one projection (q/k/v, gate/up, or a single one): each module runs its own forward and
-    the outputs are concatenated along the last dimension, as the fused dense weight's output would be. The blocks
-    are never concatenated: the modules of one projection may hold different block types (a Q4_K_M file mixes Q4_K
-    and Q6_K). Each module adds its own bias, so the plan holds none."""
+    """GGUF linears read as one projection (q/k/v, gate/up, or a single one), whose output is the modules' side by
+    side along the last dimension, as the fused dense weight's output would be: a decode step's rows one GEMV op for
+    them all, a prefill one GEMM over their weights dequantized side by side, anything else (a hook of the caller's
+    on a module, modes that differ) each module's own forward, concatenated. The blocks are never concatenated: the
+    modules of one projection may hold different block types (a Q4_K_M file mixes Q4_K and Q6_K). The modules keep
+    their own biases, so the plan holds none."""
 
     def __init__(self, modules: list[nn.Module]):
         self.modules = tuple(modules)
@@ -189,7 +191,7 @@ class GGUFProjection:
 
 def project(ops, x: torch.Tensor, weight, bias, int4, group=None, gguf: GGUFProjection | None = None) -> torch.Tensor:
     """x @ W^T + b for a dense projection, the int4 op for a GPTQ one (int4 is an ops.int4.Int4Linear), or the GGUF
-    modules' own forwards for a GGUF one (gguf). With a process group, `weight` is this rank's row-wise shard: the
+    projection for a GGUF one (gguf: GGUFProjection). With a process group, `weight` is this rank's row-wise shard: the
     ranks' partial products are summed, then b added."""
     if gguf is not None:
         return gguf(x)
