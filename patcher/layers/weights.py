@@ -151,18 +151,15 @@ class GGUFProjection:
         return self.modules[0].quantize_activations and self._shared_path(x) == "gemm"
 
     def silu_mul_gemm(self, y: torch.Tensor) -> torch.Tensor | None:
-        """This projection of silu_and_mul(y), y a gated MLP's [gate | up], where each module takes it as a prefill
-        GEMM in W4A8: the activation and its rounding through Q8_1 as one op (round_q8_1 with silu_mul: one pass over
-        the activation less than silu_and_mul, then round_q8_1), then the modules' GEMMs; None otherwise."""
-        half = y[..., : y.shape[-1] // 2]  # the activation's shape, for the path check
-        if not self.modules[0].quantize_activations or self._shared_path(half) != "gemm":
+        """This projection of silu_and_mul(y), y a gated MLP's [gate | up], where it would round its input itself
+        (rounds_input: a W4A8 prefill GEMM): the activation and its rounding through Q8_1 as one op (round_q8_1 with
+        silu_mul: one pass over the activation less than silu_and_mul, then round_q8_1), handed on as Q8_1Rounded;
+        None otherwise."""
+        if not self.rounds_input(y[..., : y.shape[-1] // 2]):  # (the activation's shape, for the path check)
             return None
         from .. import ops
 
-        backend = ops.backend_for(y.device)
-        rounded = backend.round_q8_1(y, True)
-        out = [m.gemm(rounded, backend) for m in self.modules]
-        return out[0] if len(out) == 1 else torch.cat(out, -1)
+        return self(Q8_1Rounded(ops.backend_for(y.device).round_q8_1(y, True)))
 
     def op_args(self, x: torch.Tensor) -> tuple | None:
         """What the ops that feed the projection's GEMV take after their own input (gguf_norm_gemv_cat,
