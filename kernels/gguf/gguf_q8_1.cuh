@@ -76,6 +76,15 @@ __device__ __forceinline__ float quantize_q8_1_part(const float (&v)[8], int (&q
   return __half2float(__float2half_rn(d));
 }
 
+// The thread's 8 values replaced by their rounding through Q8_1 (quantize_q8_1_part's q * d, exact in fp32:
+// |q| <= 127, d an fp16 value), as the GEMV's W4A8 product sees them. Every thread of the warp must reach it.
+__device__ __forceinline__ void round_q8_1_part(float (&v)[8]) {
+  int q[8];
+  const float d = quantize_q8_1_part(v, q);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(static_cast<float>(q[i]), d);
+}
+
 // A Q8_1 block's d, s = d * sum(q) and sum(q), for the block at (row, col) of the workspace's [batch, k] (gguf/params.h).
 __device__ __forceinline__ void store_q8_1_scales(void* work, int64_t batch, int64_t k, int64_t row, int64_t col,
                                                   float d, int sum) {

@@ -106,10 +106,7 @@ __global__ void __launch_bounds__(1024) norm_kernel(const NormParams p) {
       static_assert(VEC == 8, "four threads a 32-value block");
 #pragma unroll
       for (int k = 0; k < VEC; ++k) y[k] = round_to<T>(y[k]);  // the values `out` would hold
-      int q[8];
-      const float d = quantize_q8_1_part(y, q);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) y[k] = __fmul_rn(static_cast<float>(q[k]), d);  // exact: |q| <= 127, d fp16
+      round_q8_1_part(y);
       store_vec<T, VEC>(out + i * VEC, y);
       continue;
     }
