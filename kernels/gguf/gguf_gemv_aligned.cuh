@@ -41,11 +41,16 @@ constexpr int64_t kAlignedLongK = 8192;
 template <int KIND>
 constexpr bool kAlignedWideKind = KIND == kGgufQ4_0 || KIND == kGgufQ4_1;
 constexpr int64_t kAlignedWideRows = 16384;
+// The K-quants (chunks in registers) take two rows a warp at batch 1 in the launches where the 32-value types take
+// more than one: at least kAlignedWideRows rows (gate/up, a Q6_K lm_head) or rows of at least kAlignedLongK values.
+template <int KIND>
+constexpr bool kAlignedMultiRowKind = kAlignedWideKind<KIND> || kKQuant<KIND>;
 
 template <typename T, int KIND, int BMAX, int ROWS, bool IN_REGISTERS = kKQuant<KIND>>
 __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(const __grid_constant__ GgufGemvParams p) {
-  static_assert(ROWS == 1 || (kAlignedWideKind<KIND> && (IN_REGISTERS ? ROWS == 2 : ROWS == 4)),
-                "Q4_0 and Q4_1 only: four rows a warp through the ring, two in registers");
+  static_assert(
+      ROWS == 1 || (IN_REGISTERS ? ROWS == 2 && kAlignedMultiRowKind<KIND> : ROWS == 4 && kAlignedWideKind<KIND>),
+      "four rows a warp through the ring (Q4_0, Q4_1), two in registers (those and the K-quants)");
   using Vec = AlignedVec<KIND>;
   __shared__ __align__(16) uint8_t stages[kGgufWarps][IN_REGISTERS ? 1 : kAlignedRing<ROWS>][ROWS][kChunkBytes<KIND>];
   constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
@@ -167,13 +172,15 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
   for (int r = 0; r < ROWS; ++r) store_row<T, KIND, true, BMAX>(p, g, n + r, lane, acc[r], acc_m[r]);
 }
 
-// Output rows a warp of the aligned kernel takes for `p` at batch 1 (kAlignedWideKind above), `rows` the launch's
-// over all segments: four through the ring in a launch of at least kAlignedWideRows rows, two in registers over rows
-// of at least kAlignedLongK values, where every segment's rows are a multiple of that; one otherwise.
+// Output rows a warp of the aligned kernel takes for `p` at batch 1, `rows` the launch's over all segments: for Q4_0
+// and Q4_1 four through the ring in a launch of at least kAlignedWideRows rows, two in registers over rows of at
+// least kAlignedLongK values; for the K-quants two in registers in either case; where every segment's rows are a
+// multiple of that; one otherwise.
 template <int KIND>
 int gguf_aligned_rows(const GgufGemvParams& p, int64_t rows) {
-  if (!kAlignedWideKind<KIND>) return 1;
-  const int per_warp = rows >= kAlignedWideRows ? 4 : p.k >= kAlignedLongK ? 2 : 1;
+  if (!kAlignedMultiRowKind<KIND>) return 1;
+  const bool wide = rows >= kAlignedWideRows, long_rows = p.k >= kAlignedLongK;
+  const int per_warp = kAlignedWideKind<KIND> ? (wide ? 4 : long_rows ? 2 : 1) : (wide || long_rows ? 2 : 1);
   for (int i = 0; i < p.segments; ++i) {
     if (p.seg[i].n % per_warp) return 1;
   }

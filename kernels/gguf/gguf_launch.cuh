@@ -13,11 +13,13 @@ cudaError_t launch_gguf(const GgufGemvParams& p, cudaStream_t stream) {
   for (int i = 0; i < p.segments; ++i) rows += p.seg[i].n;
   const dim3 grid(static_cast<unsigned>((rows + kGgufWarps - 1) / kGgufWarps));
   if constexpr (ALIGNED) {
-    if constexpr (kAlignedWideKind<KIND> && BMAX == 1) {
+    if constexpr (kAlignedMultiRowKind<KIND> && BMAX == 1) {
       const int per_warp = gguf_aligned_rows<KIND>(p, rows);
       const dim3 wide(static_cast<unsigned>((rows + per_warp * kGgufWarps - 1) / (per_warp * kGgufWarps)));
-      if (per_warp == 4) {
-        return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 4>, wide, dim3(kGgufWarps * 32), 0, stream, p);
+      if constexpr (kAlignedWideKind<KIND>) {
+        if (per_warp == 4) {
+          return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 4>, wide, dim3(kGgufWarps * 32), 0, stream, p);
+        }
       }
       if (per_warp == 2) {
         return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 2, true>, wide, dim3(kGgufWarps * 32), 0, stream, p);

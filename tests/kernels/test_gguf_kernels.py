@@ -183,8 +183,8 @@ def test_gguf_gemv_aligned_kernel_matches_the_general_one(kernels, kind):
     and the general one where they do not (the same blocks 2 bytes into a buffer): both give the same output bit for
     bit (the same fp32 terms summed in the same order), within the W4A8 bound of the reference. K of 1280 (a chunk of
     1024 values and a quarter one; Q6_K: 2048, two chunks, its super-blocks 0 and 2 bytes into a word) and of 14336
-    (14 chunks), 1 and 5 rows of x; 37 output rows, 38 of K 14336 (Q4_0 and Q4_1 take two rows a warp at batch 1),
-    and 16388 of K 1280 (four rows a warp)."""
+    (14 chunks), 1 and 5 rows of x; 37 output rows, 38 of K 14336 (Q4_0, Q4_1 and the K-quants take two rows a warp at
+    batch 1), and 16388 of K 1280 (four rows a warp; two for the K-quants)."""
     short = 2048 if kind == "Q6_K" else 1280
     for k, n in ((short, 37), (14336, 37), (14336, 38), (short, 16388)):
         blocks, bias = weights(kind, n, k, True)
@@ -227,6 +227,9 @@ CAT_CASES = [  # a projection's modules: (kind, n) each, and K
     ([("Q4_1", 16384), ("Q4_1", 2)], 256),  # one row a warp (2 rows: not a multiple of 4); the first module alone four
     ([("Q4_0", 36), ("Q4_0", 18), ("Q4_1", 20)], 14336),  # long rows at batch 1: two a warp, over two modules
     ([("Q4_0", 36), ("Q4_0", 17)], 14336),  # one a warp (17 rows: odd)
+    ([("Q4_K", 36), ("Q6_K", 18), ("Q4_K", 20)], 14336),  # K-quants over long rows: two a warp, two launches
+    ([("Q6_K", 16), ("Q6_K", 17)], 14336),  # one a warp (odd)
+    ([("Q4_K", 8192), ("Q5_K", 8192), ("Q4_K", 8194)], 256),  # K-quant launches of 16384+ rows: two a warp
 ]
 
 
