@@ -82,6 +82,20 @@ def short_place_name(name: str) -> str:
     return short_kernel_name(base) + mark + place if mark and place.isdigit() else short_kernel_name(name)
 
 
+def ranked(rows: dict, limit: int) -> list:
+    """The `limit` rows (name -> [launches, us, critical us]) of most critical time, as the kernel tables list them."""
+    order = sorted(rows.items(), key=lambda kv: -kv[1][2])[:limit]
+    return [
+        {"kernel": short_place_name(k), "launches": c, "us": us, "critical_us": cr, "critical_us_each": cr / c}
+        for k, (c, us, cr) in order
+    ]
+
+
+def repeated_per_layer(rows: dict, layers: int) -> dict[str, int]:
+    """name -> runs per layer, for each kernel of `rows` run several times in each of the `layers` layers."""
+    return {n: round(r[0] / layers) for n, r in rows.items() if r[0] > layers and r[0] % layers == 0}
+
+
 def step_profile(generate, layers: int, steps: int = 8, top: int = 12) -> dict:
     """Kernels per decode step and where the step's GPU time goes: profile (1 token) and (steps + 1 tokens) and
     take the difference per step. Ranked by critical time (kernel_shares), which adds up to the time a kernel ran; the
@@ -97,16 +111,9 @@ def step_profile(generate, layers: int, steps: int = 8, top: int = 12) -> dict:
                 rows[name] = [(count - c0) / steps, (us - us0) / steps, (critical - critical0) / steps]
         return rows
 
-    def ranked(rows: dict, limit: int) -> list:
-        order = sorted(rows.items(), key=lambda kv: -kv[1][2])[:limit]
-        return [
-            {"kernel": short_place_name(k), "launches": c, "us": us, "critical_us": cr, "critical_us_each": cr / c}
-            for k, (c, us, cr) in order
-        ]
-
     one = kernel_shares(one_spans)
     rows = per_step(one, kernel_shares(many_spans))
-    places = {n: round(r[0] / layers) for n, r in rows.items() if r[0] > layers and r[0] % layers == 0}
+    places = repeated_per_layer(rows, layers)
     skip = {n: one[n][0] if n in one else 0 for n in places}
     by_layer = per_step(one, kernel_shares(by_place(many_spans, skip, places)))
     return {
@@ -124,4 +131,59 @@ KERNEL_COLUMNS = [
     ("critical_us", "critical us/step", ".1f"),
     ("critical_us_each", "critical us/launch", ".2f"),
     ("us", "duration us/step", ".1f"),
+]
+
+
+def prefill_shares(spans: list[tuple[str, float, float]], layers: int, top: int = 12) -> dict:
+    """Where one prefill forward's GPU time goes, from its kernels' spans: the kernels ranked by critical time
+    (kernel_shares), and those that run several times a layer (the GEMMs, a GGUF linear's dequantization) split by
+    their place in it, as step_profile splits a decode step's."""
+    rows = kernel_shares(spans)
+    places = repeated_per_layer(rows, layers)
+    by_layer = kernel_shares(by_place(spans, {}, places))
+    critical = sum(c for _, _, c in rows.values())
+    span = max(end for _, _, end in spans) - min(start for _, start, _ in spans)
+    return {
+        "prefill_kernels": sum(c for c, _, _ in rows.values()),
+        "prefill_kernel_us": sum(us for _, us, _ in rows.values()),
+        "prefill_critical_us": critical,
+        "prefill_span_us": span,
+        "prefill_top_kernels": ranked(rows, top),
+        "prefill_kernel_places": ranked({k: v for k, v in by_layer.items() if "#" in k}, 4 * top),
+        "prefill_idle": idle_gaps(spans, top),
+    }
+
+
+def idle_gaps(spans: list[tuple[str, float, float]], top: int = 12) -> list[dict]:
+    """Where the GPU ran no kernel between the first kernel's start and the last one's end (waiting on the CPU, or
+    on a copy), by the kernels that end and begin each gap: the `top` pairs of most idle time."""
+    pairs: dict[tuple[str, str], list] = {}
+    last_name, last_end = None, None
+    for name, start, end in sorted(spans, key=lambda s: s[1]):
+        if last_end is not None and start > last_end:
+            entry = pairs.setdefault((last_name, name), [0, 0.0])
+            entry[0] += 1
+            entry[1] += start - last_end
+        if last_end is None or end > last_end:
+            last_name, last_end = name, end
+    order = sorted(pairs.items(), key=lambda kv: -kv[1][1])[:top]
+    return [
+        {"after": short_kernel_name(a, 50), "before": short_kernel_name(b, 50), "gaps": n, "idle_us": us}
+        for (a, b), (n, us) in order
+    ]
+
+
+def prefill_profile(forward, layers: int, top: int = 12) -> dict:
+    """prefill_shares of one call of `forward` (a prefill), after one call unprofiled (kernel builds, autotuning)."""
+    forward()
+    return prefill_shares(profile_spans(forward), layers, top)
+
+
+# The same columns for a prefill: counts and times of one forward.
+PREFILL_KERNEL_COLUMNS = [(key, header.removesuffix("/step"), fmt) for key, header, fmt in KERNEL_COLUMNS]
+IDLE_COLUMNS = [
+    ("after", "after", ""),
+    ("before", "before", ""),
+    ("gaps", "gaps", "d"),
+    ("idle_us", "idle us", ".1f"),
 ]

@@ -66,7 +66,7 @@ import torch
 from tqdm import tqdm
 
 from . import common, distributed, presets
-from .kernel_profile import KERNEL_COLUMNS, step_profile
+from .kernel_profile import IDLE_COLUMNS, KERNEL_COLUMNS, PREFILL_KERNEL_COLUMNS, prefill_profile, step_profile
 
 GPU_MODES = ["hf-eager", "hf-static-compiled", "patched-eager", "patched", "patched-static-compiled"]  # the default
 RUNNER_MODES = {  # patched with a runner of other settings, for comparisons
@@ -204,17 +204,28 @@ def measure_mode(model, mode, prompt, new_tokens, repeats, device, profile=True,
         if profile:
             row.update(step_profile(generate, model.config.num_hidden_layers))
             row["gpu_busy"] = row["critical_us_per_step"] / 1e3 / row["tpot_ms"]
+            if preset is None:
+                row.update(prefill_profile(prefill_forward(model, prompt), model.config.num_hidden_layers))
     return row
 
 
-def prefill_ms(model, prompt) -> float:
-    """The GPU time of one forward over `prompt` as generate's prefill runs it (logits of the last position only,
-    where the model takes logits_to_keep), median of 10 after 2 warm-ups, in ms."""
+def prefill_forward(model, prompt):
+    """One forward over `prompt` as generate's prefill runs it (logits of the last position only, where the model
+    takes logits_to_keep), as a function of no arguments."""
     kwargs = {"attention_mask": torch.ones_like(prompt), "use_cache": False}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         kwargs["logits_to_keep"] = 1
-    with torch.inference_mode():
-        return common.gpu_time_ms(lambda: model(prompt, **kwargs), reps=10, warmup=2)
+
+    def forward():
+        with torch.inference_mode():
+            return model(prompt, **kwargs)
+
+    return forward
+
+
+def prefill_ms(model, prompt) -> float:
+    """The GPU time of prefill_forward, median of 10 after 2 warm-ups, in ms."""
+    return common.gpu_time_ms(prefill_forward(model, prompt), reps=10, warmup=2)
 
 
 def run(model, args, device, prompt_len, batch, bandwidth, modes, on_row, progress=None, setup=None) -> None:
@@ -460,6 +471,19 @@ def main(argv=None) -> int:
                 if row.get("kernel_places"):
                     say("\nthe kernels that run several times a layer, by their place in it (#1 first):")
                     say(common.table(row["kernel_places"], KERNEL_COLUMNS))
+            if row.get("prefill_top_kernels"):
+                say(
+                    f"\n{label(row)}, prefill of {row['context']} tokens ({row['prefill_ms']:.1f} ms timed): in the "
+                    f"profiled one a kernel ran {row['prefill_critical_us']:.0f} us of the "
+                    f"{row['prefill_span_us']:.0f} us from the first kernel's start to the last one's end"
+                )
+                say(common.table(row["prefill_top_kernels"], PREFILL_KERNEL_COLUMNS))
+                if row.get("prefill_kernel_places"):
+                    say("\nthe prefill's kernels that run several times a layer, by their place in it (#1 first):")
+                    say(common.table(row["prefill_kernel_places"], PREFILL_KERNEL_COLUMNS))
+                if row.get("prefill_idle"):
+                    say("\nthe prefill's idle GPU time, by the kernels before and after each gap:")
+                    say(common.table(row["prefill_idle"], IDLE_COLUMNS))
     if bandwidth:
         roof = rows[0]["roofline_ms"]
         say(

@@ -225,6 +225,35 @@ def test_kernel_runs_by_their_place_in_a_layer():
     assert kernel_profile.short_place_name("void patcher::f<int>(int)") == "f<int>"
 
 
+def test_prefill_shares_rank_kernels_and_split_them_by_place():
+    # Two layers, each a dequantization and a GEMM for each of two projections, then the attention, and one head
+    # GEMM after them: the layer's two places of each repeated kernel come apart, the head's GEMM counts with them.
+    spans, t = [], 0.0
+    for _ in range(2):
+        for name, us in (("dequant", 1.0), ("gemm", 10.0), ("dequant", 2.0), ("gemm", 20.0), ("attn", 5.0)):
+            spans.append((name, t, t + us))
+            t += us
+    spans.append(("head", t, t + 3.0))
+    profile = kernel_profile.prefill_shares(spans, layers=2)
+    assert profile["prefill_kernels"] == 11 and profile["prefill_critical_us"] == t + 3.0
+    assert [r["kernel"] for r in profile["prefill_top_kernels"]] == ["gemm", "attn", "dequant", "head"]
+    assert profile["prefill_top_kernels"][0]["critical_us"] == 60.0
+    places = {r["kernel"]: r["critical_us"] for r in profile["prefill_kernel_places"]}
+    assert places == {"gemm #2": 40.0, "gemm #1": 20.0, "dequant #2": 4.0, "dequant #1": 2.0}
+    assert profile["prefill_span_us"] == t + 3.0 and profile["prefill_idle"] == []
+
+
+def test_idle_gaps_by_the_kernels_around_them():
+    # a idles 2 us before b twice; c runs inside b's span (no gap after it); 1 us idle between b and d.
+    spans = [("a", 0.0, 1.0), ("b", 3.0, 10.0), ("c", 4.0, 5.0), ("d", 11.0, 12.0), ("a", 12.0, 13.0)]
+    spans += [("b", 15.0, 16.0)]
+    gaps = kernel_profile.idle_gaps(spans)
+    assert [(g["after"], g["before"], g["gaps"], g["idle_us"]) for g in gaps] == [
+        ("a", "b", 2, 4.0),
+        ("b", "d", 1, 1.0),
+    ]
+
+
 def test_splits_tool_on_a_tiny_int4_model(tmp_path, capsys, monkeypatch):
     """evals.splits times the split rule and each configuration with a fresh runner per round (CPU, reference
     backend: the timings mean nothing here, the bookkeeping does), and records the K slices each one ran and the
