@@ -230,6 +230,11 @@ CAT_CASES = [  # a projection's modules: (kind, n) each, and K
     ([("Q4_K", 36), ("Q6_K", 18), ("Q4_K", 20)], 14336),  # K-quants over long rows: two a warp, two launches
     ([("Q6_K", 16), ("Q6_K", 17)], 14336),  # one a warp (odd)
     ([("Q4_K", 8192), ("Q5_K", 8192), ("Q4_K", 8194)], 256),  # K-quant launches of 16384+ rows: two a warp
+    # a K-quant type and aligned Q6_K (a launch a type), odd rows, long rows, 16384+ rows; three types
+    ([("Q4_K", 64), ("Q4_K", 16), ("Q6_K", 17)], 2048),
+    ([("Q6_K", 36), ("Q5_K", 18), ("Q6_K", 20)], 14336),  # long rows: two a warp
+    ([("Q5_K", 8192), ("Q6_K", 8194)], 1024),  # 16384+ rows: two a warp
+    ([("Q4_K", 8), ("Q6_K", 8), ("Q5_K", 8)], 1024),
 ]
 
 
