@@ -5,7 +5,8 @@ TPOT (time per output token) excludes prefill: (time(generate N+1) - time(genera
 the GPU synchronized, median over repeats. Each mode also reports TTFT (generate 1), on CUDA the prefill alone
 (one forward over the prompt, the logits of its last position only, GPU time by CUDA events, median of 10: TTFT
 without generate's host work), tokens/s, kernels per decode
-step and each kernel's share of the step's critical path (torch.profiler; `--kernel-table` prints the costliest),
+step and each kernel's share of the step's critical path (torch.profiler; `--kernel-table` prints the costliest,
+and the prefill's kernels and idle time likewise),
 achieved bandwidth and TPOT over the roofline (bytes read per step / HBM read bandwidth measured in the same run),
 and peak GPU memory.
 
@@ -371,7 +372,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-profile", action="store_true", help="skip the kernel profile (torch.profiler)")
     parser.add_argument("--profile", action="store_true", help="measure the kernel profile with --generate-args too")
     parser.add_argument(
-        "--kernel-table", action="store_true", help="print each mode's costliest kernels per decode step"
+        "--kernel-table",
+        action="store_true",
+        help="print each mode's costliest kernels per decode step and per prefill",
     )
     parser.add_argument("--json", default=None, help="write every figure and the run's settings here")
     args = parser.parse_args(argv)
