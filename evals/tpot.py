@@ -67,7 +67,7 @@ import torch
 from tqdm import tqdm
 
 from . import common, distributed, presets
-from .kernel_profile import IDLE_COLUMNS, KERNEL_COLUMNS, PREFILL_KERNEL_COLUMNS, prefill_profile, step_profile
+from .kernel_profile import kernel_tables, prefill_profile, step_profile
 
 GPU_MODES = ["hf-eager", "hf-static-compiled", "patched-eager", "patched", "patched-static-compiled"]  # the default
 RUNNER_MODES = {  # patched with a runner of other settings, for comparisons
@@ -464,29 +464,8 @@ def main(argv=None) -> int:
         say(f"{label(row)} failed: {row['error']}")
     if args.kernel_table:
         for row in rows:
-            if row.get("top_kernels"):
-                say(
-                    f"\n{label(row)}: a kernel running {row['critical_us_per_step']:.0f} us "
-                    f"of {row['tpot_ms'] * 1e3:.0f} us per step ({100 * row['gpu_busy']:.0f}%); durations sum to "
-                    f"{row['kernel_us_per_step']:.0f} us (they overlap under programmatic dependent launch)"
-                )
-                say(common.table(row["top_kernels"], KERNEL_COLUMNS))
-                if row.get("kernel_places"):
-                    say("\nthe kernels that run several times a layer, by their place in it (#1 first):")
-                    say(common.table(row["kernel_places"], KERNEL_COLUMNS))
-            if row.get("prefill_top_kernels"):
-                say(
-                    f"\n{label(row)}, prefill of {row['context']} tokens ({row['prefill_ms']:.1f} ms timed): in the "
-                    f"profiled one a kernel ran {row['prefill_critical_us']:.0f} us of the "
-                    f"{row['prefill_span_us']:.0f} us from the first kernel's start to the last one's end"
-                )
-                say(common.table(row["prefill_top_kernels"], PREFILL_KERNEL_COLUMNS))
-                if row.get("prefill_kernel_places"):
-                    say("\nthe prefill's kernels that run several times a layer, by their place in it (#1 first):")
-                    say(common.table(row["prefill_kernel_places"], PREFILL_KERNEL_COLUMNS))
-                if row.get("prefill_idle"):
-                    say("\nthe prefill's idle GPU time, by the kernels before and after each gap:")
-                    say(common.table(row["prefill_idle"], IDLE_COLUMNS))
+            for block in kernel_tables(row, label(row)):
+                say(block)
     if bandwidth:
         roof = rows[0]["roofline_ms"]
         say(

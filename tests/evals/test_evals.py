@@ -243,6 +243,23 @@ def test_prefill_shares_rank_kernels_and_split_them_by_place():
     assert profile["prefill_span_us"] == t + 3.0 and profile["prefill_idle"] == []
 
 
+def test_kernel_tables_print_the_step_and_the_prefill():
+    spans = [
+        ("void patcher::gemm<int>(int)", 0.0, 10.0),
+        ("norm", 12.0, 13.0),
+        ("void patcher::gemm<int>(int)", 13.0, 20.0),
+    ]
+    row = {"context": 2048, "prefill_ms": 0.021, **kernel_profile.prefill_shares(spans, layers=1)}
+    text = "\n".join(kernel_profile.kernel_tables(row, "patched"))
+    assert "prefill of 2048 tokens (0.0 ms timed)" in text and "ran 18 us of the 20 us" in text
+    assert "gemm<int> #2" in text  # two a layer: by place
+    assert "idle GPU time" in text and "gemm<int>" in text.split("idle GPU time")[1]
+    assert "per step" not in text  # no decode step profiled in this row
+    step = {"top_kernels": [], "critical_us_per_step": 5.0, "tpot_ms": 0.01, "gpu_busy": 0.5, "kernel_us_per_step": 6}
+    assert kernel_profile.kernel_tables(step, "patched") == []  # an empty profile prints nothing
+    assert kernel_profile.kernel_tables({}, "patched") == []
+
+
 def test_idle_gaps_by_the_kernels_around_them():
     # a idles 2 us before b twice; c runs inside b's span (no gap after it); 1 us idle between b and d.
     spans = [("a", 0.0, 1.0), ("b", 3.0, 10.0), ("c", 4.0, 5.0), ("d", 11.0, 12.0), ("a", 12.0, 13.0)]
