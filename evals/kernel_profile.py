@@ -195,27 +195,30 @@ def kernel_tables(row: dict, title: str) -> list[str]:
     """The text blocks --kernel-table prints for a measured row (evals.tpot): the decode step's kernels, overall and
     by their place in a layer, then the prefill's, and the prefill's idle GPU time; those the row holds."""
     blocks = []
+
+    def tables(head: str, kind: str, columns: list, keys: tuple) -> None:
+        top, places, *idle = keys
+        blocks.extend([head, table(row[top], columns)])
+        if row.get(places):
+            head = f"\n{kind} that run several times a layer, by their place in it (#1 first):"
+            blocks.extend([head, table(row[places], columns)])
+        if idle and row.get(idle[0]):
+            head = "\nthe prefill's idle GPU time, by the kernels before and after each gap:"
+            blocks.extend([head, table(row[idle[0]], IDLE_COLUMNS)])
+
     if row.get("top_kernels"):
-        blocks.append(
+        head = (
             f"\n{title}: a kernel running {row['critical_us_per_step']:.0f} us of {row['tpot_ms'] * 1e3:.0f} us per "
             f"step ({100 * row['gpu_busy']:.0f}%); durations sum to {row['kernel_us_per_step']:.0f} us (they overlap "
             "under programmatic dependent launch)"
         )
-        blocks.append(table(row["top_kernels"], KERNEL_COLUMNS))
-        if row.get("kernel_places"):
-            blocks.append("\nthe kernels that run several times a layer, by their place in it (#1 first):")
-            blocks.append(table(row["kernel_places"], KERNEL_COLUMNS))
+        tables(head, "the kernels", KERNEL_COLUMNS, ("top_kernels", "kernel_places"))
     if row.get("prefill_top_kernels"):
-        blocks.append(
+        head = (
             f"\n{title}, prefill of {row['context']} tokens ({row['prefill_ms']:.1f} ms timed): in the profiled one a "
             f"kernel ran {row['prefill_critical_us']:.0f} us of the {row['prefill_span_us']:.0f} us from the first "
             "kernel's start to the last one's end"
         )
-        blocks.append(table(row["prefill_top_kernels"], PREFILL_KERNEL_COLUMNS))
-        if row.get("prefill_kernel_places"):
-            blocks.append("\nthe prefill's kernels that run several times a layer, by their place in it (#1 first):")
-            blocks.append(table(row["prefill_kernel_places"], PREFILL_KERNEL_COLUMNS))
-        if row.get("prefill_idle"):
-            blocks.append("\nthe prefill's idle GPU time, by the kernels before and after each gap:")
-            blocks.append(table(row["prefill_idle"], IDLE_COLUMNS))
+        keys = ("prefill_top_kernels", "prefill_kernel_places", "prefill_idle")
+        tables(head, "the prefill's kernels", PREFILL_KERNEL_COLUMNS, keys)
     return blocks
