@@ -4,9 +4,8 @@ a shard with --tp under torchrun).
 TPOT (time per output token) excludes prefill: (time(generate N+1) - time(generate 1)) / N, after warm-up, with
 the GPU synchronized, median over repeats. Each mode also reports TTFT (generate 1), on CUDA the prefill alone
 (one forward over the prompt, the logits of its last position only, GPU time by CUDA events, median of 10: TTFT
-without generate's host work), tokens/s, kernels per decode
-step and each kernel's share of the step's critical path (torch.profiler; `--kernel-table` prints the costliest,
-and the prefill's kernels and idle time likewise),
+without generate's host work), tokens/s, kernels per decode step and each kernel's share of the step's critical path
+(torch.profiler; `--kernel-table` prints the costliest, and the prefill's kernels and idle GPU time likewise),
 achieved bandwidth and TPOT over the roofline (bytes read per step / HBM read bandwidth measured in the same run),
 and peak GPU memory.
 
