@@ -6,6 +6,8 @@ segments, bias, every prologue, batch 1 and 4, fp16/bf16/fp32; and their bad inp
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from conftest import (
@@ -30,6 +32,28 @@ def kernels():
 
     build.load()
     return KERNELS
+
+
+class RopeCase(NamedTuple):
+    """What an op with the RoPE + cache epilogue takes beside its input and weights, and the caches' copies."""
+
+    splits: int
+    workspace: torch.Tensor
+    rope: tuple  # cos, sin, slot, pad
+    caches: list[torch.Tensor]
+    ref_caches: list[torch.Tensor]
+
+
+def rope_case(lin, batch: int, hkv: int, d: int, rot: int, dtype, capacity: int, slot: int, pad_step: int) -> RopeCase:
+    """K splits and a zeroed workspace for `lin` at `batch`, RoPE tables of `capacity` positions, the new rows' slot,
+    per-row padding of pad_step * row, and random K/V caches with copies for the reference."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = int4_ops.splits_for(batch, lin, sms, head_dim=d)
+    workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits, d), dtype=torch.int32, device="cuda")
+    cos, sin = rope_tables((capacity, rot // 2), dtype)
+    rope = (cos, sin, torch.tensor([slot], device="cuda"), torch.arange(batch, device="cuda") * pad_step)
+    caches = [torch.randn(batch, hkv, capacity, d, device="cuda").to(dtype) for _ in range(2)]
+    return RopeCase(splits, workspace, rope, caches, [c.clone() for c in caches])
 
 
 def assert_q_and_caches(q, q_ref, q64, caches, ref_caches, caches64, slot: int):
@@ -63,17 +87,11 @@ def test_int4_qkv_rope_cache(prologue, batch, arch, dtype):
     k = min(hq * d, 4096)
     widths = [hq * d, hkv * d, hkv * d] if separate else [(hq + 2 * hkv) * d]
     lin = gptq_linear(k, widths, 128, bias=bias)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = int4_ops.splits_for(batch, lin, sms, head_dim=d)
-    workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits, d), dtype=torch.int32, device="cuda")
-    capacity = 48
-    cos, sin = rope_tables((capacity, rot // 2), dtype)
-    slot, pad = torch.tensor([29], device="cuda"), torch.arange(batch, device="cuda") * 5
+    case = rope_case(lin, batch, hkv, d, rot, dtype, capacity=48, slot=29, pad_step=5)
+    splits, workspace, rope, caches, ref_caches = case
+    cos, sin, slot, pad = rope
     x, pro = prologue_args(prologue, batch, k, dtype)
-    caches = [torch.randn(batch, hkv, capacity, d, device="cuda").to(dtype) for _ in range(2)]
-    ref_caches = [c.clone() for c in caches]
     poison_cuda_cache()
-    rope = (cos, sin, slot, pad)
     heads = (hq, hkv, d, interleaved, splits, workspace)
     q, total, h2 = KERNELS.int4_qkv_rope_cache(x, *pro, *lin.args(), *rope, *caches, *heads)
     q_ref, total_ref, h2_ref = reference.int4_qkv_rope_cache(x, *pro, *lin.args(), *rope, *ref_caches, *heads)
@@ -114,20 +132,14 @@ def test_int4_qkv_mlp_in(prologue, batch, arch, dtype):
     k = hq * d
     qkv = [(hq + 2 * hkv) * d] if qkv_segments == 1 else [(hq + hkv) * d, hkv * d]
     lin = gptq_linear(k, [*qkv, mlp], group, act_order=arch == "act-order", bias=bias)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = int4_ops.splits_for(batch, lin, sms, head_dim=d)
-    workspace = torch.zeros(int4_ops.workspace_numel(batch, lin, splits, d), dtype=torch.int32, device="cuda")
-    capacity = 40
-    cos, sin = rope_tables((capacity, rot // 2), dtype)
-    slot, pad = torch.tensor([17], device="cuda"), torch.arange(batch, device="cuda") * 3
+    case = rope_case(lin, batch, hkv, d, rot, dtype, capacity=40, slot=17, pad_step=3)
+    splits, workspace, rope, caches, ref_caches = case
+    cos, sin, slot, pad = rope
     x, pro = prologue_args("add2_dual_layer", batch, k, dtype)
     if prologue == "layer":  # the first layer: both LayerNorms of x, no add
         pro = (None, None, *pro[2:])
-    caches = [torch.randn(batch, hkv, capacity, d, device="cuda").to(dtype) for _ in range(2)]
-    ref_caches = [c.clone() for c in caches]
     poison_cuda_cache()
     tail = (hq, hkv, d, interleaved, qkv_segments, "gelu", splits, workspace)
-    rope = (cos, sin, slot, pad)
     if prologue == "in_front":
         h, total, h2 = KERNELS.int4_norm_prologue(x, *pro)
         no_prologue = (None,) * 6 + (0.0, False)
