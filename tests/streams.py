@@ -4,8 +4,9 @@ tests."""
 from patcher.decode import DecodeOptions, DecodeRunner, Sampling
 
 
-def one_and_two_stream_tokens(model, ids, mask, options: DecodeOptions = DecodeOptions()) -> dict:
+def one_and_two_stream_tokens(model, ids, mask, options: DecodeOptions | None = None) -> dict:
     """Greedy tokens of the graph-captured decode with GPT-NeoX's MLP on the main stream and on its branch stream."""
+    options = options or DecodeOptions()
     tokens = {}
     for branch in (False, True):
         runner = DecodeRunner(model, options.replace(parallel_branch=branch))

@@ -35,7 +35,7 @@ DOC_CITATION = re.compile(r'\]\(([\w-]+\.md)\), "([^"]+)"')
 CODE_SUFFIXES = {".cu", ".cuh", ".h", ".cpp", ".py", ".sh"}
 CODE_FOLDERS = ("patcher", "kernels", "evals", "tests")
 # Each word written in two halves, so that this file, which the test reads too, does not contain it.
-NARRATION = re.compile("|".join(["ses" "sion", "throw" "away"]), re.IGNORECASE)
+NARRATION = re.compile("ses" + "sion|throw" + "away", re.IGNORECASE)
 
 
 def expand(name: str) -> list[str]:

@@ -352,7 +352,7 @@ def test_graph_path_feeds_a_streamer_as_hf_does():
     model = rm.build("tiny-qwen2", device="cuda")
     model.generation_config.eos_token_id = None
     ids = torch.randint(3, VOCAB, (1, 9), device="cuda")
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0)
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 20, "do_sample": False, "pad_token_id": 0}
     hf, ours_ = Recorder(), Recorder()
     with torch.no_grad():
         expected = model.generate(ids, streamer=hf, **kwargs)
@@ -468,7 +468,7 @@ def test_graph_path_with_stop_strings_matches_hf():
     model.generation_config.eos_token_id = None
     tokenizer = char_tokenizer()
     ids = torch.randint(3, VOCAB, (2, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         free = model.generate(ids, **kwargs)
     kwargs.update(stop_strings=[tokenizer.decode(free[0, 10:11]), tokenizer.decode(free[1, 14:16])],

@@ -84,7 +84,7 @@ def test_two_threads_generate_on_one_model():
     model.generation_config.eos_token_id = None
     patch_model(model)
     prompts = [torch.randint(3, VOCAB, (b, 9), device="cuda") for b in (1, 3)]
-    kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=0)
+    kwargs = {"max_new_tokens": 32, "do_sample": False, "pad_token_id": 0}
     expected = [model.generate(p, **kwargs) for p in prompts]
     results = [None, None]
 
@@ -111,8 +111,15 @@ def test_dict_output_with_scores_and_logits(sample, monkeypatch):
     model = rm.build("tiny-llama")
     model.generation_config.eos_token_id = None
     ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
-    kwargs = dict(max_new_tokens=5, do_sample=sample, pad_token_id=0, return_dict_in_generate=True,
-                  output_scores=True, output_logits=True, repetition_penalty=1.2)  # fmt: skip
+    kwargs = {
+        "max_new_tokens": 5,
+        "do_sample": sample,
+        "pad_token_id": 0,
+        "return_dict_in_generate": True,
+        "output_scores": True,
+        "output_logits": True,
+        "repetition_penalty": 1.2,
+    }
     if sample:
         kwargs.update(temperature=0.8, top_k=30)
     with torch.no_grad():
@@ -149,8 +156,14 @@ def test_graph_path_dict_output_matches_hf():
     model = rm.build("tiny-qwen2", device="cuda")
     model.generation_config.eos_token_id = None
     ids = torch.randint(3, VOCAB, (2, 6), device="cuda")
-    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-                  output_scores=True, output_logits=True)  # fmt: skip
+    kwargs = {
+        "max_new_tokens": 8,
+        "do_sample": False,
+        "pad_token_id": 0,
+        "return_dict_in_generate": True,
+        "output_scores": True,
+        "output_logits": True,
+    }
     with torch.no_grad():
         expected = model.generate(ids, **kwargs)
     patch_model(model)
