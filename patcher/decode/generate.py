@@ -35,7 +35,8 @@ CACHE_FIELD = (
 
 
 def generate_path(model) -> dict:
-    """What the last `generate` call did: {"path": "graph" | "eager-runner" | "hf-static" | "hf", "reason": ...};
+    """What the last `generate` call did: {"path": "graph" | "eager-runner" | "hf-static" | "hf", "reason": ...}
+    ("eager-runner" with a reason: the step's CUDA graph capture failed and the step ran without it);
     "hf-static" is HF's loop with its static cache (static_cache_fallback)."""
     return getattr(model._patcher_state, "last_generate", {})
 
@@ -139,7 +140,15 @@ def _generate(self, inputs, generation_config, **kwargs):
     outputs = prepared["outputs"]
     result = state.runner.generate(**prepared)
     tokens, scores, logits = result if isinstance(result, tuple) else (result, None, None)
-    state.last_generate = {"path": "graph" if state.runner.use_graphs else "eager-runner", "reason": None}
+    error = state.runner.capture_error
+    if error is None:
+        state.last_generate = {"path": "graph" if state.runner.use_graphs else "eager-runner", "reason": None}
+    else:
+        reason = f"the CUDA graph capture of the decode step failed ({error}); the step ran without a graph"
+        state.last_generate = {"path": "eager-runner", "reason": reason}
+        if reason not in state.warned:
+            state.warned.add(reason)
+            warnings.warn(f"patcher: {reason}", stacklevel=3)
     if outputs is None:
         return tokens
     cache = state.runner.cache(tokens.shape[0], tokens.shape[1] - 1)  # every position but the last token's

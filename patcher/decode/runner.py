@@ -17,7 +17,10 @@ The runner owns the capture and the token loop; the buffers are StepState's (sta
 
 from __future__ import annotations
 
+import gc
+import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import torch
 
@@ -33,6 +36,31 @@ EOS_CHECK_EVERY = 16  # decode steps between host checks for "every row has fini
 MIN_CAPACITY = 256
 MAX_BATCH = 64  # rows of a step: the next_token kernel's limit (kNextTokenMaxBatch)
 KERNEL_MAX_ROWS = 8  # rows the GPTQ int4 kernels and the dense GEMV kernels take (below cublas_min_batch)
+
+
+class CaptureError(RuntimeError):
+    """The CUDA graph capture of a decode step failed after the step ran eagerly without error."""
+
+
+_collection_lock = threading.Lock()
+_collection_pauses = [0, False]  # captures under way, and whether the collector was on before the first
+
+
+@contextmanager
+def no_collection():
+    """The cyclic garbage collector off while any thread captures, as it was before once none does."""
+    with _collection_lock:
+        if _collection_pauses[0] == 0:
+            _collection_pauses[1] = gc.isenabled()
+            gc.disable()
+        _collection_pauses[0] += 1
+    try:
+        yield
+    finally:
+        with _collection_lock:
+            _collection_pauses[0] -= 1
+            if _collection_pauses[0] == 0 and _collection_pauses[1]:
+                gc.enable()
 
 
 class DecodeRunner:
@@ -54,6 +82,7 @@ class DecodeRunner:
         # largest one made so far, so memory is bounded by the largest call's shape, whatever the mix of shapes.
         self.states: OrderedDict[int, StepState] = OrderedDict()
         self.largest_cache = 0
+        self.capture_error: str | None = None  # why the last generate's step ran without its graph (_capture)
 
     def step_rows(self) -> tuple[int | None, str]:
         """The most rows one pass of the model's part of a step takes (more run in chunks, StepState), and why:
@@ -217,7 +246,11 @@ class DecodeRunner:
     def _capture(self, st: StepState, mode: tuple) -> None:
         """Captures one step on the state's buffers, for mode (sampling, keep, split): with split only the model's
         part (model_step). A split model: each segment before the last as its own graph on its device (part_step).
-        Runs before prefill: the warm-up's writes are overwritten."""
+        Runs before prefill: the warm-up's writes are overwritten.
+
+        A capture that fails after its warm-up ran (the step itself works) leaves the state without graphs: this
+        mode then decodes with the same step run eagerly, and st.capture_error says why. It is not tried again for
+        this state and mode (release() drops the state; the next generate captures again)."""
         sampling, keep, split = mode
 
         def step():
@@ -226,15 +259,26 @@ class DecodeRunner:
             else:
                 self.run_step(st, sampling, keep)
 
-        for k, part in enumerate(st.parts):
-            part.graph = self._graph(part.device, lambda k=k: self.part_step(st, k))
-        st.graph, st.graph_sampling = self._graph(st.device, step), mode
+        st.graph, st.graph_sampling, st.capture_error = None, mode, None
+        try:
+            for k, part in enumerate(st.parts):
+                part.graph = self._graph(part.device, lambda k=k: self.part_step(st, k))
+            st.graph = self._graph(st.device, step)
+        except CaptureError as error:
+            for part in st.parts:
+                part.graph = None
+            st.capture_error = str(error)
 
     @staticmethod
     def _graph(device: torch.device, step) -> torch.cuda.CUDAGraph:
         """`step` captured on `device` after one warm-up run: allocator, lazy module state, and (tensor parallel)
         the communicator, which must be set up by an eager collective before a graph captures one; every rank
-        captures the same collectives in the same order."""
+        captures the same collectives in the same order. An error in the warm-up is the step's own and propagates;
+        one in the capture raises CaptureError.
+
+        The cyclic garbage collector is off during the capture: it may free an unreachable CUDAGraph of an earlier
+        model, whose destruction (cudaGraphExecDestroy) is not permitted while a stream captures and invalidates the
+        capture. The capture mode is thread-local, so that another thread's CUDA calls neither fail nor break it."""
         with torch.cuda.device(device):
             rng = torch.cuda.get_rng_state(device)
             side = torch.cuda.Stream(device)
@@ -243,10 +287,17 @@ class DecodeRunner:
                 step()
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            # a capture stream of this device: torch.cuda.graph's default one is made once, on the first device used
-            with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)), torch.no_grad():
-                step()
-            torch.cuda.set_rng_state(rng, device)
+            current = torch.cuda.current_stream(device)
+            try:
+                # a capture stream of this device: torch.cuda.graph's default one is made once, on the first device
+                capture = torch.cuda.graph(graph, stream=torch.cuda.Stream(device), capture_error_mode="thread_local")
+                with no_collection(), torch.no_grad(), capture:
+                    step()
+            except RuntimeError as error:
+                torch.cuda.set_stream(current)  # torch.cuda.graph leaves the capture stream current if its end raised
+                raise CaptureError(f"{type(error).__name__}: {error}") from error
+            finally:
+                torch.cuda.set_rng_state(rng, device)
         return graph
 
     # ---- generate -------------------------------------------------------------------------------------------
@@ -302,9 +353,9 @@ class DecodeRunner:
             st.step_logits = torch.empty(B, self.decode_step.vocab, dtype=self.decode_step.dtype,
                                          device=st.device)  # fmt: skip
         mode = (sampling, keep, split)
-        if self.use_graphs and (st.graph is None or st.graph_sampling != mode):
-            st.graph = None
+        if self.use_graphs and (st.graph_sampling != mode or (st.graph is None and st.capture_error is None)):
             self._capture(st, mode)
+        self.capture_error = st.capture_error if self.use_graphs else None
         kept = ([], [])
         # Each step leaves the int4 accumulators as the next one needs them; one cut short (an exception in an eager
         # step) may not have, so every generate starts from zeros.

@@ -173,3 +173,93 @@ def test_graph_path_dict_output_matches_hf():
     assert generate_path(model)["path"] == "graph"
     assert torch.equal(got.sequences, expected.sequences)
     assert all(torch.allclose(a, b, atol=1e-3, rtol=1e-3) for a, b in zip(got.scores, expected.scores))
+
+
+def test_a_failed_capture_decodes_with_the_eager_step(monkeypatch):
+    """A capture that fails after its warm-up leaves the step without a graph: generate makes the tokens the eager
+    step makes, says why in generate_path and one warning, and does not try the same state and mode again."""
+    import patcher.decode.generate as gen
+    from patcher.decode.runner import CaptureError
+
+    model = rm.build("tiny-llama")
+    model.generation_config.eos_token_id = None
+    patch_model(model)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    eager = DecodeRunner(model, DecodeOptions(use_graphs=False))
+    expected = eager.generate(ids, torch.ones_like(ids), 6, Sampling(), eos=[], pad_token_id=0)
+    attempts = []
+
+    def failing_graph(device, step):
+        step()  # the warm-up runs, as in _graph
+        attempts.append(device)
+        raise CaptureError("AcceleratorError: operation not permitted when stream is capturing")
+
+    runner = DecodeRunner(model, DecodeOptions(use_graphs=False))
+    runner.use_graphs = True  # the graph path's control flow on the CPU; the capture itself is failing_graph
+    model._patcher_state.runner = runner
+    monkeypatch.setattr(DecodeRunner, "_graph", staticmethod(failing_graph))
+    monkeypatch.setattr(gen, "model_reason", lambda model: None)
+    with pytest.warns(UserWarning, match="capture of the decode step failed .*not permitted"):
+        got = model.generate(ids, **kwargs)
+    assert torch.equal(got, expected)
+    path = gen.generate_path(model)
+    assert path["path"] == "eager-runner" and "not permitted" in path["reason"], path
+    assert runner.states[2].graph is None and "not permitted" in runner.states[2].capture_error
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+    assert len(attempts) == 1, "the same state and mode were captured again"
+    release_decode_memory(model)
+    model.generate(ids, **kwargs)
+    assert len(attempts) == 2, "a released state is captured again"
+
+
+@pytest.mark.gpu
+def test_capture_survives_a_dead_graph_collected_meanwhile(monkeypatch):
+    """An unreachable CUDAGraph of an earlier model, in a reference cycle, must not be destroyed inside the capture
+    (its cudaGraphExecDestroy is not permitted while a stream captures, and invalidates the capture): with such a
+    cycle made garbage during the capture and the collector due at the next allocation, generate still runs its
+    graph, with the tokens of the eager step, and the collector frees the cycle afterwards."""
+    import gc
+    import weakref
+
+    import patcher.decode.generate as gen
+
+    model = rm.build("tiny-llama", dtype=torch.float16, device="cuda")
+    model.generation_config.eos_token_id = None
+    patch_model(model)
+    ids = torch.randint(3, VOCAB, (2, 9), device="cuda")
+    eager = DecodeRunner(model, DecodeOptions(use_graphs=False))
+    expected = eager.generate(ids, torch.ones_like(ids), 8, Sampling(), eos=[], pad_token_id=0)
+
+    class Cycle:
+        pass
+
+    earlier = [torch.cuda.CUDAGraph()]
+    buffer = torch.zeros(4, device="cuda")
+    with torch.cuda.graph(earlier[0]):
+        buffer.add_(1)
+    seen = {}
+    run_step = DecodeRunner.run_step
+
+    def step_dropping_a_graph(self, *args, **kwargs):
+        if torch.cuda.is_current_stream_capturing() and earlier:
+            cycle = Cycle()  # young garbage: only its own cycle holds it and the graph
+            cycle.graph, cycle.self = earlier.pop(), cycle
+            seen["freed"] = weakref.ref(cycle)
+            seen["collector_on"] = gc.isenabled()
+            del cycle
+            [[] for _ in range(1000)]  # container allocations: the collector's trigger
+        return run_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeRunner, "run_step", step_dropping_a_graph)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        got = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert gen.generate_path(model) == {"path": "graph", "reason": None}, gen.generate_path(model)
+    assert torch.equal(got, expected)
+    assert seen["collector_on"] is False
+    gc.collect()
+    assert seen["freed"]() is None
