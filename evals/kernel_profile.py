@@ -176,8 +176,8 @@ def idle_gaps(spans: list[tuple[str, float, float]], top: int = 12) -> list[dict
 
 
 def prefill_profile(forward, layers: int, top: int = 12) -> dict:
-    """prefill_shares of one call of `forward` (a prefill), after one call unprofiled (kernel builds, autotuning)."""
-    forward()
+    """prefill_shares of one call of `forward` (a prefill). The caller has run it before (evals.tpot's prefill_ms:
+    kernel builds and autotuning are done)."""
     return prefill_shares(profile_spans(forward), layers, top)
 
 

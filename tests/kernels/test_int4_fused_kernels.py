@@ -56,6 +56,15 @@ def rope_case(lin, batch: int, hkv: int, d: int, rot: int, dtype, capacity: int,
     return RopeCase(splits, workspace, rope, caches, [c.clone() for c in caches])
 
 
+def on_float64(op, x, pro, lin, case: RopeCase, tail: tuple) -> tuple:
+    """`op` (a reference) on float64 copies of x, the prologue's tensors, the RoPE tables and the caches, with the
+    same int4 weights: (its outputs, the float64 caches it wrote)."""
+    cos, sin, slot, pad = case.rope
+    pro64 = tuple(t.double() if isinstance(t, torch.Tensor) else t for t in pro)
+    caches64 = [c.double() for c in case.caches]
+    return op(x.double(), *pro64, *lin.args(), cos.double(), sin.double(), slot, pad, *caches64, *tail), caches64
+
+
 def assert_q_and_caches(q, q_ref, q64, caches, ref_caches, caches64, slot: int):
     """q and the K/V caches of an op with the RoPE + cache epilogue against its reference in the working dtype and
     on float64 copies: the 2x rule for q and the slot's new rows, and no other cache row changed."""
@@ -89,19 +98,14 @@ def test_int4_qkv_rope_cache(prologue, batch, arch, dtype):
     lin = gptq_linear(k, widths, 128, bias=bias)
     case = rope_case(lin, batch, hkv, d, rot, dtype, capacity=48, slot=29, pad_step=5)
     splits, workspace, rope, caches, ref_caches = case
-    cos, sin, slot, pad = rope
     x, pro = prologue_args(prologue, batch, k, dtype)
-    poison_cuda_cache()
     heads = (hq, hkv, d, interleaved, splits, workspace)
+    (q64, _, _), caches64 = on_float64(reference.int4_qkv_rope_cache, x, pro, lin, case, heads)
+    poison_cuda_cache()
     q, total, h2 = KERNELS.int4_qkv_rope_cache(x, *pro, *lin.args(), *rope, *caches, *heads)
     q_ref, total_ref, h2_ref = reference.int4_qkv_rope_cache(x, *pro, *lin.args(), *rope, *ref_caches, *heads)
     # q and the new cache rows come from one int4 product each: the same tolerance as int4_gemv's output, checked
     # against the reference run on float64 copies (cos/sin/x/norm weights in float64, the same int4 weights).
-    pro64 = tuple(t.double() if isinstance(t, torch.Tensor) else t for t in pro)
-    caches64 = [c.double() for c in caches]
-    q64, _, _ = reference.int4_qkv_rope_cache(
-        x.double(), *pro64, *lin.args(), cos.double(), sin.double(), slot, pad, *caches64, *heads
-    )
     assert_q_and_caches(q, q_ref, q64, caches, ref_caches, caches64, slot=29)
     assert torch.equal(total, total_ref) and h2.shape == h2_ref.shape
     if h2.numel():  # LayerNorm's second output, computed as launch_norm computes it
@@ -134,12 +138,12 @@ def test_int4_qkv_mlp_in(prologue, batch, arch, dtype):
     lin = gptq_linear(k, [*qkv, mlp], group, act_order=arch == "act-order", bias=bias)
     case = rope_case(lin, batch, hkv, d, rot, dtype, capacity=40, slot=17, pad_step=3)
     splits, workspace, rope, caches, ref_caches = case
-    cos, sin, slot, pad = rope
     x, pro = prologue_args("add2_dual_layer", batch, k, dtype)
     if prologue == "layer":  # the first layer: both LayerNorms of x, no add
         pro = (None, None, *pro[2:])
-    poison_cuda_cache()
     tail = (hq, hkv, d, interleaved, qkv_segments, "gelu", splits, workspace)
+    (q64, hidden64, _), caches64 = on_float64(reference.int4_qkv_mlp_in, x, pro, lin, case, tail)
+    poison_cuda_cache()
     if prologue == "in_front":
         h, total, h2 = KERNELS.int4_norm_prologue(x, *pro)
         no_prologue = (None,) * 6 + (0.0, False)
@@ -148,11 +152,6 @@ def test_int4_qkv_mlp_in(prologue, batch, arch, dtype):
     else:
         q, hidden, total = KERNELS.int4_qkv_mlp_in(x, *pro, *lin.args(), *rope, *caches, *tail)
     q_ref, hidden_ref, total_ref = reference.int4_qkv_mlp_in(x, *pro, *lin.args(), *rope, *ref_caches, *tail)
-    pro64 = tuple(t.double() if isinstance(t, torch.Tensor) else t for t in pro)
-    caches64 = [c.double() for c in caches]
-    q64, hidden64, _ = reference.int4_qkv_mlp_in(
-        x.double(), *pro64, *lin.args(), cos.double(), sin.double(), slot, pad, *caches64, *tail
-    )
     assert_q_and_caches(q, q_ref, q64, caches, ref_caches, caches64, slot=17)
     assert_within_torch_error(hidden, hidden_ref, hidden64, "MLP hidden")
     assert torch.equal(total, total_ref)  # the residual sum, rounded as torch rounds it
