@@ -29,6 +29,8 @@
 //            so lane 0 rounds both (round(x.w + b)), rotates them and writes q or the K/V cache slot, which makes
 //            the separate rope_qkv_cache kernel unnecessary
 #pragma once
+#include <type_traits>
+
 #include "common/common.cuh"
 #include "gemv/params.h"
 #include "rope/rope.cuh"
@@ -438,22 +440,41 @@ cudaError_t launch_kernel(const GemvParams& p, int64_t tiles, cudaStream_t strea
   return launch_pdl(kernel, dim3(spread_grid(tiles, per_sm)), dim3(kWarps * 32), smem, stream, p, tiles);
 }
 
+// Few rows: split K over the 4 warps of a block, so that enough warps stream weights to fill every SM
+// (without it a 1536-row matrix runs 768 warps, under 6 per SM, and the wave tail dominates).
+bool split_k(const GemvParams& p) {
+  constexpr int ROWS = 2;
+  return (p.n + ROWS - 1) / ROWS < 16 * multiprocessors() && p.k >= 1024;
+}
+
 template <typename T, int V, int BMAX, int MODE, int UNROLL>
 cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
   constexpr int ROWS = 2;
   const int64_t groups = (p.n + ROWS - 1) / ROWS;
-  // Few rows: split K over the 4 warps of a block, so that enough warps stream weights to fill every SM
-  // (without it a 1536-row matrix runs 768 warps, under 6 per SM, and the wave tail dominates).
-  if (groups < 16 * multiprocessors() && p.k >= 1024) {
-    return launch_kernel<T, V, BMAX, MODE, UNROLL, kWarps>(p, groups, stream);
-  }
+  if (split_k(p)) return launch_kernel<T, V, BMAX, MODE, UNROLL, kWarps>(p, groups, stream);
   return launch_kernel<T, V, BMAX, MODE, UNROLL, 1>(p, (groups + kWarps - 1) / kWarps, stream);
+}
+
+// Chunks in flight a lane for SwiGLU (gate and up rows: 4 weight rows a warp). Fewer where a warp holds many
+// accumulators (batch 4-8). At batch 1: bf16 takes 3, since at 4 its form without the prologue spills (96 bytes at the
+// 168-register bound, none at 3); fp16 takes 6 where that is a lane's whole slice of K in one iteration (5 or 6
+// chunks: Qwen2-1.5B's K of 1536), else 4 (at Llama-3.1-8B's K of 4096, 6 lowers the blocks an SM from 4 to 3 and
+// leaves a short last iteration).
+template <typename T, int V, int BMAX>
+cudaError_t launch_swiglu(const GemvParams& p, cudaStream_t stream) {
+  if constexpr (BMAX == 1 && std::is_same_v<T, __half>) {
+    const int64_t slice = p.k / (split_k(p) ? kWarps : 1);
+    const int64_t chunks = (slice + 32 * V - 1) / (32 * V);
+    if (chunks > 4 && chunks <= 6) return launch_rows<T, V, BMAX, kPairedRows, 6>(p, stream);
+  }
+  constexpr int unroll = BMAX >= 4 ? 2 : (BMAX == 1 && std::is_same_v<T, __nv_bfloat16> ? 3 : 4);
+  return launch_rows<T, V, BMAX, kPairedRows, unroll>(p, stream);
 }
 
 template <typename T, int V, int BMAX>
 cudaError_t launch_act(const GemvParams& p, cudaStream_t stream) {
+  if (p.act == kActSiluMul) return launch_swiglu<T, V, BMAX>(p, stream);
   // Fewer chunks in flight when a warp already holds many accumulators (register pressure).
-  if (p.act == kActSiluMul) return launch_rows<T, V, BMAX, kPairedRows, (BMAX >= 4 ? 2 : 4)>(p, stream);
   if (p.act == kActRopeCache) return launch_rows<T, V, BMAX, kRopeRows, (BMAX >= 8 ? 2 : 4)>(p, stream);
   return launch_rows<T, V, BMAX, kPlainRows, (BMAX >= 8 ? 2 : 4)>(p, stream);
 }

@@ -229,7 +229,9 @@ def test_bad_inputs_get_clear_errors(kernels, case):
 
 # ---- decode path kernels -----------------------------------------------------------------------------------------
 
-GEMV_SHAPES = [(2560, 2560), (7680, 2560), (4096, 14336), (769, 1000), (3, 5125), (151936 // 16, 1536)]
+# SwiGLU at batch 1 in fp16 takes 6 chunks a lane where that is a lane's whole slice of K (gemv.cuh,
+# launch_swiglu): (151936 // 16, 1536) over whole rows, (1000, 5632) over 4 slices of 5.5 chunks.
+GEMV_SHAPES = [(2560, 2560), (7680, 2560), (4096, 14336), (769, 1000), (3, 5125), (151936 // 16, 1536), (1000, 5632)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -277,7 +279,7 @@ def test_rope_qkv_cache(batch, arch, dtype):
 @pytest.mark.parametrize("batch", [1, 2, 3, 8])
 @pytest.mark.parametrize("prologue", PROLOGUES)
 @pytest.mark.parametrize("activation", ["none", "gelu", "silu_mul"])
-@pytest.mark.parametrize("shape", [(2560, 2560), (7680, 2560), (300, 4096), (97, 769)])
+@pytest.mark.parametrize("shape", [(2560, 2560), (7680, 2560), (300, 4096), (97, 769), (4500, 1280), (200, 5632)])
 def test_norm_gemv(shape, activation, prologue, batch, dtype):
     """gemv behind the fused add + norm: the product by the 2x rule, the residual sum bit for bit (it mirrors
     torch's rounding), the second LayerNorm (GPT-NeoX's MLP input) by LayerNorm's own tolerance."""
