@@ -456,10 +456,10 @@ cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
 }
 
 // Chunks in flight a lane for SwiGLU (gate and up rows: 4 weight rows a warp). Fewer where a warp holds many
-// accumulators (batch 4-8). At batch 1: bf16 takes 3, since at 4 its form without the prologue spills (96 bytes at the
-// 168-register bound, none at 3); fp16 takes 6 where that is a lane's whole slice of K in one iteration (5 or 6
-// chunks: Qwen2-1.5B's K of 1536), else 4 (at Llama-3.1-8B's K of 4096, 6 lowers the blocks an SM from 4 to 3 and
-// leaves a short last iteration).
+// accumulators (batch 4-8). At batch 1-2 bf16 takes 3, since at 4 its form without the prologue spills (96 and 154
+// bytes at the 168-register bound, none at 3). At batch 1 fp16 takes 6 where that is a lane's whole slice of K in one
+// iteration (5 or 6 chunks: Qwen2-1.5B's K of 1536), else 4 (at Llama-3.1-8B's K of 4096, 6 lowers the blocks an SM
+// from 4 to 3 and leaves a short last iteration).
 template <typename T, int V, int BMAX>
 cudaError_t launch_swiglu(const GemvParams& p, cudaStream_t stream) {
   if constexpr (BMAX == 1 && std::is_same_v<T, __half>) {
@@ -467,7 +467,7 @@ cudaError_t launch_swiglu(const GemvParams& p, cudaStream_t stream) {
     const int64_t chunks = (slice + 32 * V - 1) / (32 * V);
     if (chunks > 4 && chunks <= 6) return launch_rows<T, V, BMAX, kPairedRows, 6>(p, stream);
   }
-  constexpr int unroll = BMAX >= 4 ? 2 : (BMAX == 1 && std::is_same_v<T, __nv_bfloat16> ? 3 : 4);
+  constexpr int unroll = BMAX >= 4 ? 2 : (std::is_same_v<T, __nv_bfloat16> ? 3 : 4);
   return launch_rows<T, V, BMAX, kPairedRows, unroll>(p, stream);
 }
 
