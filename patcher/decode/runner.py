@@ -259,7 +259,9 @@ class DecodeRunner:
             else:
                 self.run_step(st, sampling, keep)
 
-        st.graph, st.graph_sampling, st.capture_error = None, mode, None
+        # graph_sampling names the mode only once it has its graphs or its capture error (a warm-up that raised
+        # leaves it None, and the next generate tries again)
+        st.graph, st.graph_sampling, st.capture_error = None, None, None
         try:
             for k, part in enumerate(st.parts):
                 part.graph = self._graph(part.device, lambda k=k: self.part_step(st, k))
@@ -268,6 +270,7 @@ class DecodeRunner:
             for part in st.parts:
                 part.graph = None
             st.capture_error = str(error)
+        st.graph_sampling = mode
 
     @staticmethod
     def _graph(device: torch.device, step) -> torch.cuda.CUDAGraph:
@@ -353,7 +356,7 @@ class DecodeRunner:
             st.step_logits = torch.empty(B, self.decode_step.vocab, dtype=self.decode_step.dtype,
                                          device=st.device)  # fmt: skip
         mode = (sampling, keep, split)
-        if self.use_graphs and (st.graph_sampling != mode or (st.graph is None and st.capture_error is None)):
+        if self.use_graphs and st.graph_sampling != mode:
             self._capture(st, mode)
         self.capture_error = st.capture_error if self.use_graphs else None
         kept = ([], [])

@@ -68,7 +68,8 @@ class StepState:
         self.min_new_tokens = torch.zeros((), dtype=torch.long, device=dev)
         self.next_token_workspace = next_token_workspace(batch, dev)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.graph_sampling: tuple | None = None  # (Sampling, keeps scores and logits, only the model's part)
+        # the mode captured: (Sampling, keeps scores and logits, only the model's part); None before a capture ends
+        self.graph_sampling: tuple | None = None
         self.capture_error: str | None = None  # why the capture for graph_sampling failed (the step then runs eagerly)
         self.step_logits: torch.Tensor | None = None  # the model's part's output, where the caller has processors
         self.kept: tuple | None = None  # float32 [B, V] scores and logits of the last step, where a call asks

@@ -177,7 +177,8 @@ def test_graph_path_dict_output_matches_hf():
 
 def test_a_failed_capture_decodes_with_the_eager_step(monkeypatch):
     """A capture that fails after its warm-up leaves the step without a graph: generate makes the tokens the eager
-    step makes, says why in generate_path and one warning, and does not try the same state and mode again."""
+    step makes, says why in generate_path and one warning, and does not try the same state and mode again. An error
+    in the warm-up is the step's own: it reaches the caller, and the next generate captures again."""
     import patcher.decode.generate as gen
     from patcher.decode.runner import CaptureError
 
@@ -188,9 +189,11 @@ def test_a_failed_capture_decodes_with_the_eager_step(monkeypatch):
     kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     eager = DecodeRunner(model, DecodeOptions(use_graphs=False))
     expected = eager.generate(ids, torch.ones_like(ids), 6, Sampling(), eos=[], pad_token_id=0)
-    attempts = []
+    attempts, warm_up_error = [], [ValueError("the step's own error")]
 
     def failing_graph(device, step):
+        if warm_up_error:  # the first warm-up raises: the step's own error reaches the caller
+            raise warm_up_error.pop()
         step()  # the warm-up runs, as in _graph
         attempts.append(device)
         raise CaptureError("AcceleratorError: operation not permitted when stream is capturing")
@@ -200,6 +203,8 @@ def test_a_failed_capture_decodes_with_the_eager_step(monkeypatch):
     model._patcher_state.runner = runner
     monkeypatch.setattr(DecodeRunner, "_graph", staticmethod(failing_graph))
     monkeypatch.setattr(gen, "model_reason", lambda model: None)
+    with pytest.raises(ValueError, match="the step's own error"):
+        model.generate(ids, **kwargs)
     with pytest.warns(UserWarning, match="capture of the decode step failed .*not permitted"):
         got = model.generate(ids, **kwargs)
     assert torch.equal(got, expected)
