@@ -29,6 +29,18 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 
 HAS_CUDA = torch.cuda.is_available()
+# The dtypes every kernel test runs in.
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """The CUDA extension's ops, built (or loaded from its cache) once a test process: GPU tests take it by name or
+    through `pytest.mark.usefixtures("kernels")`."""
+    from patcher.ops import KERNELS, build
+
+    build.load()
+    return KERNELS
 
 
 def pytest_report_header(config):

@@ -30,7 +30,7 @@ import functools
 
 import pytest
 import torch
-from conftest import check_op, max_err, poison_cuda_cache, rope_tables
+from conftest import DTYPES, check_op, max_err, poison_cuda_cache, rope_tables
 
 from patcher import random_models as rm
 from patcher.gguf import GGUFLinear
@@ -39,7 +39,6 @@ from patcher.gguf.random_weights import quantize_random, random_blocks
 from patcher.ops import KERNELS, REFERENCE
 from patcher.ops.gguf import GEMV_KINDS
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (N, K): odd output widths (one row, a last block of 8 rows partly filled) against K of one block, of 3 blocks (rows
 # of 54/60/102 bytes: misaligned for 16-byte loads), of 40 blocks (a chunk of 32 and a quarter one), of 64 blocks and
 # of Llama-3.1-8B's down_proj (448 blocks: 14 chunks of 32). K of 40, 64 and 448 blocks takes W4A8's aligned kernel
@@ -100,14 +99,6 @@ def assert_w4a8_close(got: torch.Tensor, x, blocks, kind, bias, what=""):
     assert bool((err <= bound).all()), (
         f"{what}: error exceeds the W4A8 bound by {worst:.3g} (max error {err.max():.3g})"
     )
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    from patcher.ops import build
-
-    build.load()
-    return KERNELS
 
 
 # ---- the kernel (GPU) ------------------------------------------------------------------------------------------

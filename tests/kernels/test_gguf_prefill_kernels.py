@@ -7,22 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import max_err, poison_cuda_cache
-from test_gguf_kernels import DTYPES, weights
+from conftest import DTYPES, max_err, poison_cuda_cache
+from test_gguf_kernels import weights
 
 from patcher.gguf import GGUFLinear
 from patcher.gguf import reference as ref
-from patcher.ops import KERNELS, REFERENCE
+from patcher.ops import REFERENCE
 from patcher.ops.gguf import GEMV_KINDS
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    from patcher.ops import build
-
-    build.load()
-    return KERNELS
-
 
 # ---- the kernels (GPU) -----------------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from conftest import (
+    DTYPES,
     assert_within_torch_error,
     max_err,
     poison_cuda_cache,
@@ -21,17 +22,7 @@ from int4_weights import gptq_linear
 
 from patcher.ops import int4 as int4_ops
 
-pytestmark = pytest.mark.gpu
-
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    from patcher.ops import KERNELS, build
-
-    build.load()
-    return KERNELS
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels")]
 
 
 class RopeCase(NamedTuple):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
+    DTYPES,
     PROLOGUES,
     QKV_HEADS,
     assert_within_torch_error,
@@ -30,17 +31,7 @@ from int4_weights import gptq_linear
 
 from patcher.ops import int4 as int4_ops
 
-pytestmark = pytest.mark.gpu
-
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    from patcher.ops import KERNELS, build
-
-    build.load()
-    return KERNELS
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels")]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

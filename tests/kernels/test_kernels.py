@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
+    DTYPES,
     NORM_OPS,
     PROLOGUES,
     QKV_HEADS,
@@ -21,24 +22,13 @@ from conftest import (
     rope_tables,
 )
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels")]
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # tokens x hidden: covers tokens {1, 7, 83, 4096} and hidden {80, 640 (80k), 769, 2560, 5125, 8200}; the kernel keeps
 # a row in registers up to 1024 vectors (8192 values in 16 bits, 4096 in fp32, 1024 at one value a vector: 769) and
 # re-reads wider ones (8200; 5125, one value a vector)
 NORM_SHAPES = [(1, 80), (7, 769), (83, 2560), (4096, 5125), (1, 5125), (83, 640), (4096, 2560), (7, 80), (3, 8200)]
 LAYOUTS = ["contiguous", "row-strided", "misaligned"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    from patcher.ops import build
-
-    build.load()
-    from patcher.ops import KERNELS
-
-    return KERNELS
 
 
 def make(shape, dtype, layout="contiguous", scale=1.0):
