@@ -2,17 +2,17 @@
 // 32-value types (Q4_0, Q4_1, Q8_0), K a multiple of 256 (8k blocks of 18, 20 or 34 bytes are whole 16-byte vectors),
 // as every real model's projections are; Q4_K and Q5_K (144 and 176-byte super-blocks) at any K; Q6_K with the blocks
 // 8-byte aligned and K a multiple of 1024 (a chunk of 4 super-blocks is 840 bytes: whole 8-byte vectors, which Q6_K's
-// chunks are read in). Work split and arithmetic are gguf_gemv_kernel's (gguf_gemv.cuh): a warp a row (four rows in
-// Q4_0's and Q4_1's widest launches at batch 1: kAlignedWideKind), chunks of 1024 values (one 32-value block or
-// sub-block a lane) read from the warp's shared stage, and the same fp32 terms summed in the same order, so the two
-// kernels agree bit for bit; the chunks ahead of their use wait in registers (the K-quants, as there, and the 32-value
-// types' long rows at batch 1) or in a ring of shared stages (the 32-value types, kAlignedRing). What alignment saves
-// is the instructions around the arithmetic, which bound the general kernel (about 230 a Q4_0 chunk against 8 dp4a a
-// lane): a chunk is whole 16-byte vectors at a fixed stride (no byte window, no edge bytes); a lane reads its block
-// from the stage as the 4-byte words that cover it, shifted into place by a funnel shift (a 32-value block or a Q6_K
-// super-block starts 0 or 2 bytes into a word; Q4_K's and Q5_K's words are aligned), rather than as 2-byte halves; and
-// Q4_0's nibbles enter the dot product as stored (0..15), the 8 they are offset by subtracted once as 8 * sum(q_a) from
-// the workspace, in place of a per-byte subtraction on each word.
+// chunks are read in). Work split and arithmetic are gguf_gemv_kernel's (gguf_gemv.cuh): a warp a row (up to four at
+// batch 1: gguf_aligned_rows), chunks of 1024 values (one 32-value block or sub-block a lane) read from the warp's
+// shared stage, and the same fp32 terms summed in the same order, so the two kernels agree bit for bit; the chunks
+// ahead of their use wait in registers (the K-quants, as there, and the 32-value types' long rows at batch 1) or in a
+// ring of shared stages (the 32-value types; Q4_K and Q5_K four rows a warp). What alignment saves is the instructions
+// around the arithmetic, which bound the general kernel (about 230 a Q4_0 chunk against 8 dp4a a lane): a chunk is
+// whole 16-byte vectors at a fixed stride (no byte window, no edge bytes); a lane reads its block from the stage as the
+// 4-byte words that cover it, shifted into place by a funnel shift (a 32-value block or a Q6_K super-block starts 0 or
+// 2 bytes into a word; Q4_K's and Q5_K's words are aligned), rather than as 2-byte halves; and Q4_0's nibbles enter the
+// dot product as stored (0..15), the 8 they are offset by subtracted once as 8 * sum(q_a) from the workspace, in place
+// of a per-byte subtraction on each word.
 #pragma once
 #include "gguf/gguf_aligned.cuh"
 #include "gguf/gguf_gemv.cuh"
@@ -23,7 +23,8 @@ namespace {
 // The 32-value types' chunks ahead of their use wait in a ring of kAlignedRing shared stages a warp, copied there by
 // cp.async, so that they hold no registers (four chunks are a K = 4096 row whole; two for each of a warp's four
 // rows): more bytes in flight for the smaller register file (Q4_0 batch 1: 40 registers, not 64). The K-quants keep
-// theirs in registers, as the general kernel does: their ring measured slower (docs/gguf.md).
+// theirs in registers, as the general kernel does, except Q4_K and Q5_K four rows a warp (below): one row a warp
+// through the ring measured slower for them (docs/gguf.md).
 template <int ROWS>
 constexpr int kAlignedRing = ROWS == 1 ? 4 : 2;  // (four rows of four stages would pass 48 KB of static shared memory)
 // Q4_0 and Q4_1 at batch 1 over rows of at least kAlignedLongK values (Llama-3.1-8B's down projection: 14 chunks a
@@ -32,17 +33,19 @@ constexpr int kAlignedRing = ROWS == 1 ? 4 : 2;  // (four rows of four stages wo
 // every segment's rows are even, two rows a warp (each x block a lane loads serving both dot products).
 constexpr int64_t kAlignedLongK = 8192;
 
-// Output rows a warp takes: four for Q4_0 and Q4_1 at batch 1 in a launch of at least kAlignedWideRows rows, every
-// segment's row count a multiple of 4 (gguf_aligned_rows), their chunks in a ring two deep; two over long rows
-// (kAlignedLongK, in registers); one otherwise. Each row's terms are summed as with one row a warp. Four rows a warp
-// measured faster for Llama-3.1-8B's gate/up (28672 rows) and slower for its QKV (6144) and down (4096) projections,
-// whose rows then leave the SMs short of warps, as two rows a warp through the ring measured for all three
-// (docs/gguf.md).
+// Output rows a warp takes: four for Q4_0, Q4_1, Q4_K and Q5_K at batch 1 in a launch of at least kAlignedWideRows
+// rows, every segment's row count a multiple of 4 (gguf_aligned_rows), their chunks in a ring two deep; two over long
+// rows (kAlignedLongK, in registers); one otherwise. Each row's terms are summed as with one row a warp. Four rows a
+// warp measured faster for Llama-3.1-8B's gate/up (28672 rows) and slower for its QKV (6144) and down (4096)
+// projections, whose rows then leave the SMs short of warps, as two rows a warp through the ring measured for all three
+// (docs/gguf.md). Q4_K and Q5_K take four rows too (a chunk of 576 or 704 bytes: four rows of two stages are within 48
+// KB of static shared memory), which measured faster for Llama-3.1-8B's Q4_K gate/up than two rows a warp in registers;
+// not Q8_0 (1088 bytes) or Q6_K (its chunks are 8-byte vectors).
 template <int KIND>
-constexpr bool kAlignedWideKind = KIND == kGgufQ4_0 || KIND == kGgufQ4_1;
+constexpr bool kAlignedWideKind = KIND == kGgufQ4_0 || KIND == kGgufQ4_1 || KIND == kGgufQ4_K || KIND == kGgufQ5_K;
 constexpr int64_t kAlignedWideRows = 16384;
-// The K-quants (chunks in registers) take two rows a warp at batch 1 in the launches where the 32-value types take
-// more than one: at least kAlignedWideRows rows (gate/up, a Q6_K lm_head) or rows of at least kAlignedLongK values.
+// The K-quants take two rows a warp (chunks in registers) at batch 1 where the 32-value types take two, over rows of at
+// least kAlignedLongK values, and Q6_K in launches of at least kAlignedWideRows rows too (a Q6_K lm_head).
 template <int KIND>
 constexpr bool kAlignedMultiRowKind = kAlignedWideKind<KIND> || kKQuant<KIND>;
 
@@ -50,7 +53,7 @@ template <typename T, int KIND, int BMAX, int ROWS, bool IN_REGISTERS = kKQuant<
 __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(const __grid_constant__ GgufGemvParams p) {
   static_assert(
       ROWS == 1 || (IN_REGISTERS ? ROWS == 2 && kAlignedMultiRowKind<KIND> : ROWS == 4 && kAlignedWideKind<KIND>),
-      "four rows a warp through the ring (Q4_0, Q4_1), two in registers (those and the K-quants)");
+      "four rows a warp through the ring (Q4_0, Q4_1, Q4_K, Q5_K), two in registers (those and Q6_K)");
   using Vec = AlignedVec<KIND>;
   __shared__ __align__(16) uint8_t stages[kGgufWarps][IN_REGISTERS ? 1 : kAlignedRing<ROWS>][ROWS][kChunkBytes<KIND>];
   constexpr int kPerChunk = kChunkBlocks * 32 / kBlockValues<KIND>;  // blocks (super-blocks) a chunk
@@ -172,9 +175,9 @@ __global__ void __launch_bounds__(kGgufWarps * 32) gguf_gemv_aligned_kernel(cons
   for (int r = 0; r < ROWS; ++r) store_row<T, KIND, true, BMAX>(p, g, n + r, lane, acc[r], acc_m[r]);
 }
 
-// Output rows a warp of the aligned kernel takes for `p` at batch 1, `rows` the launch's over all segments: for Q4_0
-// and Q4_1 four through the ring in a launch of at least kAlignedWideRows rows, two in registers over rows of at
-// least kAlignedLongK values; for the K-quants two in registers in either case; where every segment's rows are a
+// Output rows a warp of the aligned kernel takes for `p` at batch 1, `rows` the launch's over all segments: for Q4_0,
+// Q4_1, Q4_K and Q5_K four through the ring in a launch of at least kAlignedWideRows rows, two in registers over rows
+// of at least kAlignedLongK values; for Q6_K two in registers in either case; where every segment's rows are a
 // multiple of that; one otherwise.
 template <int KIND>
 int gguf_aligned_rows(const GgufGemvParams& p, int64_t rows) {

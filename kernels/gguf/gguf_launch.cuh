@@ -18,7 +18,8 @@ cudaError_t launch_gguf(const GgufGemvParams& p, cudaStream_t stream) {
       const dim3 wide(static_cast<unsigned>((rows + per_warp * kGgufWarps - 1) / (per_warp * kGgufWarps)));
       if constexpr (kAlignedWideKind<KIND>) {
         if (per_warp == 4) {
-          return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 4>, wide, dim3(kGgufWarps * 32), 0, stream, p);
+          return launch_pdl(gguf_gemv_aligned_kernel<T, KIND, BMAX, 4, false>, wide, dim3(kGgufWarps * 32), 0, stream,
+                            p);
         }
       }
       if (per_warp == 2) {
