@@ -175,7 +175,7 @@ def test_gguf_gemv_aligned_kernel_matches_the_general_one(kernels, kind):
     bit (the same fp32 terms summed in the same order), within the W4A8 bound of the reference. K of 1280 (a chunk of
     1024 values and a quarter one; Q6_K: 2048, two chunks, its super-blocks 0 and 2 bytes into a word) and of 14336
     (14 chunks), 1 and 5 rows of x; 37 output rows, 38 of K 14336 (Q4_0, Q4_1 and the K-quants take two rows a warp at
-    batch 1), and 16388 of K 1280 (four rows a warp; two for the K-quants)."""
+    batch 1), and 16388 of K 1280 (four rows a warp for Q4_0, Q4_1, Q4_K and Q5_K; two for Q6_K)."""
     short = 2048 if kind == "Q6_K" else 1280
     for k, n in ((short, 37), (14336, 37), (14336, 38), (short, 16388)):
         blocks, bias = weights(kind, n, k, True)
