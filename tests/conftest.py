@@ -33,9 +33,9 @@ HAS_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def kernels():
-    """The CUDA extension's ops, built (or loaded from its cache) once a test process: GPU tests take it by name or
+    """The CUDA extension's ops (build.load builds or loads the library once a process): GPU tests take it by name or
     through `pytest.mark.usefixtures("kernels")`."""
     from patcher.ops import KERNELS, build
 
