@@ -97,6 +97,12 @@ class PatchState:
         new.runner = None
         return new
 
+    def warn_once(self, reason: str, message: str, stacklevel: int = 1) -> None:
+        """warnings.warn(message) the first time `reason` comes up for this model (`stacklevel` as the caller's)."""
+        if reason not in self.warned:
+            self.warned.add(reason)
+            warnings.warn(message, stacklevel=stacklevel + 1)
+
     def check_weights(self, model: nn.Module) -> bool:
         """Once per generate call, and when a DecodeRunner is built: True (and the decode runner, its caches and
         graphs dropped) when any parameter or buffer of the model was replaced, moved, cast or updated in place

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import warnings
 
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -122,12 +121,12 @@ def _generate(self, inputs, generation_config, **kwargs):
     if reason is not None:
         static = static_cache_fallback(self, generation_config, kwargs)
         state.last_generate = {"path": "hf-static" if static else "hf", "reason": reason}
-        if reason not in state.warned and state.fast_generate:
-            state.warned.add(reason)
+        if state.fast_generate:
             runs = "fused kernels" if "kernels" in state.report.backend.split("+") else "the pure-torch reference ops"
             runs = "transformers' own forwards" if static else runs
             loop = "its static cache, compiled" if static else "no CUDA graph"
-            warnings.warn(f"patcher: generate uses transformers' loop ({runs}, {loop}): {reason}", stacklevel=3)
+            message = f"patcher: generate uses transformers' loop ({runs}, {loop}): {reason}"
+            state.warn_once(reason, message, stacklevel=3)
         original = state.original_generate or type(self).generate.__get__(self)
         if not static:
             return original(generation_config=generation_config, **kwargs)
@@ -146,9 +145,7 @@ def _generate(self, inputs, generation_config, **kwargs):
     else:
         reason = f"the CUDA graph capture of the decode step failed ({error}); the step ran without a graph"
         state.last_generate = {"path": "eager-runner", "reason": reason}
-        if reason not in state.warned:
-            state.warned.add(reason)
-            warnings.warn(f"patcher: {reason}", stacklevel=3)
+        state.warn_once(reason, f"patcher: {reason}", stacklevel=3)
     if outputs is None:
         return tokens
     cache = state.runner.cache(tokens.shape[0], tokens.shape[1] - 1)  # every position but the last token's
