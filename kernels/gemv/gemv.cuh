@@ -39,6 +39,7 @@ namespace patcher {
 namespace {
 
 constexpr int kWarps = 4;
+constexpr int kRows = 2;  // the output rows a warp owns (its ROWS at every launch)
 
 // One chunk of V weights, loaded raw (converted where it is used, so a chunk in flight costs 16 bytes of registers).
 template <typename T, int V>
@@ -415,10 +416,9 @@ unsigned spread_grid(int64_t tiles, int per_sm) {
 // the opt-in.
 template <typename T, int V, int BMAX, int MODE, int UNROLL, int KSPLIT>
 cudaError_t launch_kernel(const GemvParams& p, int64_t tiles, cudaStream_t stream) {
-  constexpr int ROWS = 2;
   int per_sm = 0;
   if (!p.norm.weight) {
-    const auto kernel = gemv_kernel<T, V, BMAX, ROWS, MODE, UNROLL, KSPLIT, false>;
+    const auto kernel = gemv_kernel<T, V, BMAX, kRows, MODE, UNROLL, KSPLIT, false>;
     // A short row's tile is little more than its reductions and store, which the SMs overlap across one-tile blocks
     // better than a block's loop does (SmolLM2's lm_head, K = 576). The RoPE QKV projection over whole rows also
     // takes one tile a block (Llama-3.1-8B's, 768 tiles: 20.1 us against 21.6 spread over 384 blocks).
@@ -428,7 +428,7 @@ cudaError_t launch_kernel(const GemvParams& p, int64_t tiles, cudaStream_t strea
     if (err != cudaSuccess) return err;
     return launch_pdl(kernel, dim3(spread_grid(tiles, per_sm)), dim3(kWarps * 32), 0, stream, p, tiles);
   }
-  const auto kernel = gemv_kernel<T, V, BMAX, ROWS, MODE, UNROLL, KSPLIT, true>;
+  const auto kernel = gemv_kernel<T, V, BMAX, kRows, MODE, UNROLL, KSPLIT, true>;
   const size_t smem = gemv_prologue_smem(p, p.stage_inputs);  // launch_gemv checked that it fits
   if (smem + 1024 > 48 * 1024) {  // with the kernel's static shared memory, past the default limit
     const cudaError_t err =
@@ -443,14 +443,12 @@ cudaError_t launch_kernel(const GemvParams& p, int64_t tiles, cudaStream_t strea
 // Few rows: split K over the 4 warps of a block, so that enough warps stream weights to fill every SM
 // (without it a 1536-row matrix runs 768 warps, under 6 per SM, and the wave tail dominates).
 bool split_k(const GemvParams& p) {
-  constexpr int ROWS = 2;
-  return (p.n + ROWS - 1) / ROWS < 16 * multiprocessors() && p.k >= 1024;
+  return (p.n + kRows - 1) / kRows < 16 * multiprocessors() && p.k >= 1024;
 }
 
 template <typename T, int V, int BMAX, int MODE, int UNROLL>
 cudaError_t launch_rows(const GemvParams& p, cudaStream_t stream) {
-  constexpr int ROWS = 2;
-  const int64_t groups = (p.n + ROWS - 1) / ROWS;
+  const int64_t groups = (p.n + kRows - 1) / kRows;
   if (split_k(p)) return launch_kernel<T, V, BMAX, MODE, UNROLL, kWarps>(p, groups, stream);
   return launch_kernel<T, V, BMAX, MODE, UNROLL, 1>(p, (groups + kWarps - 1) / kWarps, stream);
 }
