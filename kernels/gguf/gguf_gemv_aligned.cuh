@@ -39,8 +39,9 @@ constexpr int64_t kAlignedLongK = 8192;
 // warp measured faster for Llama-3.1-8B's gate/up (28672 rows) and slower for its QKV (6144) and down (4096)
 // projections, whose rows then leave the SMs short of warps, as two rows a warp through the ring measured for all three
 // (docs/gguf.md). Q4_K and Q5_K take four rows too (a chunk of 576 or 704 bytes: four rows of two stages are within 48
-// KB of static shared memory), which measured faster for Llama-3.1-8B's Q4_K gate/up than two rows a warp in registers;
-// not Q8_0 (1088 bytes) or Q6_K (its chunks are 8-byte vectors).
+// KB of static shared memory), which measured faster for Llama-3.1-8B's Q4_K gate/up than two rows a warp in registers
+// and, as for Q4_0, slower from 4096 rows (its QKV, o and down); not Q8_0 (1088 bytes) or Q6_K (its chunks are 8-byte
+// vectors).
 template <int KIND>
 constexpr bool kAlignedWideKind = KIND == kGgufQ4_0 || KIND == kGgufQ4_1 || KIND == kGgufQ4_K || KIND == kGgufQ5_K;
 constexpr int64_t kAlignedWideRows = 16384;
