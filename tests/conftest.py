@@ -43,6 +43,16 @@ def kernels():
     return KERNELS
 
 
+@pytest.fixture(scope="module")
+def kernels_built():
+    """The CUDA kernels built and loaded where a GPU is, for the tests that run on the CPU and the GPU (nothing to do
+    on the CPU)."""
+    if HAS_CUDA:
+        from patcher.ops import build
+
+        build.load()
+
+
 def pytest_report_header(config):
     return None if HAS_CUDA else "no CUDA device: the tests marked gpu are deselected"
 

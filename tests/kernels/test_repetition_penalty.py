@@ -13,14 +13,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from patcher.ops import reference
 from patcher.ops.sampling import scalar_division_by_reciprocal
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _kernels_built():
-    """The CUDA kernels built and loaded before the GPU tests use KERNELS (nothing to do on the CPU)."""
-    if torch.cuda.is_available():
-        from patcher.ops import build
-
-        build.load()
+pytestmark = pytest.mark.usefixtures("kernels_built")
 
 
 def history(batch: int, vocab: int, columns: int, seed: int) -> torch.Tensor:

@@ -25,14 +25,7 @@ from transformers.generation.logits_process import (
 from patcher.ops import reference, sample_survivors_workspace
 from patcher.ops.sampling import SURVIVORS_MAX, SURVIVORS_MAX_VOCAB
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _kernels_built():
-    """The CUDA kernels built and loaded before the GPU tests use KERNELS (nothing to do on the CPU)."""
-    if torch.cuda.is_available():
-        from patcher.ops import build
-
-        build.load()
+pytestmark = pytest.mark.usefixtures("kernels_built")
 
 
 PROB_RTOL = 4 * 2.0**-24  # a few float32 roundings of a probability (the exp, the sum's order, the division)
