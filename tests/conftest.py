@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 
 HAS_CUDA = torch.cuda.is_available()
-# The dtypes every kernel test runs in.
+# The dtypes the kernel and op tests run in.
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 

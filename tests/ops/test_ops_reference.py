@@ -5,14 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import NORM_OPS, norm_args
+from conftest import DTYPES, NORM_OPS, norm_args
 from transformers.activations import ACT2FN
 from transformers.models.gpt_neox import modeling_gpt_neox as neox
 from transformers.models.llama import modeling_llama as llama
 
 from patcher.ops import KERNELS, reference
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def rand(*shape, dtype=torch.float32):
