@@ -474,6 +474,13 @@ cudaError_t launch_act(const GemvParams& p, cudaStream_t stream) {
   if (p.act == kActSiluMul) return launch_swiglu<T, V, BMAX>(p, stream);
   // Fewer chunks in flight when a warp already holds many accumulators (register pressure).
   if (p.act == kActRopeCache) return launch_rows<T, V, BMAX, kRopeRows, (BMAX >= 8 ? 2 : 4)>(p, stream);
+  // fp16 at batch 1, K split over the block's warps and a lane's slice 12 chunks or more (Llama-3.1-8B's down, 14):
+  // 5 chunks a lane in flight take one iteration fewer than 4.
+  if constexpr (BMAX == 1 && std::is_same_v<T, __half>) {
+    const int64_t chunks = (p.k / kWarps + 32 * V - 1) / (32 * V);
+    if (split_k(p) && chunks >= 12 && (chunks + 4) / 5 < (chunks + 3) / 4)
+      return launch_rows<T, V, BMAX, kPlainRows, 5>(p, stream);
+  }
   return launch_rows<T, V, BMAX, kPlainRows, (BMAX >= 8 ? 2 : 4)>(p, stream);
 }
 
