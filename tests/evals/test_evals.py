@@ -31,7 +31,8 @@ def test_perplexity_tiny_random_model(tmp_path, text_file, capsys):
     result = json.loads(out.read_text())
     assert result["tool"] == "evals.perplexity" and result["model"] == "tiny-llama"
     assert {"torch", "transformers", "device", "command"} <= result["environment"].keys()
-    assert result["settings"] == {"ctx": 256, "stride": 128, "max_tokens": 3000, "backend": "auto"}
+    settings = {"ctx": 256, "stride": 128, "max_tokens": 3000, "backend": "auto", "modes": ["unpatched", "patched"]}
+    assert result["settings"] == settings
     base, patched = result["results"]["unpatched"], result["results"]["patched"]
     # random weights over a 512-token vocabulary (text read as bytes): perplexity of the order of the vocabulary
     # size (above it: tiny-llama's raised init makes its random logits confidently wrong)
@@ -43,6 +44,24 @@ def test_perplexity_tiny_random_model(tmp_path, text_file, capsys):
     assert patched["first_window_top1_agreement"] == 1.0
     assert result["unpatch_restores_baseline"] is True
     assert "unpatched" in capsys.readouterr().out
+
+
+def test_perplexity_one_mode(tmp_path, text_file, capsys):
+    """--modes patched evaluates the patched model alone, to the same perplexity as in a run of both (the reference
+    backend on the CPU: the same arithmetic), with no comparison; a mode it does not know is refused."""
+    args = ["--random-config", "tiny-llama", "--max-tokens", "1000", "--ctx", "256", "--stride", "128"]
+    args += ["--text-file", text_file, "--device", "cpu"]
+    both, one = tmp_path / "both.json", tmp_path / "one.json"
+    assert perplexity.main([*args, "--json", str(both)]) == 0
+    assert perplexity.main([*args, "--json", str(one), "--modes", "patched"]) == 0
+    full, single = json.loads(both.read_text()), json.loads(one.read_text())
+    assert list(single["results"]) == ["patched"] and single["settings"]["modes"] == ["patched"]
+    assert single["results"]["patched"]["perplexity"] == full["results"]["patched"]["perplexity"]
+    assert "delta_ppl" not in single["results"]["patched"] and single["unpatch_restores_baseline"] is None
+    assert single["patch_report"] is not None
+    with pytest.raises(SystemExit):
+        perplexity.main([*args, "--modes", "patched,fast"])
+    assert "--modes takes unpatched, patched or both" in capsys.readouterr().err
 
 
 def test_sliding_windows_score_every_token_once():
